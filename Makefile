@@ -1,0 +1,31 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test` (the suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint firmware clean
+
+$(BIN)/qsched: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/qsched
+
+demo: install
+	$(BIN)/qsched demo
+
+firmware:
+	if [ -f firmware/Makefile ]; then $(MAKE) -C firmware; fi
+
+test: install firmware
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy protocol policies zo
+
+clean:
+	rm -rf $(VENV) firmware/build

@@ -1,0 +1,107 @@
+"""Applying one ZO update, (k, c_k) pairs, to the flat trainable vector, to the bit.
+
+The daemon and every board apply the same update and compare a checksum, so the order
+of floating-point operations is part of the protocol (``protocol/SPEC.md``, section
+"Update arithmetic") and ``firmware/core/update.c`` does exactly the same:
+
+    delta_i = 0.0f;  for (k, c) in pairs, in ascending k:  delta_i += z_ki ? c : -c
+    FP32:  theta_i = theta_i + delta_i                                  (float32)
+    INT8 + FP16 buffer:
+        b      = f16(f32(buf_i) + delta_i)          one rounding, to nearest even,
+                                                    saturating at +-65504
+        m      = trunc(b)                           whole int8 steps, toward zero
+        w_i    = clamp(w_i + m, -127, 127)
+        buf_i  = b - m                              exact in FP16 (|result| < 1)
+
+z_ki = +1 or -1 comes from ``prng.rademacher_bits``; c is a float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from qsched.zo.prng import rademacher_bits
+
+__all__ = [
+    "FP16_MAX",
+    "INT8_WEIGHT_MAX",
+    "accumulate_delta",
+    "apply_fp32",
+    "apply_int8_fp16",
+    "perturb_fp32",
+    "perturb_int8",
+    "to_fp16_saturating",
+]
+
+FP16_MAX: Final = np.float32(65504.0)
+# Symmetric int8 weights, as TFLite's per-channel quantisation: -128 is never used.
+INT8_WEIGHT_MAX: Final = 127
+
+F32 = npt.NDArray[np.float32]
+
+
+def _sorted_pairs(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, np.float32]]:
+    ks = [k for k, _ in pairs]
+    if len(set(ks)) != len(ks):
+        raise ValueError("update pairs repeat a sample index k")
+    return [(k, np.float32(c)) for k, c in sorted(pairs, key=lambda kc: kc[0])]
+
+
+def accumulate_delta(seed: int, step: int, pairs: Sequence[tuple[int, float]], size: int) -> F32:
+    """delta = sum_k c_k z_k in float32, summed in ascending k."""
+    delta = np.zeros(size, dtype=np.float32)
+    for k, c in _sorted_pairs(pairs):
+        negative = rademacher_bits(seed, step, k, size)
+        # z is +-1, so c*z is exact; only the sums round, in the specified order.
+        delta += np.where(negative, -c, c).astype(np.float32)
+    return delta
+
+
+def apply_fp32(theta: F32, seed: int, step: int, pairs: Sequence[tuple[int, float]]) -> F32:
+    """Return theta + sum_k c_k z_k (a new array)."""
+    delta = accumulate_delta(seed, step, pairs, theta.size)
+    return (theta.astype(np.float32) + delta).astype(np.float32)
+
+
+def to_fp16_saturating(values: F32) -> npt.NDArray[np.float16]:
+    """Round float32 to FP16 (nearest even), clamping to the largest finite value."""
+    clipped = np.clip(values, -FP16_MAX, FP16_MAX)
+    return clipped.astype(np.float16)
+
+
+def apply_int8_fp16(
+    weights: npt.NDArray[np.int8],
+    buffer: npt.NDArray[np.float16],
+    seed: int,
+    step: int,
+    pairs: Sequence[tuple[int, float]],
+) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float16]]:
+    """INT8 weights with an FP16 accumulation buffer; returns new (weights, buffer)."""
+    delta = accumulate_delta(seed, step, pairs, weights.size)
+    summed = to_fp16_saturating(buffer.astype(np.float32) + delta)
+    moves = np.trunc(summed.astype(np.float32))
+    new_weights = np.clip(weights.astype(np.int32) + moves.astype(np.int32), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX)
+    # summed - trunc(summed) is exactly representable in FP16 (it only drops bits).
+    remainder = (summed.astype(np.float32) - moves).astype(np.float16)
+    return new_weights.astype(np.int8), remainder
+
+
+def perturb_fp32(theta: F32, seed: int, step: int, k: int, eps: float, sign: int) -> F32:
+    """theta + sign * eps * z_k, in float32."""
+    negative = rademacher_bits(seed, step, k, theta.size)
+    step_size = np.float32(eps) * np.float32(sign)
+    return (theta + np.where(negative, -step_size, step_size)).astype(np.float32)
+
+
+def perturb_int8(
+    weights: npt.NDArray[np.int8], seed: int, step: int, k: int, eps: int, sign: int
+) -> npt.NDArray[np.int8]:
+    """weights + sign * eps * z_k in whole int8 steps, saturating at +-127."""
+    negative = rademacher_bits(seed, step, k, weights.size)
+    moves = np.where(negative, -eps * sign, eps * sign)
+    moved = weights.astype(np.int32) + moves
+    return np.clip(moved, -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).astype(np.int8)
