@@ -1,0 +1,70 @@
+"""The job spec: everything that determines a training run, and nothing else.
+
+A run is a pure function of its spec (the determinism contract), so the spec is the
+one document the daemon stores, boards receive and users write.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["JobSpec", "PolicySpec"]
+
+_LAST_N = re.compile(r"^last:([1-9][0-9]*)$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicySpec(_Frozen):
+    """Which q policy decides q, and its configuration (validated by the policy)."""
+
+    name: str = Field(default="qscheduler", min_length=1, max_length=64)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobSpec(_Frozen):
+    """A training job. Field defaults are the embedded defaults of ``qsched demo``."""
+
+    name: str = Field(default="job", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    dataset: str = Field(default="digits", description="built-in name, or a path understood by qsched.zo.datasets")
+    model: str = Field(default="mlp", description="model zoo name")
+    model_options: dict[str, int | float | str] = Field(default_factory=dict)
+    numerics: Literal["fp32", "int8"] = "int8"
+    accumulator: Literal["fp16", "int8"] = Field(
+        default="fp16", description="INT8 mode: FP16 buffer (default) or INT8 buffer with periodic rescaling"
+    )
+    estimator: Literal["two_sided", "one_sided"] = "two_sided"
+    seed: int = Field(default=0, ge=0, lt=2**64)
+    steps: int = Field(default=600, gt=0, lt=2**32)
+    batch_size: int = Field(default=64, ge=1, le=4096)
+    lr: float = Field(default=0.5, gt=0, description="learning rate; INT8: in int8 steps per unit gradient")
+    eps: float = Field(default=1.0, gt=0, description="perturbation size; INT8: whole int8 steps")
+    trainable: Literal["all"] | str | list[str] = Field(
+        default="all", description="'all', 'last:N' (last N parametrised layers) or a list of layer names"
+    )
+    backbone: str | None = Field(default=None, description="pretrained model file to start from (.tflite or .npz)")
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    eval_every: int = Field(default=25, gt=0)
+    checkpoint_every: int = Field(default=100, gt=0)
+
+    @field_validator("trainable")
+    @classmethod
+    def _check_trainable(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("trainable layer list is empty")
+            return value
+        if value != "all" and not _LAST_N.match(value):
+            raise ValueError(f"trainable must be 'all', 'last:N' or a list of layer names, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_int8_eps(self) -> JobSpec:
+        if self.numerics == "int8" and not float(self.eps).is_integer():
+            raise ValueError(f"INT8 perturbations are whole int8 steps: eps must be an integer, got {self.eps}")
+        return self
