@@ -1,0 +1,199 @@
+"""The model graph: a small set of operations, NHWC tensors, TFLite weight layouts.
+
+One representation serves FP32 training, INT8 inference with TFLite semantics, the
+``.tflite`` importer/exporter and the model blob the boards load. A ``Model`` is a list
+of nodes in execution (topological) order; each node reads named tensors and writes
+one. Float weights live on the node; the INT8 form of the same model adds a
+``QuantModel`` with int8 weights, int32 biases and activation quantisation parameters.
+
+Weight layouts are TFLite's, so the flat trainable vector (SPEC section 3) is the same
+bytes on every side: Conv2D ``(out, kh, kw, in/groups)``, depthwise ``(1, kh, kw, out)``,
+Dense ``(out, in)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Activation",
+    "Add",
+    "AvgPool",
+    "Conv2D",
+    "Dense",
+    "GlobalAvgPool",
+    "GraphError",
+    "MaxPool",
+    "Model",
+    "Node",
+    "Padding",
+    "ParamNode",
+    "QuantModel",
+    "QuantizedLayer",
+    "ReLU",
+    "ReLU6",
+    "Reshape",
+    "TensorQuant",
+]
+
+Activation: TypeAlias = Literal["none", "relu", "relu6"]
+Padding: TypeAlias = Literal["same", "valid"]
+F32 = npt.NDArray[np.float32]
+
+
+class GraphError(ValueError):
+    """A malformed graph: the message names the node (layer) at fault."""
+
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(f"layer {node!r}: {message}")
+        self.node = node
+
+
+@dataclass(eq=False)
+class Conv2D:
+    """2-D convolution, NHWC. ``groups == in_channels`` with the 1HWO layout is depthwise."""
+
+    name: str
+    inputs: list[str]
+    output: str
+    weight: F32
+    bias: F32
+    stride: tuple[int, int] = (1, 1)
+    padding: Padding = "same"
+    groups: int = 1
+    depthwise: bool = False
+    activation: Activation = "none"
+
+
+@dataclass(eq=False)
+class Dense:
+    """Fully connected layer on a (batch, features) tensor; weight is (out, in)."""
+
+    name: str
+    inputs: list[str]
+    output: str
+    weight: F32
+    bias: F32
+    activation: Activation = "none"
+
+
+@dataclass(eq=False)
+class ReLU:
+    name: str
+    inputs: list[str]
+    output: str
+
+
+@dataclass(eq=False)
+class ReLU6:
+    name: str
+    inputs: list[str]
+    output: str
+
+
+@dataclass(eq=False)
+class Add:
+    """Element-wise sum of two tensors of one shape (residual connections)."""
+
+    name: str
+    inputs: list[str]
+    output: str
+    activation: Activation = "none"
+
+
+@dataclass(eq=False)
+class AvgPool:
+    name: str
+    inputs: list[str]
+    output: str
+    pool: tuple[int, int] = (2, 2)
+    stride: tuple[int, int] = (2, 2)
+    padding: Padding = "valid"
+
+
+@dataclass(eq=False)
+class MaxPool:
+    name: str
+    inputs: list[str]
+    output: str
+    pool: tuple[int, int] = (2, 2)
+    stride: tuple[int, int] = (2, 2)
+    padding: Padding = "valid"
+
+
+@dataclass(eq=False)
+class GlobalAvgPool:
+    """Mean over height and width: (N, H, W, C) -> (N, C)."""
+
+    name: str
+    inputs: list[str]
+    output: str
+
+
+@dataclass(eq=False)
+class Reshape:
+    """Reshape to ``(batch, *shape)``; ``shape`` excludes the batch dimension."""
+
+    name: str
+    inputs: list[str]
+    output: str
+    shape: tuple[int, ...] = ()
+
+
+Node: TypeAlias = Conv2D | Dense | ReLU | ReLU6 | Add | AvgPool | MaxPool | GlobalAvgPool | Reshape
+ParamNode: TypeAlias = Conv2D | Dense
+
+
+@dataclass(eq=False)
+class Model:
+    """A float model: input tensor name and shape (without batch), nodes in order, output name."""
+
+    name: str
+    input_name: str
+    input_shape: tuple[int, ...]
+    nodes: list[Node]
+    output_name: str
+    num_classes: int
+
+    def param_nodes(self) -> list[ParamNode]:
+        """The nodes that hold weights, in model order."""
+        return [n for n in self.nodes if isinstance(n, (Conv2D, Dense))]
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no layer named {name!r}; layers: {[n.name for n in self.nodes]}")
+
+
+@dataclass(eq=False)
+class TensorQuant:
+    """Asymmetric int8 quantisation of an activation tensor: real = scale * (q - zero_point)."""
+
+    scale: float
+    zero_point: int
+
+
+@dataclass(eq=False)
+class QuantizedLayer:
+    """INT8 form of a Conv2D or Dense node: per-channel symmetric weights, int32 bias."""
+
+    weight: npt.NDArray[np.int8]
+    weight_scales: F32  # one per output channel
+    bias: npt.NDArray[np.int32]  # scale = input_scale * weight_scale, zero point 0
+
+
+@dataclass(eq=False)
+class QuantModel:
+    """The INT8 model: the float graph plus the quantisation of every tensor and weight.
+
+    Scales stay fixed during training; only ``layers[*].weight`` values move.
+    """
+
+    model: Model
+    tensors: dict[str, TensorQuant] = field(default_factory=dict)
+    layers: dict[str, QuantizedLayer] = field(default_factory=dict)
