@@ -1,0 +1,36 @@
+"""The STM32N6 latency model the virtual boards sleep by."""
+
+import pytest
+
+from qsched.firmware.latency import (
+    MOBILENETV2_035_128_MACS,
+    MOBILENETV2_035_128_SECONDS,
+    NpuLatencyModel,
+    serial_seconds,
+)
+
+
+def test_latency_reproduces_reference_measurement():
+    """MobileNetV2-0.35 at 128x128 takes the measured 6.35 ms."""
+    model = NpuLatencyModel()
+    assert model.forward_seconds(MOBILENETV2_035_128_MACS) == pytest.approx(MOBILENETV2_035_128_SECONDS)
+
+
+def test_latency_scales_with_macs_and_batch():
+    """Time grows linearly with batch and with MACs, above a fixed overhead."""
+    model = NpuLatencyModel()
+    assert model.forward_seconds(1000, batch=8) == pytest.approx(8 * model.forward_seconds(1000))
+    assert model.forward_seconds(0) == pytest.approx(model.overhead_seconds)
+    assert model.forward_seconds(2_000_000) < model.forward_seconds(4_000_000)
+
+
+def test_latency_utilisation_below_peak():
+    """The measured anchor is far below the NPU's 600 GOPS peak, as on the board."""
+    assert 0 < NpuLatencyModel().utilisation(MOBILENETV2_035_128_MACS) < 0.1
+
+
+def test_serial_seconds_at_dk_baud():
+    """92,160 bytes at 921600 baud 8N1 take one second."""
+    assert serial_seconds(92_160) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        serial_seconds(1, baud=0)
