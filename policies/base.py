@@ -1,0 +1,157 @@
+"""The q policy interface: what a policy is told, and what it answers.
+
+The training loop (outside this package) owns the policy. It asks ``initial_q()`` once,
+then after every step calls ``on_step`` and after every validation ``on_eval``; each
+hook returns q for the next step. A policy does no I/O; everything it may use arrives
+in a :class:`PolicyContext` at construction and in the reports.
+
+A policy is a pure function of its config, its context and the reports it has seen,
+in order. ``state_dict()`` is plain JSON (ints, floats, strings, lists, dicts, None)
+and ``load_state_dict`` restores a policy that continues exactly as if never stopped.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict
+
+from .errors import PolicyError
+
+__all__ = [
+    "EvalReport",
+    "JSONDict",
+    "PolicyConfig",
+    "PolicyContext",
+    "QPolicy",
+    "StepReport",
+    "state_field",
+]
+
+JSONDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Facts about the job a policy may use."""
+
+    total_steps: int
+    steps_per_epoch: float  # training-set size / batch size
+    eval_every: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the loop reports after every training step."""
+
+    step: int  # the step just finished, 0-based
+    q: int  # q used for it
+    train_loss: float  # mean over k of (L+ + L-)/2, or L0 for the one-sided estimator
+    projected_grads: npt.NDArray[np.floating[Any]]  # shape (q,): g_k = (L+ - L-) / (2 eps)
+    forward_passes: int  # cumulative forward passes so far
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What the loop reports after every periodic validation."""
+
+    step: int
+    val_loss: float
+    val_accuracy: float  # 0..1
+
+
+class PolicyConfig(BaseModel):
+    """Base of every policy's configuration: unknown fields are an error, values frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QPolicy(abc.ABC):
+    """A policy that decides q, the number of perturbation samples per step.
+
+    Subclasses set ``name`` and ``Config``, implement ``initial_q`` and override the
+    hooks they need; hooks not overridden keep q. Subclasses with their own state
+    extend ``state_dict`` / ``load_state_dict`` through ``super()``.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type[PolicyConfig]]
+
+    def __init__(self, config: PolicyConfig, context: PolicyContext) -> None:
+        """Bind a validated config and the job's facts.
+
+        Args:
+            config: an instance of this policy's ``Config``.
+            context: facts about the job.
+        """
+        if not isinstance(config, self.Config):
+            raise TypeError(
+                f"policy {self.name!r} needs a {self.Config.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+        self.context = context
+        self._q = self.initial_q()
+
+    @abc.abstractmethod
+    def initial_q(self) -> int:
+        """Return q for step 0 (a function of config and context only)."""
+
+    def on_step(self, report: StepReport) -> int:
+        """Take a step's report; return q for the next step.
+
+        Args:
+            report: the finished step.
+
+        Returns:
+            q for the next step.
+        """
+        del report
+        return self._q
+
+    def on_eval(self, report: EvalReport) -> int:
+        """Take a validation's report; return q for the next step.
+
+        Args:
+            report: the finished validation.
+
+        Returns:
+            q for the next step.
+        """
+        del report
+        return self._q
+
+    @property
+    def q(self) -> int:
+        """q for the next step."""
+        return self._q
+
+    def state_dict(self) -> JSONDict:
+        """Return the policy's state as plain JSON."""
+        return {"policy": self.name, "q": self._q}
+
+    def load_state_dict(self, state: JSONDict) -> None:
+        """Restore a state from ``state_dict`` (possibly after a JSON round trip).
+
+        Args:
+            state: a mapping produced by ``state_dict`` of the same policy.
+
+        Raises:
+            PolicyError: the state belongs to another policy or lacks a field.
+        """
+        if state.get("policy") != self.name:
+            raise PolicyError(
+                f"state belongs to policy {state.get('policy')!r}, not {self.name!r}"
+            )
+        self._q = int(state_field(state, "q"))
+
+
+def state_field(state: JSONDict, key: str) -> Any:
+    """Read a required field of a saved state, with a clear error when it is missing."""
+    try:
+        return state[key]
+    except KeyError:
+        raise PolicyError(f"saved policy state lacks the field {key!r}") from None

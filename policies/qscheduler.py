@@ -1,0 +1,157 @@
+"""``qscheduler``: start with few perturbations, raise q only when progress stalls.
+
+The rule, judged at every validation:
+
+1. Read the metric: validation accuracy (higher is better), validation loss, or the
+   training loss smoothed by an exponential moving average over steps (``smoothing``
+   is the weight of the past), both lower is better. ``direction`` overrides the sense.
+2. The first validation sets the best value. Later ones count as an improvement when
+   they beat the best by more than ``min_delta`` - an absolute margin for accuracy, a
+   fraction of |best| for losses (``threshold_mode`` "auto"), so the defaults need no
+   tuning per dataset.
+3. An improvement stores the new best and clears the count of stalled validations;
+   otherwise the count goes up - except during the ``cooldown`` validations right
+   after a raise, which give the new q time to act and are not held against it.
+4. When ``patience`` validations in a row did not improve, q moves to the next
+   allowed value (never above ``qmax``, never down) and the count restarts.
+
+The best value is kept across a raise: raising q does not change the weights, so the
+new q must beat what the old q already reached to count as progress; resetting it
+would let the first noisy dip-and-recover after a raise pass for improvement.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from ._ladder import LadderConfig
+from ._math import Direction, ema, improved, next_allowed
+from .base import (
+    EvalReport,
+    JSONDict,
+    PolicyConfig,
+    PolicyContext,
+    QPolicy,
+    StepReport,
+    state_field,
+)
+
+__all__ = ["QSchedulerConfig", "QSchedulerPolicy"]
+
+Metric = Literal["val_accuracy", "val_loss", "train_loss"]
+
+
+class QSchedulerConfig(LadderConfig):
+    """Config of ``qscheduler``."""
+
+    metric: Metric = Field(default="val_accuracy", description="what progress is judged on")
+    direction: Literal["auto", "max", "min"] = Field(
+        default="auto", description="auto: max for accuracy, min for losses"
+    )
+    patience: int = Field(default=3, ge=1, description="validations without improvement before a raise")
+    min_delta: float = Field(default=0.002, ge=0, description="smallest change that counts as improvement")
+    threshold_mode: Literal["auto", "abs", "rel"] = Field(
+        default="auto", description="min_delta absolute or relative to |best|; auto: abs for accuracy, rel for losses"
+    )
+    cooldown: int = Field(default=1, ge=0, description="validations after a raise that do not count as stalled")
+    smoothing: float = Field(
+        default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
+    )
+
+
+class QSchedulerPolicy(QPolicy):
+    """Plateau-driven q: climb the ladder when the metric stops improving."""
+
+    name: ClassVar[str] = "qscheduler"
+    Config: ClassVar[type[PolicyConfig]] = QSchedulerConfig
+    config: QSchedulerConfig
+
+    def __init__(self, config: PolicyConfig, context: PolicyContext) -> None:
+        super().__init__(config, context)
+        self._best: float | None = None
+        self._stalled = 0
+        self._cooldown_left = 0
+        self._train_ema: float | None = None
+
+    def initial_q(self) -> int:
+        """Return q0."""
+        return self.config.q0
+
+    @property
+    def direction(self) -> Direction:
+        """The sense of the metric in force."""
+        if self.config.direction != "auto":
+            return self.config.direction
+        return "max" if self.config.metric == "val_accuracy" else "min"
+
+    def _relative(self) -> bool:
+        if self.config.threshold_mode == "auto":
+            return self.config.metric != "val_accuracy"
+        return self.config.threshold_mode == "rel"
+
+    def on_step(self, report: StepReport) -> int:
+        """Fold the step's training loss into the smoothed training loss; q is unchanged."""
+        self._train_ema = ema(self._train_ema, float(report.train_loss), self.config.smoothing)
+        return self._q
+
+    def _metric_value(self, report: EvalReport) -> float | None:
+        if self.config.metric == "val_accuracy":
+            return float(report.val_accuracy)
+        if self.config.metric == "val_loss":
+            return float(report.val_loss)
+        return self._train_ema
+
+    def on_eval(self, report: EvalReport) -> int:
+        """Judge progress at a validation and raise q after ``patience`` stalls.
+
+        Args:
+            report: the finished validation.
+
+        Returns:
+            q for the next step.
+        """
+        value = self._metric_value(report)
+        if value is None:
+            return self._q  # train_loss metric before any step: nothing to judge yet
+        if self._best is None:
+            self._best = value
+            return self._q
+        in_cooldown = self._cooldown_left > 0
+        if in_cooldown:
+            self._cooldown_left -= 1
+        cfg = self.config
+        if improved(value, self._best, cfg.min_delta, self.direction, self._relative()):
+            self._best = value
+            self._stalled = 0
+        elif not in_cooldown:
+            self._stalled += 1
+        if self._stalled >= cfg.patience:
+            raised = next_allowed(self._q, cfg.ladder(), cfg.qmax)
+            if raised != self._q:
+                self._q = raised
+                self._stalled = 0
+                self._cooldown_left = cfg.cooldown
+        return self._q
+
+    def state_dict(self) -> JSONDict:
+        """Return q, the best metric, the stall and cooldown counts and the smoothed loss."""
+        state = super().state_dict()
+        state.update(
+            best=self._best,
+            stalled=self._stalled,
+            cooldown_left=self._cooldown_left,
+            train_ema=self._train_ema,
+        )
+        return state
+
+    def load_state_dict(self, state: JSONDict) -> None:
+        """Restore a state from ``state_dict``."""
+        super().load_state_dict(state)
+        best = state_field(state, "best")
+        train_ema = state_field(state, "train_ema")
+        self._best = None if best is None else float(best)
+        self._stalled = int(state_field(state, "stalled"))
+        self._cooldown_left = int(state_field(state, "cooldown_left"))
+        self._train_ema = None if train_ema is None else float(train_ema)
