@@ -1,0 +1,384 @@
+"""Read an int8 ``.tflite`` flatbuffer back into a ``QuantModel``.
+
+Accepts the operators the writer emits (and the same operators from other tools):
+CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D,
+RESHAPE, RELU, RELU6. An AVERAGE_POOL_2D over the whole feature map whose only reader
+is a RESHAPE to ``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the
+graph nodes are the dequantised int8 weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from qsched.zo._tflite_common import (
+    FILE_IDENTIFIER,
+    METADATA_NAME,
+    TFLiteError,
+    TFLiteFormatError,
+    activation_name,
+    op_name,
+    schema,
+)
+from qsched.zo.graph import (
+    Add,
+    AvgPool,
+    Conv2D,
+    Dense,
+    GlobalAvgPool,
+    MaxPool,
+    Model,
+    Node,
+    Padding,
+    QuantizedLayer,
+    QuantModel,
+    ReLU,
+    ReLU6,
+    Reshape,
+    TensorQuant,
+)
+
+__all__ = ["parse_tflite"]
+
+_OP = schema.BuiltinOperator
+_TT = schema.TensorType
+_PADDING: dict[int, Padding] = {schema.Padding.SAME: "same", schema.Padding.VALID: "valid"}
+
+
+@dataclass
+class _Reader:
+    """The decoded subgraph plus the graph being rebuilt from it."""
+
+    model: Any
+    graph: Any
+    names: list[str] = field(default_factory=list)
+    names_meta: list[str] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    tensors: dict[str, TensorQuant] = field(default_factory=dict)
+    layers: dict[str, QuantizedLayer] = field(default_factory=dict)
+    readers: dict[int, list[int]] = field(default_factory=dict)
+
+    def tensor(self, index: int, where: str) -> Any:
+        if not 0 <= index < len(self.graph.tensors or []):
+            raise TFLiteFormatError(f"{where}: tensor index {index} out of range")
+        return self.graph.tensors[index]
+
+    def shape(self, index: int, where: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in (self.tensor(index, where).shape or []))
+
+    def activation(self, index: int, where: str) -> str:
+        """Record an int8 activation tensor's quantisation; return its name."""
+        t, name = self.tensor(index, where), self.names[index]
+        if t.type != _TT.INT8:
+            raise TFLiteError(f"{where}: tensor {name!r} is not int8 (TensorType {t.type}); "
+                              "only int8 models are supported, quantise a float model first")
+        q = t.quantization
+        if q is None or q.scale is None or len(q.scale) != 1:
+            raise TFLiteError(f"{where}: tensor {name!r} lacks per-tensor quantisation")
+        zp = int(q.zeroPoint[0]) if q.zeroPoint is not None and len(q.zeroPoint) else 0
+        self.tensors[name] = TensorQuant(float(np.float32(q.scale[0])), zp)
+        return name
+
+    def data(self, index: int, where: str, dtype: type[np.generic]) -> npt.NDArray[Any]:
+        """A constant tensor's values in its shape."""
+        t, name = self.tensor(index, where), self.names[index]
+        buffers = self.model.buffers or []
+        if not 0 <= t.buffer < len(buffers):
+            raise TFLiteFormatError(f"{where}: tensor {name!r} names buffer {t.buffer} "
+                                    f"of {len(buffers)}")
+        raw = buffers[t.buffer].data
+        if raw is None or len(raw) == 0:
+            raise TFLiteError(f"{where}: tensor {name!r} has no constant data "
+                              "(weights given as graph inputs cannot be imported)")
+        shape = self.shape(index, where)
+        arr = np.frombuffer(np.asarray(raw, dtype=np.uint8).tobytes(), dtype=dtype)
+        if arr.size != int(np.prod(shape)):
+            raise TFLiteFormatError(f"{where}: tensor {name!r} has {arr.size} values for "
+                                    f"shape {shape}")
+        return arr.reshape(shape).copy()
+
+
+def _decode(data: bytes) -> Any:
+    if len(data) < 8 or data[4:8] != FILE_IDENTIFIER:
+        raise TFLiteFormatError("not a .tflite file: missing the TFL3 file identifier")
+    try:
+        root = schema.Model.GetRootAs(data, 0)
+        model = schema.ModelT.InitFromObj(root)
+    except Exception as exc:  # a corrupt flatbuffer fails anywhere inside the decoder
+        raise TFLiteFormatError(f"malformed .tflite flatbuffer: {exc!r}") from exc
+    if not model.subgraphs:
+        raise TFLiteFormatError("the .tflite file has no subgraph")
+    if len(model.subgraphs) != 1:
+        raise TFLiteError(f"only single-subgraph models are supported, got "
+                          f"{len(model.subgraphs)}")
+    return model
+
+
+def _metadata(model: Any) -> dict[str, Any]:
+    for md in model.metadata or []:
+        name = md.name.decode() if isinstance(md.name, bytes) else md.name
+        if name == METADATA_NAME and 0 <= md.buffer < len(model.buffers or []):
+            raw = model.buffers[md.buffer].data
+            try:
+                info = json.loads(bytes(np.asarray(raw, dtype=np.uint8)).decode())
+            except (ValueError, TypeError) as exc:
+                raise TFLiteFormatError(f"unreadable {METADATA_NAME} metadata") from exc
+            return info if isinstance(info, dict) else {}
+    return {}
+
+
+def _opcode(model: Any, op: Any) -> int:
+    codes = model.operatorCodes or []
+    if not 0 <= op.opcodeIndex < len(codes):
+        raise TFLiteFormatError(f"operator code index {op.opcodeIndex} out of range")
+    oc = codes[op.opcodeIndex]
+    # Files from before schema 3a keep the code only in the deprecated int8 field.
+    code = max(int(oc.builtinCode), int(oc.deprecatedBuiltinCode))
+    if code == _OP.CUSTOM:
+        custom = oc.customCode.decode() if isinstance(oc.customCode, bytes) else oc.customCode
+        raise TFLiteError(f"unsupported operator CUSTOM ({custom!r})")
+    return code
+
+
+def _per_channel(r: _Reader, index: int, where: str, channel_dim: int) -> QuantizedLayer:
+    """Read an int8 weight (symmetric, per channel) and check its quantisation."""
+    t = r.tensor(index, where)
+    if t.type != _TT.INT8:
+        raise TFLiteError(f"{where}: weight is not int8 (TensorType {t.type})")
+    weight = r.data(index, where, np.int8)
+    out_ch = weight.shape[channel_dim]
+    q = t.quantization
+    scales = np.asarray(q.scale if q is not None and q.scale is not None else [],
+                        dtype=np.float32)
+    if scales.size == 1:
+        scales = np.full(out_ch, scales[0], dtype=np.float32)
+    elif scales.size != out_ch or (q.quantizedDimension or 0) != channel_dim:
+        raise TFLiteError(f"{where}: weight needs per-channel scales on dimension "
+                          f"{channel_dim} ({out_ch}), got {scales.size}")
+    if q.zeroPoint is not None and np.any(np.asarray(q.zeroPoint) != 0):
+        raise TFLiteError(f"{where}: weight zero points must be 0 (symmetric)")
+    return QuantizedLayer(weight=weight, weight_scales=scales,
+                          bias=np.zeros(out_ch, dtype=np.int32))
+
+
+def _bias(r: _Reader, op: Any, where: str, layer: QuantizedLayer) -> None:
+    if len(op.inputs) < 3 or op.inputs[2] < 0:
+        return
+    t = r.tensor(op.inputs[2], where)
+    if t.type != _TT.INT32:
+        raise TFLiteError(f"{where}: bias is not int32 (TensorType {t.type})")
+    bias = r.data(op.inputs[2], where, np.int32)
+    if bias.shape != layer.bias.shape:
+        raise TFLiteFormatError(f"{where}: bias shape {bias.shape} != {layer.bias.shape}")
+    layer.bias = bias
+
+
+def _float_params(layer: QuantizedLayer, in_scale: float, channel_dim: int
+                  ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    shape = [1] * layer.weight.ndim
+    shape[channel_dim] = -1
+    weight = layer.weight.astype(np.float32) * layer.weight_scales.reshape(shape)
+    bias = layer.bias.astype(np.float32) * (np.float32(in_scale) * layer.weight_scales)
+    return weight.astype(np.float32), bias.astype(np.float32)
+
+
+def _check_arity(op: Any, where: str, n_in: int) -> None:
+    if op.inputs is None or op.outputs is None or len(op.inputs) < n_in or len(op.outputs) != 1:
+        raise TFLiteFormatError(f"{where}: wrong number of inputs or outputs")
+
+
+def _options(op: Any, expected: int, where: str) -> Any:
+    if op.builtinOptionsType != expected or op.builtinOptions is None:
+        raise TFLiteFormatError(f"{where}: missing or wrong builtin options")
+    return op.builtinOptions
+
+
+def _conv(r: _Reader, op: Any, code: int, where: str) -> Node:
+    _check_arity(op, where, 2)
+    depthwise = code == _OP.DEPTHWISE_CONV_2D
+    expected = (schema.BuiltinOptions.DepthwiseConv2DOptions if depthwise
+                else schema.BuiltinOptions.Conv2DOptions)
+    o = _options(op, expected, where)
+    if (o.dilationHFactor or 1) != 1 or (o.dilationWFactor or 1) != 1:
+        raise TFLiteError(f"{where}: dilated convolution is not supported")
+    x = r.activation(op.inputs[0], where)
+    in_shape = r.shape(op.inputs[0], where)
+    dim = 3 if depthwise else 0
+    layer = _per_channel(r, op.inputs[1], where, dim)
+    _bias(r, op, where, layer)
+    out = r.activation(op.outputs[0], where)
+    cin, filt_in = in_shape[-1], layer.weight.shape[3]
+    if not depthwise and (filt_in == 0 or cin % filt_in):
+        raise TFLiteFormatError(f"{where}: filter depth {filt_in} does not divide {cin}")
+    weight, bias = _float_params(layer, r.tensors[x].scale, dim)
+    name = _claim(r, out, layer)
+    return Conv2D(name, [x], out, weight, bias, stride=(int(o.strideH), int(o.strideW)),
+                  padding=_padding(o.padding, where),
+                  groups=cin if depthwise else cin // filt_in, depthwise=depthwise,
+                  activation=activation_name(o.fusedActivationFunction, where))
+
+
+def _dense(r: _Reader, op: Any, where: str) -> Node:
+    _check_arity(op, where, 2)
+    o = _options(op, schema.BuiltinOptions.FullyConnectedOptions, where)
+    if o.weightsFormat != schema.FullyConnectedOptionsWeightsFormat.DEFAULT or o.keepNumDims:
+        raise TFLiteError(f"{where}: only the default weight format without keep_num_dims")
+    x = r.activation(op.inputs[0], where)
+    if len(r.shape(op.inputs[0], where)) != 2:
+        raise TFLiteError(f"{where}: input must be (batch, features); add a RESHAPE")
+    layer = _per_channel(r, op.inputs[1], where, 0)
+    _bias(r, op, where, layer)
+    out = r.activation(op.outputs[0], where)
+    weight, bias = _float_params(layer, r.tensors[x].scale, 0)
+    return Dense(_claim(r, out, layer), [x], out, weight, bias,
+                 activation=activation_name(o.fusedActivationFunction, where))
+
+
+def _padding(code: int, where: str) -> Padding:
+    if code not in _PADDING:
+        raise TFLiteFormatError(f"{where}: unknown padding {code}")
+    return _PADDING[code]
+
+
+def _claim(r: _Reader, out: str, layer: QuantizedLayer | None = None) -> str:
+    """The next node's name (from the file's metadata, else its output tensor)."""
+    index = len(r.nodes)
+    name = r.names_meta[index] if index < len(r.names_meta) else out
+    if layer is not None:
+        r.layers[name] = layer
+    return name
+
+
+def _pool(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
+    """A pooling node; returns it and how many operators it consumed (1, or 2 when fused)."""
+    _check_arity(op, where, 1)
+    o = _options(op, schema.BuiltinOptions.Pool2DOptions, where)
+    if o.fusedActivationFunction != schema.ActivationFunctionType.NONE:
+        raise TFLiteError(f"{where}: fused activation on pooling is not supported")
+    x = r.activation(op.inputs[0], where)
+    in_shape, out_shape = r.shape(op.inputs[0], where), r.shape(op.outputs[0], where)
+    pool, stride = (int(o.filterHeight), int(o.filterWidth)), (int(o.strideH), int(o.strideW))
+    padding = _padding(o.padding, where)
+    nxt = _global_reshape(r, op, ops)
+    if code == _OP.AVERAGE_POOL_2D and nxt is not None and len(in_shape) == 4 \
+            and pool == in_shape[1:3] and padding == "valid" and out_shape[1:3] == (1, 1):
+        r.activation(op.outputs[0], where)
+        out = r.activation(nxt.outputs[0], where)
+        return GlobalAvgPool(_claim(r, out), [x], out), 2
+    out = r.activation(op.outputs[0], where)
+    cls = AvgPool if code == _OP.AVERAGE_POOL_2D else MaxPool
+    return cls(_claim(r, out), [x], out, pool=pool, stride=stride, padding=padding), 1
+
+
+def _global_reshape(r: _Reader, op: Any, ops: list[Any]) -> Any:
+    """The RESHAPE to (batch, C) that alone reads this pool's output, if it is next."""
+    out = op.outputs[0]
+    if not ops or r.readers.get(out) != [id(ops[0])] or out in (r.graph.outputs or []):
+        return None
+    nxt = ops[0]
+    if _opcode(r.model, nxt) != _OP.RESHAPE or not nxt.outputs:
+        return None
+    return nxt if len(r.shape(nxt.outputs[0], "RESHAPE")) == 2 else None
+
+
+def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
+    if code in (_OP.CONV_2D, _OP.DEPTHWISE_CONV_2D):
+        return _conv(r, op, code, where), 1
+    if code == _OP.FULLY_CONNECTED:
+        return _dense(r, op, where), 1
+    if code in (_OP.AVERAGE_POOL_2D, _OP.MAX_POOL_2D):
+        return _pool(r, op, code, ops, where)
+    _check_arity(op, where, 1)
+    if code == _OP.ADD:
+        _check_arity(op, where, 2)
+        o = _options(op, schema.BuiltinOptions.AddOptions, where)
+        xs = [r.activation(i, where) for i in op.inputs[:2]]
+        out = r.activation(op.outputs[0], where)
+        return Add(_claim(r, out), xs, out,
+                   activation=activation_name(o.fusedActivationFunction, where)), 1
+    x = r.activation(op.inputs[0], where)
+    out = r.activation(op.outputs[0], where)
+    if code == _OP.RESHAPE:
+        return Reshape(_claim(r, out), [x], out, shape=r.shape(op.outputs[0], where)[1:]), 1
+    if code == _OP.RELU:
+        return ReLU(_claim(r, out), [x], out), 1
+    if code == _OP.RELU6:
+        return ReLU6(_claim(r, out), [x], out), 1
+    raise TFLiteError(f"unsupported operator {op_name(code)}")
+
+
+def parse_tflite(data: bytes) -> QuantModel:
+    """Decode ``.tflite`` bytes into a ``QuantModel``.
+
+    Args:
+        data: the file's bytes.
+
+    Returns:
+        The INT8 model with its graph, int8 weights, int32 biases and scales.
+    """
+    model = _decode(bytes(data))
+    graph = model.subgraphs[0]
+    info = _metadata(model)
+    r = _Reader(model=model, graph=graph)
+    r.names = [(t.name.decode() if isinstance(t.name, bytes) else (t.name or f"t{i}"))
+               for i, t in enumerate(graph.tensors or [])]
+    r.names_meta = [str(n) for n in info.get("nodes", [])]
+    ops = list(graph.operators or [])
+    _normalise(graph, ops)
+    for op in ops:
+        for i in op.inputs or []:
+            r.readers.setdefault(int(i), []).append(id(op))
+    # Reject unknown operators first so the message names the op, not a side effect.
+    for k, op in enumerate(ops):
+        code = _opcode(model, op)
+        if code not in _SUPPORTED:
+            raise TFLiteError(f"unsupported operator {op_name(code)} (operator #{k})")
+    k = 0
+    while k < len(ops):
+        code = _opcode(model, ops[k])
+        node, used = _node(r, ops[k], code, ops[k + 1:], f"operator #{k} ({op_name(code)})")
+        r.nodes.append(node)
+        k += used
+    return _quant_model(r, info)
+
+
+def _ints(values: Any) -> list[int]:
+    return [] if values is None else [int(v) for v in values]
+
+
+def _normalise(graph: Any, ops: list[Any]) -> None:
+    """Index vectors as Python lists (the decoder returns numpy arrays or None)."""
+    graph.inputs, graph.outputs = _ints(graph.inputs), _ints(graph.outputs)
+    for t in graph.tensors or []:
+        t.shape = _ints(t.shape)
+    for op in ops:
+        op.inputs, op.outputs = _ints(op.inputs), _ints(op.outputs)
+
+
+_SUPPORTED = frozenset({_OP.CONV_2D, _OP.DEPTHWISE_CONV_2D, _OP.FULLY_CONNECTED, _OP.ADD,
+                        _OP.AVERAGE_POOL_2D, _OP.MAX_POOL_2D, _OP.RESHAPE, _OP.RELU,
+                        _OP.RELU6})
+
+
+def _quant_model(r: _Reader, info: dict[str, Any]) -> QuantModel:
+    graph = r.graph
+    inputs, outputs = list(graph.inputs or []), list(graph.outputs or [])
+    if len(inputs) != 1 or len(outputs) != 1:
+        raise TFLiteError(f"expected one input and one output, got {len(inputs)} inputs and "
+                          f"{len(outputs)} outputs (weights as graph inputs cannot be imported)")
+    in_name = r.activation(inputs[0], "model input")
+    out_name = r.activation(outputs[0], "model output")
+    in_shape, out_shape = r.shape(inputs[0], "input"), r.shape(outputs[0], "output")
+    model = Model(
+        name=str(info.get("name", graph.name.decode() if isinstance(graph.name, bytes)
+                          else graph.name or "imported")),
+        input_name=in_name, input_shape=in_shape[1:], nodes=r.nodes, output_name=out_name,
+        num_classes=int(info.get("num_classes", out_shape[-1] if out_shape else 0)))
+    used = {in_name} | {n.output for n in r.nodes}
+    tensors = {k: v for k, v in r.tensors.items() if k in used}
+    return QuantModel(model=model, tensors=tensors, layers=r.layers)
