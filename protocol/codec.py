@@ -1,0 +1,477 @@
+"""Binary data-plane codec: fixed-width little-endian fields, no varints, no heap.
+
+A message is a 4-byte header (magic ``QS``, version, type code) and the fields of
+its layout in order. Every field is fixed-width except length-prefixed strings and
+blobs and the sample-key set; a C decoder walks it with one cursor into a fixed
+buffer of ``MAX_PAYLOAD`` bytes. The layouts below are the single source of the
+byte tables in ``protocol/SPEC.md`` section 6 (``layout_tables``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol, get_args
+
+from pydantic import ValidationError
+
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.messages import (
+    MAX_CHUNK,
+    MAX_KS,
+    MAX_PAYLOAD,
+    PROTOCOL_VERSION,
+    TYPE_CODES,
+    Accumulator,
+    ApplyUpdate,
+    BoardErrorCode,
+    DataMessage,
+    Error,
+    Estimator,
+    EvalRequest,
+    EvalResult,
+    Heartbeat,
+    Hello,
+    JobConfig,
+    Loaded,
+    LoadModel,
+    NpuKind,
+    Numerics,
+    Ping,
+    ReportedState,
+    Reset,
+    ResetScope,
+    Resource,
+    SelectDataset,
+    SetWeights,
+    UpdateAck,
+    ValidateRequest,
+    ValidateResult,
+    WireModel,
+)
+
+__all__ = ["HEADER_SIZE", "MAGIC", "decode", "encode", "layout_tables", "peek_header"]
+
+MAGIC: Final = b"QS"
+HEADER_SIZE: Final = 4
+KSET_RANGE: Final = 0
+KSET_LIST: Final = 1
+
+_SCALARS: Final = {"B": "u8", "H": "u16", "I": "u32", "Q": "u64", "f": "f32", "d": "f64"}
+
+
+class _Reader:
+    """A bounds-checked cursor; running off the end is a ``truncated`` ProtocolError."""
+
+    def __init__(self, data: bytes, msg_type: int) -> None:
+        self.data = data
+        self.pos = HEADER_SIZE
+        self.msg_type = msg_type
+
+    def take(self, size: int) -> bytes:
+        end = self.pos + size
+        if end > len(self.data):
+            raise ProtocolError(
+                "truncated",
+                f"message ends at byte {len(self.data)}, layout needs {end}",
+                msg_type=self.msg_type,
+            )
+        chunk = self.data[self.pos : end]
+        self.pos = end
+        return chunk
+
+    def unpack(self, code: str) -> Any:
+        return struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
+
+    def invalid(self, detail: str) -> ProtocolError:
+        return ProtocolError("invalid_field", detail, msg_type=self.msg_type)
+
+
+class _Field(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, msg: WireModel, out: bytearray) -> None: ...
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None: ...
+
+    def describe(self) -> tuple[str, int | None, str]: ...
+
+
+@dataclass(frozen=True)
+class _Scalar:
+    name: str
+    code: str
+    note: str = ""
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        out += struct.pack("<" + self.code, getattr(msg, self.name))
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        fields[self.name] = reader.unpack(self.code)
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return _SCALARS[self.code], struct.calcsize(self.code), self.note
+
+
+@dataclass(frozen=True)
+class _Enum:
+    name: str
+    choices: tuple[str, ...]
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        out.append(self.choices.index(getattr(msg, self.name)))
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        index = reader.unpack("B")
+        if index >= len(self.choices):
+            raise reader.invalid(f"{self.name} code {index} is not defined")
+        fields[self.name] = self.choices[index]
+
+    def describe(self) -> tuple[str, int | None, str]:
+        codes = ", ".join(f"{i} = {name}" for i, name in enumerate(self.choices))
+        return "u8", 1, codes
+
+
+@dataclass(frozen=True)
+class _Text:
+    """ASCII text: u8 length, then that many bytes (no terminator)."""
+
+    name: str
+    max_len: int
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        raw = str(getattr(msg, self.name)).encode("ascii")
+        out.append(len(raw))
+        out += raw
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        size = reader.unpack("B")
+        if size > self.max_len:
+            raise reader.invalid(f"{self.name} is {size} bytes, at most {self.max_len}")
+        raw = reader.take(size)
+        if not raw.isascii():
+            raise reader.invalid(f"{self.name} is not ASCII")
+        fields[self.name] = raw.decode("ascii")
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return "u8 n, n bytes", None, f"ASCII, n <= {self.max_len}"
+
+
+@dataclass(frozen=True)
+class _Blob:
+    """Bytes: u16 length, then that many bytes."""
+
+    name: str
+    max_len: int
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        raw = bytes(getattr(msg, self.name))
+        out += struct.pack("<H", len(raw))
+        out += raw
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        size = reader.unpack("H")
+        if size > self.max_len:
+            raise reader.invalid(f"{self.name} is {size} bytes, at most {self.max_len}")
+        fields[self.name] = bytes(reader.take(size))
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return "u16 n, n bytes", None, f"n <= {self.max_len}"
+
+
+@dataclass(frozen=True)
+class _KSet:
+    """Strictly ascending uint16 keys: a range (start, count) when contiguous, else a list."""
+
+    name: str = "ks"
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        ks: tuple[int, ...] = getattr(msg, self.name)
+        if ks[-1] - ks[0] + 1 == len(ks):
+            out += struct.pack("<BHH", KSET_RANGE, len(ks), ks[0])
+        else:
+            out += struct.pack(f"<BH{len(ks)}H", KSET_LIST, len(ks), *ks)
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        mode = reader.unpack("B")
+        count = reader.unpack("H")
+        if not 1 <= count <= MAX_KS:
+            raise reader.invalid(f"k count {count} outside [1, {MAX_KS}]")
+        if mode == KSET_RANGE:
+            start = reader.unpack("H")
+            fields[self.name] = tuple(range(start, start + count))
+        elif mode == KSET_LIST:
+            fields[self.name] = struct.unpack(f"<{count}H", reader.take(2 * count))
+        else:
+            raise reader.invalid(f"k set mode {mode} is not defined")
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return (
+            "k set",
+            None,
+            "u8 mode, u16 n; mode 0 (range): u16 start, keys start..start+n-1; "
+            f"mode 1 (list): n x u16, strictly ascending; 1 <= n <= {MAX_KS}",
+        )
+
+
+@dataclass(frozen=True)
+class _F32Seq:
+    """float32 values, as many as ``count`` says from the fields decoded before."""
+
+    name: str
+    count: Callable[[Mapping[str, Any]], int]
+    note: str
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        values = getattr(msg, self.name)
+        out += struct.pack(f"<{len(values)}f", *values)
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        count = self.count(fields)
+        fields[self.name] = struct.unpack(f"<{count}f", reader.take(4 * count))
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return "f32 x n", None, self.note
+
+
+@dataclass(frozen=True)
+class _OptF32:
+    """One float32 present only when ``present`` holds for the fields decoded before."""
+
+    name: str
+    present: Callable[[Mapping[str, Any]], bool]
+    note: str
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        value = getattr(msg, self.name)
+        if value is not None:
+            out += struct.pack("<f", value)
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        if self.present(fields):
+            fields[self.name] = reader.unpack("f")
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return "f32 or nothing", None, self.note
+
+
+def _n_ks(fields: Mapping[str, Any]) -> int:
+    return len(fields["ks"])
+
+
+def _two_sided(fields: Mapping[str, Any]) -> bool:
+    return bool(fields["estimator"] == "two_sided")
+
+
+_ESTIMATOR = _Enum("estimator", get_args(Estimator))
+_JOB = _Scalar("job_id", "I", "uint32 job id; 0 = none")
+_STEP = _Scalar("step", "I")
+
+_LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
+    Hello: (
+        # Frozen across versions: protocol_version stays at offset 4.
+        _Scalar("protocol_version", "H", "highest version the board speaks"),
+        _Enum("npu", get_args(NpuKind)),
+        _Scalar("ram_kib", "I"),
+        _Scalar("max_batch", "H"),
+        _Scalar("max_payload", "I", "the board's receive buffer"),
+        _Scalar("model_hash", "Q", "SHA-256 of the model blob held, first 8 bytes as LE u64; 0 = none"),
+        _Scalar("dataset_hash", "Q", "the same for the dataset held"),
+        _Text("board_id", 32),
+        _Text("firmware_version", 24),
+    ),
+    Heartbeat: (
+        _Scalar("nonce", "I", "the Ping's nonce, 0 if unsolicited"),
+        _Scalar("uptime_ms", "I"),
+        _Enum("state", get_args(ReportedState)),
+        _JOB,
+        _Scalar("step", "I", "last step applied"),
+    ),
+    EvalResult: (
+        _JOB,
+        _STEP,
+        _Scalar("compute_us", "I"),
+        _ESTIMATOR,
+        _KSet(),
+        _F32Seq("loss_plus", _n_ks, "L(theta + eps z_k), one per k"),
+        _F32Seq(
+            "loss_minus",
+            lambda f: _n_ks(f) if _two_sided(f) else 0,
+            "two-sided: L(theta - eps z_k) per k; one-sided: absent",
+        ),
+        _OptF32("loss_zero", lambda f: not _two_sided(f), "one-sided only: L(theta)"),
+    ),
+    UpdateAck: (_JOB, _STEP, _Scalar("checksum", "I", "CRC-32 of weights (section 5)")),
+    ValidateResult: (
+        _JOB,
+        _STEP,
+        _Scalar("start", "I"),
+        _Scalar("count", "I"),
+        _Scalar("loss_sum", "d", "sum of the per-sample losses"),
+        _Scalar("correct", "I"),
+        _Scalar("compute_us", "I"),
+    ),
+    Loaded: (
+        _Enum("resource", get_args(Resource)),
+        _JOB,
+        _Scalar("crc32", "I", "CRC-32 of the resource as held"),
+        _Scalar("size", "I", "bytes"),
+    ),
+    Error: (
+        _Enum("code", get_args(BoardErrorCode)),
+        _Scalar("ref_type", "B", "type code of the offending message; 0 = none"),
+        _JOB,
+        _STEP,
+        _Text("detail", 64),
+    ),
+    LoadModel: (
+        _Scalar("total", "I", "blob length"),
+        _Scalar("offset", "I"),
+        _Scalar("crc32", "I", "CRC-32 of the whole blob"),
+        _Blob("chunk", MAX_CHUNK),
+    ),
+    SetWeights: (
+        _Scalar("total", "I", "length of weights (+ buffer) bytes"),
+        _Scalar("offset", "I"),
+        _JOB,
+        _Scalar("step", "I", "the step these weights are after"),
+        _Scalar("checksum", "I", "CRC-32 of the whole byte string (section 5)"),
+        _Blob("chunk", MAX_CHUNK),
+    ),
+    SelectDataset: (
+        _Text("name", 32),
+        _Scalar("dataset_hash", "Q"),
+        _Scalar("train_size", "I"),
+        _Scalar("val_size", "I"),
+    ),
+    JobConfig: (
+        _JOB,
+        _Scalar("seed", "Q"),
+        _Enum("numerics", get_args(Numerics)),
+        _ESTIMATOR,
+        _Enum("accumulator", get_args(Accumulator)),
+        _Scalar("batch_size", "H"),
+        _Scalar("eps", "f", "INT8: a whole number of steps"),
+    ),
+    EvalRequest: (
+        _JOB,
+        _STEP,
+        _Scalar("batch_size", "H"),
+        _Scalar("eps", "f"),
+        _ESTIMATOR,
+        _KSet(),
+    ),
+    ApplyUpdate: (_JOB, _STEP, _KSet(), _F32Seq("coefficients", _n_ks, "c_k, one per k")),
+    ValidateRequest: (_JOB, _STEP, _Scalar("start", "I"), _Scalar("count", "I", ">= 1")),
+    Ping: (_Scalar("nonce", "I"),),
+    Reset: (_Enum("scope", get_args(ResetScope)),),
+}
+_BY_CODE: Final[dict[int, type[WireModel]]] = {code: cls for cls, code in TYPE_CODES.items()}
+
+
+def encode(msg: DataMessage) -> bytes:
+    """Encode a data-plane message to its binary form (header included).
+
+    Args:
+        msg: any data-plane message model.
+
+    Returns:
+        The bytes; the same on serial (inside a frame) and on MQTT.
+
+    Raises:
+        ProtocolError: kind ``oversized`` when the encoding exceeds MAX_PAYLOAD.
+    """
+    code = TYPE_CODES[type(msg)]
+    out = bytearray(MAGIC)
+    out += struct.pack("<BB", PROTOCOL_VERSION, code)
+    for item in _LAYOUTS[type(msg)]:
+        item.encode(msg, out)
+    if len(out) > MAX_PAYLOAD:
+        raise ProtocolError("oversized", f"{len(out)} bytes > MAX_PAYLOAD {MAX_PAYLOAD}", msg_type=code)
+    return bytes(out)
+
+
+def peek_header(data: bytes) -> tuple[int, int]:
+    """Read (version, type code) from a message header, whatever the version.
+
+    The header layout never changes between versions, so a daemon can answer any
+    board's message with ``Error(code="unsupported_version")``.
+
+    Raises:
+        ProtocolError: ``truncated`` or ``bad_magic``.
+    """
+    if len(data) < HEADER_SIZE:
+        raise ProtocolError("truncated", f"{len(data)} bytes, a header needs {HEADER_SIZE}")
+    if data[:2] != MAGIC:
+        raise ProtocolError("bad_magic", f"header starts with {bytes(data[:2]).hex()}, not 5153")
+    return data[2], data[3]
+
+
+def decode(data: bytes) -> DataMessage:
+    """Decode one binary data-plane message.
+
+    Args:
+        data: exactly one encoded message.
+
+    Returns:
+        The message model.
+
+    Raises:
+        ProtocolError: on any malformed input (never another exception).
+    """
+    data = bytes(data)
+    if len(data) > MAX_PAYLOAD:
+        raise ProtocolError("oversized", f"{len(data)} bytes > MAX_PAYLOAD {MAX_PAYLOAD}")
+    version, code = peek_header(data)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version",
+            f"version {version}, this side speaks {PROTOCOL_VERSION}",
+            msg_type=code,
+            version=version,
+        )
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        raise ProtocolError("unknown_type", f"type code 0x{code:02x} is not defined", msg_type=code)
+    reader = _Reader(data, code)
+    fields: dict[str, Any] = {}
+    for item in _LAYOUTS[cls]:
+        item.decode(reader, fields)
+    if reader.pos != len(data):
+        raise ProtocolError(
+            "trailing_bytes", f"{len(data) - reader.pos} bytes after the message", msg_type=code
+        )
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ProtocolError("invalid_field", detail, msg_type=code) from exc
+
+
+@dataclass
+class _Table:
+    rows: list[str] = field(default_factory=list)
+    offset: int | None = HEADER_SIZE
+
+
+def layout_tables() -> str:
+    """Markdown byte tables of every message, in type-code order (SPEC section 6)."""
+    parts: list[str] = []
+    for cls, code in sorted(TYPE_CODES.items(), key=lambda item: item[1]):
+        table = _Table()
+        for item in _LAYOUTS[cls]:
+            kind, size, note = item.describe()
+            where = "" if table.offset is None else str(table.offset)
+            table.rows.append(f"| {where} | `{item.name}` | {kind} | {note} |")
+            table.offset = None if size is None or table.offset is None else table.offset + size
+        type_name = cls.model_fields["type"].default
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        parts.append(
+            f"#### 0x{code:02X} `{type_name}` ({cls.__name__})\n\n{doc}\n\n"
+            "| offset | field | type | notes |\n| --- | --- | --- | --- |\n"
+            "| 0 | header | 4 bytes | `51 53`, version, "
+            f"type 0x{code:02X} |\n" + "\n".join(table.rows) + "\n"
+        )
+    return "\n".join(parts)

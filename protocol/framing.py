@@ -1,0 +1,218 @@
+"""Serial framing: COBS frames with CRC-32, sequence numbers, acks, retransmission.
+
+On the wire every frame is ``00 | COBS(raw) | 00`` where raw is
+
+    flags u8 | seq u16 | payload (0..MAX_PAYLOAD bytes) | crc32 u32
+
+all little-endian, the CRC (zlib's CRC-32) taken over flags, seq and payload. The
+leading 0x00 ends whatever partial frame a receiver holds (garbage, a frame cut off
+by a reset), so the next frame is never lost to resynchronisation; receivers ignore
+empty frames. The link is stop-and-wait per direction (SPEC section 7): a data frame
+is acknowledged by an ACK frame with the same ``seq``; unacknowledged frames are sent
+again, the same bytes, after ``ACK_TIMEOUT_S``, at most ``MAX_RETRIES`` times.
+Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+from cobs import cobs
+
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.messages import MAX_PAYLOAD
+
+__all__ = [
+    "ACK_TIMEOUT_S",
+    "DELIMITER",
+    "FLAG_ACK",
+    "FLAG_SYN",
+    "FRAME_OVERHEAD",
+    "MAX_ENCODED_FRAME",
+    "MAX_RAW_FRAME",
+    "MAX_RETRIES",
+    "Frame",
+    "FrameEncoder",
+    "FrameReader",
+    "ReceiveFilter",
+    "decode_frame",
+    "encode_frame",
+]
+
+DELIMITER: Final = 0x00
+FLAG_ACK: Final = 0x01  # an acknowledgement: empty payload, seq of the frame acked
+FLAG_SYN: Final = 0x02  # the sender (re)started: the receiver forgets the last seq seen
+_KNOWN_FLAGS: Final = FLAG_ACK | FLAG_SYN
+_HEAD: Final = struct.Struct("<BH")
+_CRC: Final = struct.Struct("<I")
+FRAME_OVERHEAD: Final = _HEAD.size + _CRC.size
+MAX_RAW_FRAME: Final = FRAME_OVERHEAD + MAX_PAYLOAD
+# COBS adds one byte per started run of 254 bytes, so at most len // 254 + 1.
+MAX_ENCODED_FRAME: Final = MAX_RAW_FRAME + MAX_RAW_FRAME // 254 + 1
+# The longest frame takes about 0.14 s at 921600 baud (10 bits a byte); USB adds ms.
+ACK_TIMEOUT_S: Final = 0.5
+MAX_RETRIES: Final = 4
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded frame."""
+
+    seq: int
+    flags: int
+    payload: bytes
+
+    @property
+    def is_ack(self) -> bool:
+        """True for an acknowledgement frame."""
+        return bool(self.flags & FLAG_ACK)
+
+    @property
+    def is_syn(self) -> bool:
+        """True for the first data frame after the sender (re)started."""
+        return bool(self.flags & FLAG_SYN)
+
+
+def encode_frame(seq: int, payload: bytes, flags: int = 0) -> bytes:
+    """Encode one frame, delimiters included.
+
+    Args:
+        seq: sequence number, 0..65535.
+        payload: the message bytes (empty for an ACK).
+        flags: FLAG_ACK and/or FLAG_SYN.
+
+    Returns:
+        ``00 | COBS(flags, seq, payload, crc32) | 00``.
+
+    Raises:
+        ProtocolError: ``oversized`` payload; ValueError for a bad seq or flags.
+    """
+    if not 0 <= seq <= 0xFFFF or flags & ~_KNOWN_FLAGS or not 0 <= flags <= 0xFF:
+        raise ValueError(f"bad seq {seq} or flags 0x{flags:x}")
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError("oversized", f"payload of {len(payload)} bytes > {MAX_PAYLOAD}")
+    body = _HEAD.pack(flags, seq) + bytes(payload)
+    raw = body + _CRC.pack(zlib.crc32(body))
+    return b"\x00" + bytes(cobs.encode(raw)) + b"\x00"
+
+
+def decode_frame(encoded: bytes) -> Frame:
+    """Decode the COBS bytes of one frame (between delimiters, none included).
+
+    Raises:
+        ProtocolError: ``oversized``, ``bad_framing`` or ``bad_crc``.
+    """
+    if len(encoded) > MAX_ENCODED_FRAME:
+        raise ProtocolError("oversized", f"frame of {len(encoded)} bytes > {MAX_ENCODED_FRAME}")
+    try:
+        raw = bytes(cobs.decode(bytes(encoded)))
+    except cobs.DecodeError as exc:
+        raise ProtocolError("bad_framing", f"COBS decoding failed: {exc}") from exc
+    if len(raw) < FRAME_OVERHEAD:
+        raise ProtocolError("bad_framing", f"frame of {len(raw)} bytes < {FRAME_OVERHEAD}")
+    body, (crc,) = raw[:-4], _CRC.unpack(raw[-4:])
+    if zlib.crc32(body) != crc:
+        raise ProtocolError("bad_crc", f"CRC {zlib.crc32(body):08x} != {crc:08x}")
+    flags, seq = _HEAD.unpack(body[:3])
+    payload = body[3:]
+    if flags & ~_KNOWN_FLAGS:
+        raise ProtocolError("bad_framing", f"undefined flag bits 0x{flags:02x}")
+    if flags & FLAG_ACK and payload:
+        raise ProtocolError("bad_framing", "an ACK frame carries a payload")
+    return Frame(seq=seq, flags=flags, payload=payload)
+
+
+class FrameReader:
+    """Splits a byte stream into frames; resynchronises after garbage or cut-off frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._discarding = False  # dropping an oversized run until the next delimiter
+
+    def feed(self, data: bytes) -> list[Frame | ProtocolError]:
+        """Take bytes as they arrive.
+
+        Args:
+            data: any number of bytes, split anywhere.
+
+        Returns:
+            The frames completed by these bytes, in order, with a ProtocolError in
+            place of each frame that was bad (returned, never raised).
+        """
+        out: list[Frame | ProtocolError] = []
+        start = 0
+        while True:
+            end = data.find(DELIMITER, start)
+            piece = data[start:] if end < 0 else data[start:end]
+            self._append(piece, out)
+            if end < 0:
+                return out
+            self._finish(out)
+            start = end + 1
+
+    def _append(self, piece: bytes, out: list[Frame | ProtocolError]) -> None:
+        if self._discarding or not piece:
+            return
+        self._buf += piece
+        if len(self._buf) > MAX_ENCODED_FRAME:
+            out.append(ProtocolError("oversized", f"no delimiter within {MAX_ENCODED_FRAME} bytes"))
+            self._buf.clear()
+            self._discarding = True
+
+    def _finish(self, out: list[Frame | ProtocolError]) -> None:
+        if self._discarding:
+            self._discarding = False
+        elif self._buf:
+            try:
+                out.append(decode_frame(bytes(self._buf)))
+            except ProtocolError as exc:
+                out.append(exc)
+        self._buf.clear()
+
+
+class FrameEncoder:
+    """The sending side's sequence numbers: data frames count up, the first is SYN."""
+
+    def __init__(self, initial_seq: int | None = None) -> None:
+        # A random start makes a restarted sender unlikely to repeat the last seq seen.
+        self._next = random.randrange(0x10000) if initial_seq is None else initial_seq & 0xFFFF
+        self._syn = True
+
+    def data(self, payload: bytes) -> tuple[int, bytes]:
+        """Frame a new message. Returns (seq, wire bytes); resend the same bytes on timeout."""
+        seq = self._next
+        wire = encode_frame(seq, payload, FLAG_SYN if self._syn else 0)
+        self._next = (seq + 1) & 0xFFFF
+        self._syn = False
+        return seq, wire
+
+    def ack(self, seq: int) -> bytes:
+        """The acknowledgement of a received data frame."""
+        return encode_frame(seq, b"", FLAG_ACK)
+
+    def restart(self) -> None:
+        """After MAX_RETRIES failed sends: the next data frame carries SYN again."""
+        self._syn = True
+
+
+class ReceiveFilter:
+    """Duplicate detection on the receiving side (a lost ACK makes the peer resend)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, bool] | None = None
+
+    def accept(self, frame: Frame) -> bool:
+        """True if a data frame is new and must be delivered; acknowledge it either way."""
+        if frame.is_ack:
+            raise ValueError("ACK frames are not filtered")
+        # Consecutive data frames differ in seq (stop-and-wait), so the same seq and
+        # SYN flag as the last delivered frame can only be a retransmission.
+        key = (frame.seq, frame.is_syn)
+        if key == self._last:
+            return False
+        self._last = key
+        return True

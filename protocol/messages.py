@@ -1,0 +1,443 @@
+"""Data-plane messages between the daemon and a board, as pydantic models.
+
+Every message is a frozen model with ``type: Literal[...]``; the unions are
+discriminated on ``type``. The binary layout of each message is in ``codec.py``
+(``protocol/SPEC.md``, section 6); these models are what both ends of a link
+work with. Floats that travel as float32 are rounded to float32 on validation, so
+a model equals its own decode(encode()) exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import zlib
+from typing import Annotated, Final, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from qsched.zo.spec import JobSpec
+
+__all__ = [
+    "BOARD_ERROR_CODES",
+    "K_LIMIT",
+    "MAX_CHUNK",
+    "MAX_KS",
+    "MAX_PAYLOAD",
+    "PROTOCOL_VERSION",
+    "TYPE_CODES",
+    "Accumulator",
+    "ApplyUpdate",
+    "BoardErrorCode",
+    "BoardMessage",
+    "DaemonMessage",
+    "DataMessage",
+    "DataMessageAdapter",
+    "Error",
+    "Estimator",
+    "EvalRequest",
+    "EvalResult",
+    "Heartbeat",
+    "Hello",
+    "JobConfig",
+    "LoadModel",
+    "Loaded",
+    "NpuKind",
+    "Numerics",
+    "Ping",
+    "ReportedState",
+    "Reset",
+    "ResetScope",
+    "Resource",
+    "SelectDataset",
+    "SetWeights",
+    "UpdateAck",
+    "ValidateRequest",
+    "ValidateResult",
+    "WireModel",
+    "job_config",
+    "job_id",
+]
+
+PROTOCOL_VERSION: Final = 1
+# Largest encoded data-plane message (header included). Sized so that one message
+# carries MAX_KS keys with two float32 losses each, as an explicit list; a board's
+# receive buffer is this big (C: QS_MAX_PAYLOAD).
+MAX_PAYLOAD: Final = 12288
+# Largest chunk of a LoadModel / SetWeights message.
+MAX_CHUNK: Final = 8192
+# Most sample keys k in one EvalRequest / EvalResult / ApplyUpdate. k is a uint16.
+MAX_KS: Final = 1024
+K_LIMIT: Final = 0xFFFF
+
+BoardErrorCode = Literal[
+    "internal",
+    "unsupported_version",
+    "malformed",
+    "unknown_type",
+    "unknown_job",
+    "stale_step",
+    "not_ready",
+    "busy",
+    "crc_mismatch",
+    "too_large",
+    "no_memory",
+    "numeric",
+    "dataset_missing",
+    "model_invalid",
+]
+BOARD_ERROR_CODES: tuple[str, ...] = get_args(BoardErrorCode)
+
+Estimator = Literal["two_sided", "one_sided"]
+Numerics = Literal["fp32", "int8"]
+Accumulator = Literal["fp16", "int8"]
+NpuKind = Literal["none", "neural_art", "virtual"]
+ReportedState = Literal["idle", "loading", "ready", "busy", "fault"]
+Resource = Literal["model", "weights", "dataset", "job_config"]
+ResetScope = Literal["soft", "hard"]
+
+
+def _float32(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite float32, got {value}")
+    try:
+        (rounded,) = struct.unpack("<f", struct.pack("<f", value))
+    except OverflowError as exc:
+        raise ValueError(f"{value} is out of float32 range") from exc
+    return float(rounded)
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite float, got {value}")
+    return value
+
+
+def _ascending_ks(ks: tuple[int, ...]) -> tuple[int, ...]:
+    if any(b <= a for a, b in itertools.pairwise(ks)):
+        raise ValueError("sample keys k must be strictly ascending (no repeats)")
+    return ks
+
+
+U8 = Annotated[int, Field(ge=0, le=0xFF)]
+U16 = Annotated[int, Field(ge=0, le=0xFFFF)]
+U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+U64 = Annotated[int, Field(ge=0, le=0xFFFFFFFFFFFFFFFF)]
+F32 = Annotated[float, AfterValidator(_float32)]
+F64 = Annotated[float, AfterValidator(_finite)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,32}$")]
+Version = Annotated[str, Field(pattern=r"^[\x21-\x7e]{1,24}$")]
+Detail = Annotated[str, Field(pattern=r"^[\x20-\x7e]{0,64}$")]
+Ks = Annotated[
+    tuple[Annotated[int, Field(ge=0, le=K_LIMIT)], ...],
+    Field(min_length=1, max_length=MAX_KS),
+    AfterValidator(_ascending_ks),
+]
+Chunk = Annotated[bytes, Field(max_length=MAX_CHUNK)]
+
+
+class WireModel(BaseModel):
+    """Wire conventions shared by every message: no extra fields, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- board -> daemon -------------------------------------------------------------
+
+
+class Hello(WireModel):
+    """First message of a board on every link: who it is and what it can do."""
+
+    type: Literal["hello"] = "hello"
+    protocol_version: U16 = PROTOCOL_VERSION
+    board_id: Name
+    firmware_version: Version
+    npu: NpuKind
+    ram_kib: U32
+    max_batch: U16
+    max_payload: U32 = MAX_PAYLOAD
+    model_hash: U64 = 0  # first 8 bytes of SHA-256 of the model blob held, LE; 0 = none
+    dataset_hash: U64 = 0  # the same for the dataset held; 0 = none
+
+
+class Heartbeat(WireModel):
+    """Periodic liveness, and the answer to a Ping (echoing its nonce; 0 if unsolicited)."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    nonce: U32 = 0
+    uptime_ms: U32
+    state: ReportedState
+    job_id: U32 = 0
+    step: U32 = 0  # the last step whose update the board applied
+
+
+class EvalResult(WireModel):
+    """Losses for each requested k: L+ and L- (two-sided) or L+ and one L0 (one-sided)."""
+
+    type: Literal["eval_result"] = "eval_result"
+    job_id: U32
+    step: U32
+    compute_us: U32
+    estimator: Estimator
+    ks: Ks
+    loss_plus: tuple[F32, ...]
+    loss_minus: tuple[F32, ...] = ()
+    loss_zero: F32 | None = None
+
+    @model_validator(mode="after")
+    def _check_losses(self) -> EvalResult:
+        if len(self.loss_plus) != len(self.ks):
+            raise ValueError("loss_plus needs one loss per k")
+        if self.estimator == "two_sided":
+            if len(self.loss_minus) != len(self.ks) or self.loss_zero is not None:
+                raise ValueError("two-sided results carry loss_minus per k and no loss_zero")
+        elif self.loss_minus or self.loss_zero is None:
+            raise ValueError("one-sided results carry one loss_zero and no loss_minus")
+        return self
+
+
+class UpdateAck(WireModel):
+    """An update was applied; the checksum is CRC-32 of the weights (SPEC section 5)."""
+
+    type: Literal["update_ack"] = "update_ack"
+    job_id: U32
+    step: U32
+    checksum: U32
+
+
+class ValidateResult(WireModel):
+    """Unperturbed evaluation of validation samples [start, start + count)."""
+
+    type: Literal["validate_result"] = "validate_result"
+    job_id: U32
+    step: U32
+    start: U32
+    count: U32
+    loss_sum: F64
+    correct: U32
+    compute_us: U32
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> ValidateResult:
+        if self.correct > self.count:
+            raise ValueError("correct cannot exceed count")
+        return self
+
+
+class Loaded(WireModel):
+    """A resource is complete and verified: the last chunk arrived and the CRC matched."""
+
+    type: Literal["loaded"] = "loaded"
+    resource: Resource
+    job_id: U32 = 0
+    crc32: U32
+    size: U32
+
+
+# --- both directions -------------------------------------------------------------
+
+
+class Error(WireModel):
+    """A typed refusal. ``ref_type`` is the type code of the offending message (0: none)."""
+
+    type: Literal["error"] = "error"
+    code: BoardErrorCode
+    ref_type: U8 = 0
+    job_id: U32 = 0
+    step: U32 = 0
+    detail: Detail = ""
+
+
+# --- daemon -> board -------------------------------------------------------------
+
+
+class _Chunked(WireModel):
+    total: U32
+    offset: U32
+    chunk: Chunk
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> _Chunked:
+        if self.offset + len(self.chunk) > self.total:
+            raise ValueError("chunk runs past the total length")
+        return self
+
+
+class LoadModel(_Chunked):
+    """One chunk of the model blob; ``crc32`` is over the whole blob."""
+
+    type: Literal["load_model"] = "load_model"
+    crc32: U32
+
+
+class SetWeights(_Chunked):
+    """One chunk of the flat trainable vector followed (INT8) by the accumulation buffer.
+
+    The whole byte string is exactly what the weight checksum covers (SPEC section 5),
+    so ``checksum`` is both the transfer CRC and the expected ``UpdateAck`` checksum.
+    """
+
+    type: Literal["set_weights"] = "set_weights"
+    job_id: U32
+    step: U32
+    checksum: U32
+
+
+class SelectDataset(WireModel):
+    """The dataset the board must use, and the hash that identifies its contents."""
+
+    type: Literal["select_dataset"] = "select_dataset"
+    name: Name
+    dataset_hash: U64
+    train_size: U32
+    val_size: U32
+
+
+class JobConfig(WireModel):
+    """What a board needs from the JobSpec (see ``job_config``)."""
+
+    type: Literal["job_config"] = "job_config"
+    job_id: U32
+    seed: U64
+    numerics: Numerics
+    estimator: Estimator
+    accumulator: Accumulator
+    batch_size: U16
+    eps: F32
+
+
+class EvalRequest(WireModel):
+    """Evaluate the perturbed losses of sample keys ``ks`` at a step."""
+
+    type: Literal["eval_request"] = "eval_request"
+    job_id: U32
+    step: U32
+    batch_size: U16
+    eps: F32
+    estimator: Estimator
+    ks: Ks
+
+
+class ApplyUpdate(WireModel):
+    """The step's update: pairs (k, c_k), k ascending (SPEC section 4)."""
+
+    type: Literal["apply_update"] = "apply_update"
+    job_id: U32
+    step: U32
+    ks: Ks
+    coefficients: tuple[F32, ...]
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> ApplyUpdate:
+        if len(self.coefficients) != len(self.ks):
+            raise ValueError("one coefficient per k")
+        return self
+
+    def pairs(self) -> list[tuple[int, float]]:
+        """The (k, c_k) pairs in ascending k, as ``qsched.zo.update`` takes them."""
+        return list(zip(self.ks, self.coefficients, strict=True))
+
+
+class ValidateRequest(WireModel):
+    """Evaluate the unperturbed model on validation samples [start, start + count)."""
+
+    type: Literal["validate_request"] = "validate_request"
+    job_id: U32
+    step: U32
+    start: U32
+    count: Annotated[int, Field(ge=1, le=0xFFFFFFFF)]
+
+
+class Ping(WireModel):
+    """Liveness probe; the board answers with a Heartbeat echoing ``nonce``."""
+
+    type: Literal["ping"] = "ping"
+    nonce: U32
+
+
+class Reset(WireModel):
+    """Soft: drop job, model and weights. Hard: reboot the board."""
+
+    type: Literal["reset"] = "reset"
+    scope: ResetScope = "soft"
+
+
+BoardMessage = Annotated[
+    Hello | Heartbeat | EvalResult | UpdateAck | ValidateResult | Loaded | Error,
+    Field(discriminator="type"),
+]
+DaemonMessage = Annotated[
+    LoadModel
+    | SetWeights
+    | SelectDataset
+    | JobConfig
+    | EvalRequest
+    | ApplyUpdate
+    | ValidateRequest
+    | Ping
+    | Reset
+    | Error,
+    Field(discriminator="type"),
+]
+DataMessage = Annotated[
+    Hello
+    | Heartbeat
+    | EvalResult
+    | UpdateAck
+    | ValidateResult
+    | Loaded
+    | Error
+    | LoadModel
+    | SetWeights
+    | SelectDataset
+    | JobConfig
+    | EvalRequest
+    | ApplyUpdate
+    | ValidateRequest
+    | Ping
+    | Reset,
+    Field(discriminator="type"),
+]
+DataMessageAdapter: TypeAdapter[DataMessage] = TypeAdapter(DataMessage)
+
+# Binary type codes: board -> daemon 0x01.., daemon -> board 0x41.., both ways 0x7F.
+TYPE_CODES: Final[dict[type[WireModel], int]] = {
+    Hello: 0x01,
+    Heartbeat: 0x02,
+    EvalResult: 0x03,
+    UpdateAck: 0x04,
+    ValidateResult: 0x05,
+    Loaded: 0x06,
+    LoadModel: 0x41,
+    SetWeights: 0x42,
+    SelectDataset: 0x43,
+    JobConfig: 0x44,
+    EvalRequest: 0x45,
+    ApplyUpdate: 0x46,
+    ValidateRequest: 0x47,
+    Ping: 0x48,
+    Reset: 0x49,
+    Error: 0x7F,
+}
+
+
+def job_id(spec: JobSpec) -> int:
+    """The uint32 job id boards use to reject stale requests: CRC-32 of the spec's JSON.
+
+    0 means "no job" on the wire, so a CRC of 0 maps to 1.
+    """
+    return zlib.crc32(spec.model_dump_json().encode("utf-8")) or 1
+
+
+def job_config(spec: JobSpec) -> JobConfig:
+    """The binary JobConfig a board receives for a job spec."""
+    return JobConfig(
+        job_id=job_id(spec),
+        seed=spec.seed,
+        numerics=spec.numerics,
+        estimator=spec.estimator,
+        accumulator=spec.accumulator,
+        batch_size=spec.batch_size,
+        eps=spec.eps,
+    )
