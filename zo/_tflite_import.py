@@ -320,8 +320,20 @@ def parse_tflite(data: bytes) -> QuantModel:
 
     Returns:
         The INT8 model with its graph, int8 weights, int32 biases and scales.
+
+    Raises:
+        TFLiteFormatError: malformed bytes; TFLiteError: an unsupported model.
     """
-    model = _decode(bytes(data))
+    try:
+        return _parse(bytes(data))
+    except TFLiteError:
+        raise
+    except Exception as exc:  # the flatbuffer decoder trusts its input; garbage fails anywhere
+        raise TFLiteFormatError(f"malformed .tflite model: {exc!r}") from exc
+
+
+def _parse(data: bytes) -> QuantModel:
+    model = _decode(data)
     graph = model.subgraphs[0]
     info = _metadata(model)
     r = _Reader(model=model, graph=graph)
