@@ -1,0 +1,134 @@
+"""qscheduler: raise q along the ladder only when the judged metric stalls."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
+from qsched.zo.spec import PolicySpec
+
+CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=10.0, eval_every=10)
+
+
+def make(**config: Any) -> QPolicy:
+    return create_policy(PolicySpec(name="qscheduler", config=config), CONTEXT)
+
+
+def evals(policy: QPolicy, values: list[float], metric: str = "val_accuracy") -> list[int]:
+    """Feed one validation per value; return q after each."""
+    out = []
+    for i, value in enumerate(values):
+        acc, loss = (value, 1.0) if metric == "val_accuracy" else (0.5, value)
+        out.append(policy.on_eval(EvalReport(step=10 * i, val_loss=loss, val_accuracy=acc)))
+    return out
+
+
+def step(policy: QPolicy, t: int, loss: float) -> int:
+    grads = np.zeros(policy.q)
+    return policy.on_step(StepReport(t, policy.q, loss, grads, 2 * (t + 1)))
+
+
+def test_qscheduler_starts_at_q0() -> None:
+    """Step 0 runs with q0."""
+    assert make().q == 1
+    assert make(q0=4, qmax=16).q == 4
+
+
+def test_qscheduler_raises_after_patience() -> None:
+    """A flat metric raises q one rung every `patience` validations after the first."""
+    policy = make(patience=3, cooldown=0)
+    assert evals(policy, [0.5] * 7) == [1, 1, 1, 2, 2, 2, 4]
+
+
+def test_qscheduler_steady_improvement_keeps_q() -> None:
+    """A metric that improves by more than min_delta at every validation never raises q."""
+    policy = make(patience=1, cooldown=0)
+    assert evals(policy, [0.5 + 0.01 * i for i in range(20)]) == [1] * 20
+
+
+def test_qscheduler_min_delta_margin() -> None:
+    """Gains below min_delta count as stalls; gains above it do not."""
+    small = make(patience=2, cooldown=0, min_delta=0.002)
+    assert evals(small, [0.5, 0.5015, 0.5015]) == [1, 1, 2]
+    large = make(patience=2, cooldown=0, min_delta=0.002)
+    assert evals(large, [0.5, 0.5025, 0.505]) == [1, 1, 1]
+
+
+def test_qscheduler_small_gains_accumulate() -> None:
+    """The best only moves on a real improvement, so slow gains add up until they count."""
+    policy = make(patience=1, cooldown=0, min_delta=0.002)
+    assert evals(policy, [0.5, 0.5015, 0.503, 0.5035]) == [1, 2, 2, 4]
+
+
+def test_qscheduler_loss_metric_direction() -> None:
+    """For val_loss lower is better: a falling loss keeps q, a rising one raises it."""
+    falling = make(metric="val_loss", patience=2, cooldown=0)
+    assert evals(falling, [2.0 * 0.9**i for i in range(6)], "val_loss")[-1] == 1
+    rising = make(metric="val_loss", patience=2, cooldown=0)
+    assert evals(rising, [1.0 + 0.1 * i for i in range(6)], "val_loss")[-1] == 4
+
+
+def test_qscheduler_loss_threshold_is_relative() -> None:
+    """For losses min_delta is a fraction of the best: 0.1% gains on a loss of 100 are stalls."""
+    policy = make(metric="val_loss", patience=1, cooldown=0, min_delta=0.002)
+    assert evals(policy, [100.0 - 0.1 * i for i in range(3)], "val_loss") == [1, 2, 4]
+
+
+def test_qscheduler_direction_override() -> None:
+    """An explicit direction wins over the metric's natural sense."""
+    policy = make(direction="min", patience=1, cooldown=0)
+    assert evals(policy, [0.9 - 0.05 * i for i in range(6)]) == [1] * 6
+
+
+def test_qscheduler_cooldown_ignores_stalls_after_raise() -> None:
+    """The `cooldown` validations after a raise do not count toward patience."""
+    policy = make(patience=1, cooldown=2)
+    assert evals(policy, [0.5] * 8) == [1, 2, 2, 2, 4, 4, 4, 8]
+
+
+def test_qscheduler_best_kept_across_raise() -> None:
+    """After a raise the metric must beat the old best: a partial recovery is still a stall."""
+    policy = make(patience=1, cooldown=0)
+    assert evals(policy, [0.8, 0.7, 0.75, 0.81]) == [1, 2, 4, 4]
+
+
+def test_qscheduler_train_loss_metric_uses_smoothed_loss() -> None:
+    """With metric train_loss the smoothed step loss is judged: falling keeps q, flat raises."""
+    falling = make(metric="train_loss", patience=2, cooldown=0, smoothing=0.5)
+    flat = make(metric="train_loss", patience=2, cooldown=0, smoothing=0.5)
+    assert flat.on_eval(EvalReport(0, 1.0, 0.5)) == 1  # nothing to judge before a step
+    for t in range(100):
+        step(falling, t, 3.0 * 0.98**t)
+        step(flat, t, 3.0 + (0.01 if t % 2 else -0.01))
+        if t % 10 == 9:
+            falling.on_eval(EvalReport(t, 1.0, 0.5))
+            flat.on_eval(EvalReport(t, 1.0, 0.5))
+    assert falling.q == 1
+    assert flat.q >= 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=60),
+    ladder=st.sets(st.integers(2, 40), max_size=5),
+    qmax=st.integers(1, 40),
+    patience=st.integers(1, 4),
+    cooldown=st.integers(0, 3),
+)
+def test_qscheduler_ladder_invariants(
+    values: list[float], ladder: set[int], qmax: int, patience: int, cooldown: int
+) -> None:
+    """On any metric sequence q stays on the ladder, never exceeds qmax and never drops."""
+    allowed = sorted({1} | {v for v in ladder if v <= qmax})
+    policy = make(qmax=qmax, allowed=allowed, patience=patience, cooldown=cooldown)
+    qs = [policy.q, *evals(policy, values)]
+    assert all(q in allowed and q <= qmax for q in qs)
+    assert all(b >= a for a, b in itertools.pairwise(qs))
+    # A raise always lands on the next rung: no rung is skipped.
+    rungs = [*allowed, allowed[-1]]
+    assert all(b in (a, rungs[allowed.index(a) + 1]) for a, b in itertools.pairwise(qs))
