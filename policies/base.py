@@ -43,6 +43,13 @@ class PolicyContext:
     steps_per_epoch: float  # training-set size / batch size
     eval_every: int
 
+    def __post_init__(self) -> None:
+        if self.total_steps < 1 or self.eval_every < 1 or not self.steps_per_epoch > 0:
+            raise PolicyError(
+                "policy context needs total_steps >= 1, steps_per_epoch > 0 and eval_every >= 1, "
+                f"got {self.total_steps}, {self.steps_per_epoch}, {self.eval_every}"
+            )
+
 
 @dataclass(frozen=True)
 class StepReport:

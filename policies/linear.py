@@ -55,9 +55,8 @@ class LinearPolicy(QPolicy):
         Returns:
             The ramp's q for that step.
         """
-        total = max(1, self.context.total_steps)
         # Integer arithmetic: floor(t * n / T) exactly, with no float rounding at the edges.
-        q = min(max(1, step * self.config.qmax // total), self.config.qmax)
+        q = min(max(1, step * self.config.qmax // self.context.total_steps), self.config.qmax)
         if self.config.allowed is not None:
             q = floor_allowed(q, self.config.allowed)
         return q

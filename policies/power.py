@@ -44,7 +44,7 @@ class PowerPolicy(QPolicy):
         Returns:
             The power law's q for that step.
         """
-        epoch = step / max(self.context.steps_per_epoch, 1e-12)
+        epoch = step / self.context.steps_per_epoch
         if self.config.whole_epochs:
             epoch = float(math.floor(epoch))
         raw = float(self.config.alpha * epoch**self.config.beta)

@@ -158,3 +158,10 @@ def test_registry_plugin_import_error(plugin_dir: Path) -> None:
     install_plugin(plugin_dir, {"ghost": "qsched_missing_module:Ghost"})
     with pytest.raises(PolicyError, match=r"'ghost'.*failed to load"):
         available_policies()
+
+
+@pytest.mark.parametrize(("total", "per_epoch", "every"), [(0, 10.0, 5), (10, 0.0, 5), (10, float("nan"), 5), (10, 1.0, 0)])
+def test_registry_context_checked(total: int, per_epoch: float, every: int) -> None:
+    """A context with no steps, no epoch length or no evaluation period is refused."""
+    with pytest.raises(PolicyError, match="policy context needs"):
+        PolicyContext(total_steps=total, steps_per_epoch=per_epoch, eval_every=every)
