@@ -1,0 +1,214 @@
+#include "kernels.h"
+
+#include "qs_status.h"
+#include "quant.h"
+
+static int32_t offset4(qs_shape s, int32_t n, int32_t h, int32_t w, int32_t c)
+{
+    return ((n * s.h + h) * s.w + w) * s.c + c;
+}
+
+static int8_t requant_out(int32_t acc, qs_requant rq, int32_t channel, int32_t output_offset,
+                          int32_t act_min, int32_t act_max)
+{
+    acc = qs_mbqm(acc, rq.multiplier[channel], rq.shift[channel]);
+    /* |acc| after requantisation is bounded by the int32 range; the output offset is
+     * in [-128, 127], and the clamp brings it to [act_min, act_max] within int8. Add
+     * in int64 so an extreme multiplier cannot overflow the sum. */
+    const int64_t shifted = (int64_t)acc + output_offset;
+    const int64_t lo = act_min, hi = act_max;
+    return (int8_t)(shifted < lo ? lo : (shifted > hi ? hi : shifted));
+}
+
+void qs_conv_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, const int8_t *input,
+                qs_shape filter_shape, const int8_t *filter, const int32_t *bias, qs_shape out_shape,
+                int8_t *output)
+{
+    const int32_t filter_depth = filter_shape.c; /* input channels per group */
+    const int32_t per_group = out_shape.c / p->groups;
+    QS_ASSERT(filter_depth * p->groups == in_shape.c && filter_shape.n == out_shape.c);
+    QS_ASSERT(filter_shape.h * filter_shape.w * filter_depth <= QS_MAX_ACC_DEPTH);
+    for (int32_t b = 0; b < out_shape.n; ++b) {
+        for (int32_t oy = 0; oy < out_shape.h; ++oy) {
+            const int32_t y0 = oy * p->stride_h - p->pad_h;
+            for (int32_t ox = 0; ox < out_shape.w; ++ox) {
+                const int32_t x0 = ox * p->stride_w - p->pad_w;
+                for (int32_t oc = 0; oc < out_shape.c; ++oc) {
+                    const int32_t group = oc / per_group;
+                    /* At most QS_MAX_ACC_DEPTH products of magnitude <= QS_MAX_PRODUCT:
+                     * |acc| < 2^31 (see kernels.h). */
+                    int32_t acc = 0;
+                    for (int32_t fy = 0; fy < filter_shape.h; ++fy) {
+                        const int32_t y = y0 + fy;
+                        if (y < 0 || y >= in_shape.h) {
+                            continue;
+                        }
+                        for (int32_t fx = 0; fx < filter_shape.w; ++fx) {
+                            const int32_t x = x0 + fx;
+                            if (x < 0 || x >= in_shape.w) {
+                                continue;
+                            }
+                            const int8_t *in = input + offset4(in_shape, b, y, x, group * filter_depth);
+                            const int8_t *f = filter + offset4(filter_shape, oc, fy, fx, 0);
+                            for (int32_t ic = 0; ic < filter_depth; ++ic) {
+                                acc += (int32_t)f[ic] * ((int32_t)in[ic] + p->input_offset);
+                            }
+                        }
+                    }
+                    /* Prepare bounds |bias| <= 2^31 - 1 - depth * QS_MAX_PRODUCT. */
+                    acc += bias[oc];
+                    output[offset4(out_shape, b, oy, ox, oc)] =
+                        requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max);
+                }
+            }
+        }
+    }
+}
+
+void qs_depthwise_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, const int8_t *input,
+                     qs_shape filter_shape, const int8_t *filter, const int32_t *bias,
+                     qs_shape out_shape, int8_t *output)
+{
+    const int32_t dm = p->depth_multiplier;
+    QS_ASSERT(filter_shape.n == 1 && filter_shape.c == in_shape.c * dm && out_shape.c == filter_shape.c);
+    for (int32_t b = 0; b < out_shape.n; ++b) {
+        for (int32_t oy = 0; oy < out_shape.h; ++oy) {
+            const int32_t y0 = oy * p->stride_h - p->pad_h;
+            for (int32_t ox = 0; ox < out_shape.w; ++ox) {
+                const int32_t x0 = ox * p->stride_w - p->pad_w;
+                for (int32_t ic = 0; ic < in_shape.c; ++ic) {
+                    for (int32_t m = 0; m < dm; ++m) {
+                        const int32_t oc = ic * dm + m;
+                        int32_t acc = 0; /* kh*kw <= QS_MAX_ACC_DEPTH products: < 2^31 */
+                        for (int32_t fy = 0; fy < filter_shape.h; ++fy) {
+                            const int32_t y = y0 + fy;
+                            if (y < 0 || y >= in_shape.h) {
+                                continue;
+                            }
+                            for (int32_t fx = 0; fx < filter_shape.w; ++fx) {
+                                const int32_t x = x0 + fx;
+                                if (x < 0 || x >= in_shape.w) {
+                                    continue;
+                                }
+                                const int32_t v = input[offset4(in_shape, b, y, x, ic)];
+                                const int32_t f = filter[offset4(filter_shape, 0, fy, fx, oc)];
+                                acc += f * (v + p->input_offset);
+                            }
+                        }
+                        acc += bias[oc];
+                        output[offset4(out_shape, b, oy, ox, oc)] =
+                            requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max);
+                    }
+                }
+            }
+        }
+    }
+}
+
+void qs_fc_s8(const qs_fc_params *p, qs_requant rq, int32_t batch, int32_t depth, int32_t units,
+              const int8_t *input, const int8_t *filter, const int32_t *bias, int8_t *output)
+{
+    QS_ASSERT(depth <= QS_MAX_ACC_DEPTH);
+    for (int32_t b = 0; b < batch; ++b) {
+        const int8_t *in = input + b * depth;
+        for (int32_t u = 0; u < units; ++u) {
+            const int8_t *f = filter + u * depth;
+            int32_t acc = 0; /* depth <= QS_MAX_ACC_DEPTH products: |acc| < 2^31 */
+            for (int32_t d = 0; d < depth; ++d) {
+                acc += (int32_t)f[d] * ((int32_t)in[d] + p->input_offset);
+            }
+            acc += bias[u];
+            output[b * units + u] = requant_out(acc, rq, u, p->output_offset, p->act_min, p->act_max);
+        }
+    }
+}
+
+/* The valid part [start, end) of a pooling window along one axis. */
+static void window(int32_t origin, int32_t filter, int32_t size, int32_t *start, int32_t *end)
+{
+    *start = origin < 0 ? -origin : 0;
+    *end = size - origin < filter ? size - origin : filter;
+}
+
+void qs_avgpool_s8(const qs_pool_params *p, qs_shape in_shape, const int8_t *input, qs_shape out_shape,
+                   int8_t *output)
+{
+    for (int32_t b = 0; b < out_shape.n; ++b) {
+        for (int32_t oy = 0; oy < out_shape.h; ++oy) {
+            const int32_t y0 = oy * p->stride_h - p->pad_h;
+            int32_t fy0, fy1;
+            window(y0, p->filter_h, in_shape.h, &fy0, &fy1);
+            for (int32_t ox = 0; ox < out_shape.w; ++ox) {
+                const int32_t x0 = ox * p->stride_w - p->pad_w;
+                int32_t fx0, fx1;
+                window(x0, p->filter_w, in_shape.w, &fx0, &fx1);
+                for (int32_t c = 0; c < out_shape.c; ++c) {
+                    /* Window area <= QS_MAX_ACC_DEPTH values of |v| <= 128: < 2^24. */
+                    int32_t acc = 0;
+                    int32_t count = 0;
+                    for (int32_t fy = fy0; fy < fy1; ++fy) {
+                        for (int32_t fx = fx0; fx < fx1; ++fx) {
+                            acc += input[offset4(in_shape, b, y0 + fy, x0 + fx, c)];
+                            ++count;
+                        }
+                    }
+                    QS_ASSERT(count > 0); /* Prepare rejects windows outside the input */
+                    acc = acc > 0 ? (acc + count / 2) / count : (acc - count / 2) / count;
+                    output[offset4(out_shape, b, oy, ox, c)] = (int8_t)qs_clamp(acc, p->act_min, p->act_max);
+                }
+            }
+        }
+    }
+}
+
+void qs_maxpool_s8(const qs_pool_params *p, qs_shape in_shape, const int8_t *input, qs_shape out_shape,
+                   int8_t *output)
+{
+    for (int32_t b = 0; b < out_shape.n; ++b) {
+        for (int32_t oy = 0; oy < out_shape.h; ++oy) {
+            const int32_t y0 = oy * p->stride_h - p->pad_h;
+            int32_t fy0, fy1;
+            window(y0, p->filter_h, in_shape.h, &fy0, &fy1);
+            for (int32_t ox = 0; ox < out_shape.w; ++ox) {
+                const int32_t x0 = ox * p->stride_w - p->pad_w;
+                int32_t fx0, fx1;
+                window(x0, p->filter_w, in_shape.w, &fx0, &fx1);
+                for (int32_t c = 0; c < out_shape.c; ++c) {
+                    int32_t best = -128;
+                    for (int32_t fy = fy0; fy < fy1; ++fy) {
+                        for (int32_t fx = fx0; fx < fx1; ++fx) {
+                            const int32_t v = input[offset4(in_shape, b, y0 + fy, x0 + fx, c)];
+                            best = v > best ? v : best;
+                        }
+                    }
+                    output[offset4(out_shape, b, oy, ox, c)] = (int8_t)qs_clamp(best, p->act_min, p->act_max);
+                }
+            }
+        }
+    }
+}
+
+void qs_add_s8(const qs_add_params *p, int32_t size, const int8_t *in1, const int8_t *in2, int8_t *output)
+{
+    for (int32_t i = 0; i < size; ++i) {
+        /* |x + offset| <= 255 < 2^8, shifted by left_shift <= 20 (Prepare): < 2^28,
+         * and the sum of two scaled values stays below 2^29. */
+        const int32_t a = ((int32_t)in1[i] + p->input1_offset) * (1 << p->left_shift);
+        const int32_t b = ((int32_t)in2[i] + p->input2_offset) * (1 << p->left_shift);
+        const int32_t sa = qs_mbqm_small(a, p->input1_multiplier, p->input1_shift);
+        const int32_t sb = qs_mbqm_small(b, p->input2_multiplier, p->input2_shift);
+        const int32_t raw = qs_mbqm_small(sa + sb, p->output_multiplier, p->output_shift) + p->output_offset;
+        output[i] = (int8_t)qs_clamp(raw, p->act_min, p->act_max);
+    }
+}
+
+void qs_requant_s8(const qs_requant_params *p, int32_t size, const int8_t *input, int8_t *output)
+{
+    for (int32_t i = 0; i < size; ++i) {
+        /* |x + offset| <= 255; after the multiplier (Prepare: shift <= 0 for ReLU
+         * rescaling of equal-range tensors) the sum with the output offset fits int32. */
+        const int32_t v = qs_mbqm((int32_t)input[i] + p->input_offset, p->multiplier, p->shift);
+        const int64_t o = (int64_t)v + p->output_offset;
+        output[i] = (int8_t)(o < p->act_min ? p->act_min : (o > p->act_max ? p->act_max : o));
+    }
+}

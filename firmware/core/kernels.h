@@ -1,0 +1,98 @@
+/*
+ * INT8 reference kernels: pure math per operation, in the style of TFLite Micro's
+ * reference/integer_ops. No validation here beyond QS_ASSERT: the runtime (model.c)
+ * checks every shape and parameter once in Prepare, so Eval is integer-only, never
+ * allocates and never fails.
+ *
+ * Tensors are NHWC int8 with asymmetric quantisation; weights are per-channel
+ * symmetric int8 (zero point 0); biases are int32 with scale s_in * s_w.
+ */
+#ifndef QS_KERNELS_H
+#define QS_KERNELS_H
+
+#include <stdint.h>
+
+typedef struct {
+    int32_t n, h, w, c;
+} qs_shape;
+
+/* Accumulation depth bound: |w| <= 127 and |x - zp| <= 255 give |w * (x - zp)| <=
+ * 32385 < 2^15, so at most 2^16 products sum to below 2^31 (65536 * 32385 =
+ * 2122383360 < 2147483647). Prepare also bounds |bias| so that sum + bias fits. */
+#define QS_MAX_ACC_DEPTH 65536
+#define QS_MAX_PRODUCT 32385
+
+typedef struct {
+    int32_t input_offset;  /* minus the input zero point */
+    int32_t output_offset; /* the output zero point */
+    int32_t stride_h, stride_w;
+    int32_t pad_h, pad_w; /* top/left padding, TFLite's ComputePaddingHeightWidth */
+    int32_t act_min, act_max;
+    int32_t groups;           /* Conv2D: input channels split into groups */
+    int32_t depth_multiplier; /* depthwise: output channels per input channel */
+} qs_conv_params;
+
+/* Per-output-channel requantisation, from Prepare. */
+typedef struct {
+    const int32_t *multiplier;
+    const int32_t *shift;
+} qs_requant;
+
+/* Conv2D, filter (O, kh, kw, C/groups) (OHWI), bias (O), output (N, oh, ow, O). */
+void qs_conv_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, const int8_t *input,
+                qs_shape filter_shape, const int8_t *filter, const int32_t *bias, qs_shape out_shape,
+                int8_t *output);
+
+/* Depthwise Conv2D, filter (1, kh, kw, C*dm) (1HWO). */
+void qs_depthwise_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, const int8_t *input,
+                     qs_shape filter_shape, const int8_t *filter, const int32_t *bias,
+                     qs_shape out_shape, int8_t *output);
+
+typedef struct {
+    int32_t input_offset;
+    int32_t output_offset;
+    int32_t act_min, act_max;
+} qs_fc_params;
+
+/* Fully connected: input (batch, depth), filter (units, depth), output (batch, units). */
+void qs_fc_s8(const qs_fc_params *p, qs_requant rq, int32_t batch, int32_t depth, int32_t units,
+              const int8_t *input, const int8_t *filter, const int32_t *bias, int8_t *output);
+
+typedef struct {
+    int32_t stride_h, stride_w;
+    int32_t filter_h, filter_w;
+    int32_t pad_h, pad_w;
+    int32_t act_min, act_max;
+} qs_pool_params;
+
+/* Average pooling over the valid part of each window (TFLite AveragePool int8). */
+void qs_avgpool_s8(const qs_pool_params *p, qs_shape in_shape, const int8_t *input, qs_shape out_shape,
+                   int8_t *output);
+
+/* Max pooling (TFLite MaxPool int8). */
+void qs_maxpool_s8(const qs_pool_params *p, qs_shape in_shape, const int8_t *input, qs_shape out_shape,
+                   int8_t *output);
+
+typedef struct {
+    int32_t left_shift; /* 20 in TFLite */
+    int32_t input1_offset, input2_offset, output_offset;
+    int32_t input1_multiplier, input1_shift;
+    int32_t input2_multiplier, input2_shift;
+    int32_t output_multiplier, output_shift;
+    int32_t act_min, act_max;
+} qs_add_params;
+
+/* Element-wise add of two int8 tensors of one shape (TFLite Add int8). */
+void qs_add_s8(const qs_add_params *p, int32_t size, const int8_t *in1, const int8_t *in2, int8_t *output);
+
+typedef struct {
+    int32_t input_offset; /* minus the input zero point */
+    int32_t output_offset;
+    int32_t multiplier, shift;
+    int32_t act_min, act_max;
+} qs_requant_params;
+
+/* Requantise element-wise with a clamp: TFLite's int8 ReLU/ReLU6 and rescaling. */
+void qs_requant_s8(const qs_requant_params *p, int32_t size, const int8_t *input, int8_t *output);
+
+#endif

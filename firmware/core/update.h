@@ -1,0 +1,56 @@
+/*
+ * Perturbation and update arithmetic over the flat trainable vector
+ * (protocol/SPEC.md sections 2-5), bit for bit as qsched.zo.update.
+ *
+ * The flat vector may live in several buffers (one per tensor), so every function
+ * takes `first`, the flat index of the buffer's element 0: z_k depends on the flat
+ * index, not on where the element is stored.
+ */
+#ifndef QS_UPDATE_H
+#define QS_UPDATE_H
+
+#include <stdint.h>
+
+#include "qs_status.h"
+
+#define QS_INT8_WEIGHT_MAX 127 /* symmetric int8 weights: -128 is never used */
+
+/* One update coefficient c_k for perturbation k. */
+typedef struct {
+    uint32_t k;
+    float c;
+} qs_pair;
+
+/* The (seed, step) a perturbation or update belongs to. */
+typedef struct {
+    uint64_t seed;
+    uint32_t step;
+} qs_stream;
+
+/* QS_OK when k is strictly ascending (the wire order), else QS_ERR_ORDER. */
+qs_status qs_pairs_check(const qs_pair *pairs, uint32_t count);
+
+/* out[j] = clamp(w[j] + sign*eps*z_k[first+j], -127, 127); out may alias w.
+ * Returns QS_ERR_ARG unless sign is +1 or -1 and 0 < eps <= 127. */
+qs_status qs_perturb_int8(const int8_t *w, int8_t *out, uint32_t count, uint32_t first,
+                          qs_stream stream, uint32_t k, int32_t eps, int32_t sign);
+
+/* out[j] = theta[j] + (sign*eps)*z_k[first+j] in float32; out may alias theta. */
+qs_status qs_perturb_f32(const float *theta, float *out, uint32_t count, uint32_t first,
+                         qs_stream stream, uint32_t k, float eps, int32_t sign);
+
+/* theta += sum_k c_k z_k, summed per element in ascending k (SPEC section 4). */
+qs_status qs_apply_f32(float *theta, uint32_t count, uint32_t first, qs_stream stream,
+                       const qs_pair *pairs, uint32_t npairs);
+
+/* INT8 weights with the FP16 accumulation buffer (binary16 bits), SPEC section 4. */
+qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t first,
+                             qs_stream stream, const qs_pair *pairs, uint32_t npairs);
+
+/* Continue the weight checksum over binary16 values, little-endian bytes. */
+uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count);
+
+/* Continue the weight checksum over float32 values, little-endian bytes. */
+uint32_t qs_crc32_f32(uint32_t crc, const float *theta, uint32_t count);
+
+#endif

@@ -1,0 +1,154 @@
+"""Building and driving the C firmware from Python (tests, the daemon's fleet tests, CLI).
+
+``make -C firmware`` builds three flavours into ``firmware/build/``: ``host`` (the board
+executable and the test tool), ``asan`` (the same with AddressSanitizer and UBSan) and
+``m55`` (Cortex-M55 images for QEMU's ``mps3-an547``). This module runs that build once
+per process (under a file lock, so parallel test processes do not race) and says
+plainly why a part cannot be built.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Final, Literal
+
+__all__ = [
+    "BUILD_DIR",
+    "FIRMWARE_DIR",
+    "FirmwareBuildError",
+    "ToolProcess",
+    "board_executable",
+    "build",
+    "m55_unavailable_reason",
+    "tool_executable",
+]
+
+FIRMWARE_DIR: Final = Path(__file__).resolve().parent
+BUILD_DIR: Final = FIRMWARE_DIR / "build"
+ARM_CC: Final = "arm-none-eabi-gcc"
+QEMU: Final = "qemu-system-arm"
+BUILD_TIMEOUT_S: Final = 300.0
+
+Flavour = Literal["host", "asan", "m55"]
+_built: set[str] = set()
+
+
+class FirmwareBuildError(RuntimeError):
+    """``make`` failed or is missing; the message carries the tail of its output."""
+
+
+def m55_unavailable_reason() -> str | None:
+    """Why the Cortex-M55 part cannot be built or run here, or None if it can.
+
+    Returns:
+        A sentence naming the missing tool, or None.
+    """
+    for tool, package in ((ARM_CC, "gcc-arm-none-eabi"), (QEMU, "qemu-system-arm")):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (install the Debian package {package})"
+    return None
+
+
+def build(flavour: Flavour) -> Path:
+    """Build one flavour of the firmware (once per process) and return its folder.
+
+    Args:
+        flavour: ``host``, ``asan`` or ``m55``.
+
+    Returns:
+        The build folder of that flavour, e.g. ``firmware/build/host``.
+
+    Raises:
+        FirmwareBuildError: make is missing or the build failed.
+    """
+    out = BUILD_DIR / flavour
+    if flavour in _built:
+        return out
+    if shutil.which("make") is None:
+        raise FirmwareBuildError("make not found: install make and gcc to build the firmware")
+    if flavour == "m55" and (reason := m55_unavailable_reason()) is not None:
+        raise FirmwareBuildError(f"cannot build the Cortex-M55 images: {reason}")
+    BUILD_DIR.mkdir(exist_ok=True)
+    with open(BUILD_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(
+            ["make", "-s", "-C", str(FIRMWARE_DIR), flavour],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise FirmwareBuildError(f"make {flavour} failed (exit {proc.returncode}):\n{tail}")
+    _built.add(flavour)
+    return out
+
+
+def board_executable(sanitized: bool = False) -> Path:
+    """The host board executable (``qs_board``), built if needed.
+
+    Args:
+        sanitized: the AddressSanitizer/UBSan build instead of the optimised one.
+
+    Returns:
+        Path of the executable; run it as ``qs_board <serial device>``.
+    """
+    return build("asan" if sanitized else "host") / "qs_board"
+
+
+def tool_executable(sanitized: bool = True) -> Path:
+    """The host test tool (``qs_tool``), built if needed."""
+    return build("asan" if sanitized else "host") / "qs_tool"
+
+
+class ToolProcess:
+    """A running ``qs_tool``: one command line in, one answer line out.
+
+    Use as a context manager; the process ends when the block exits.
+    """
+
+    def __init__(self, sanitized: bool = True) -> None:
+        self._proc = subprocess.Popen(
+            [str(tool_executable(sanitized))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def ask(self, line: str) -> str:
+        """Send one command and return its answer line (without the newline).
+
+        Args:
+            line: the command, e.g. ``"crc32 616263"``.
+
+        Returns:
+            The tool's answer.
+
+        Raises:
+            FirmwareBuildError: the tool died (a sanitizer report goes to stderr).
+        """
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(line + "\n")
+        self._proc.stdin.flush()
+        answer = self._proc.stdout.readline()
+        if not answer:
+            raise FirmwareBuildError(f"qs_tool exited (code {self._proc.wait()}) on: {line[:120]}")
+        return answer.rstrip("\n")
+
+    def close(self) -> None:
+        """Close stdin and wait for the tool to exit."""
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait(timeout=10)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> ToolProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

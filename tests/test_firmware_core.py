@@ -1,0 +1,175 @@
+"""The C firmware core against the Python reference: PRNG, FP16, update, CRC, COBS, loss."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cobs import cobs
+
+from qsched.firmware.native import ToolProcess
+from qsched.zo.prng import batch_indices, philox4x32
+from qsched.zo.update import (
+    apply_fp32,
+    apply_int8_fp16,
+    perturb_fp32,
+    perturb_int8,
+    to_fp16_saturating,
+)
+
+VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
+
+
+@pytest.fixture(scope="module")
+def tool() -> Iterator[ToolProcess]:
+    """The sanitizer build of the C test tool, shared by the module's tests."""
+    with ToolProcess(sanitized=True) as proc:
+        yield proc
+
+
+def _f32_bits(value: float) -> str:
+    return struct.pack("<f", value)[::-1].hex()
+
+
+def _pairs_args(pairs: list[tuple[int, float]]) -> str:
+    return f"{len(pairs)} " + " ".join(f"{k} {_f32_bits(c)}" for k, c in pairs)
+
+
+def test_core_protocol_vectors(tool: ToolProcess) -> None:
+    """Every protocol vector file passes in C, and each kind is exercised."""
+    files = sorted(VECTORS.glob("*.txt"))
+    assert files, "protocol/vectors has no vector files"
+    for path in files:
+        answer = tool.ask(f"vectors {path}")
+        assert answer.startswith("ok "), f"{path.name}: {answer}"
+        assert "skipped=0" in answer, f"{path.name} has kinds the C runner does not know: {answer}"
+
+
+def test_core_philox_matches_python(tool: ToolProcess) -> None:
+    """Philox4x32-10 gives the same words in C and numpy on random counters and keys."""
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, size=(40, 6), dtype=np.uint64)
+    expected = philox4x32(words[:, :4].astype(np.uint32), (0, 0))
+    for row, want in zip(words, expected, strict=True):
+        key = (int(row[4]), int(row[5]))
+        want = philox4x32(row[None, :4].astype(np.uint32), key)[0]
+        got = tool.ask("philox " + " ".join(str(int(v)) for v in row))
+        assert got == " ".join(f"{int(w):08x}" for w in want)
+
+
+def test_core_batch_indices_match_python(tool: ToolProcess) -> None:
+    """Minibatch indices agree, including batch sizes that are not a multiple of 4."""
+    for seed, step, b, n in [(0, 0, 1, 1), (2**64 - 1, 7, 67, 1797), (12345, 2**32 - 1, 64, 50000)]:
+        want = batch_indices(seed, step, b, n)
+        got = tool.ask(f"batch {seed} {step} {b} {n}")
+        assert [int(v) for v in got.split()] == want.tolist()
+
+
+def test_core_fp16_rounding_matches_numpy(tool: ToolProcess) -> None:
+    """float32 -> binary16 rounds to nearest even and saturates like numpy + clip."""
+    rng = np.random.default_rng(2)
+    specials = np.array(
+        [0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e9, -np.inf, np.inf, 2**-25, 2**-24, 3 * 2**-26,
+         6.1e-5, 2**-14, -(2**-14) * 0.999, 0.5 + 2**-12, 1.0 + 2**-11, 1.0 + 3 * 2**-11],
+        dtype=np.float32,
+    )
+    randoms = rng.standard_normal(300).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 6, 300)
+    for value in np.concatenate([specials, randoms.astype(np.float32)]):
+        want = to_fp16_saturating(np.array([value], dtype=np.float32)).view(np.uint16)[0]
+        got = tool.ask(f"f16 {_f32_bits(float(value))}")
+        assert int(got, 16) == int(want), f"{value!r}"
+
+
+def test_core_fp16_to_f32_is_exact(tool: ToolProcess) -> None:
+    """binary16 -> float32 is exact for all finite values, subnormals included."""
+    for half in list(range(0, 0x7C00, 37)) + [0x0001, 0x03FF, 0x0400, 0x7BFF, 0x8001, 0xFBFF]:
+        want = np.array([half], dtype=np.uint16).view(np.float16).astype(np.float32)[0]
+        got = tool.ask(f"f32 {half:04x}")
+        assert got == _f32_bits(float(want))
+
+
+def test_core_crc32_matches_zlib(tool: ToolProcess) -> None:
+    """CRC-32 equals zlib.crc32 on empty, short and long inputs."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 9, 63, 64, 65, 1000):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert int(tool.ask(f"crc32 {data.hex() or '-'}"), 16) == zlib.crc32(data)
+
+
+def test_core_cobs_matches_python_cobs(tool: ToolProcess) -> None:
+    """COBS encoding is canonical (as the cobs package) and decoding inverts it."""
+    rng = np.random.default_rng(4)
+    cases = [b"", b"\x00", b"\x00\x00", b"\x01" * 254, b"\x01" * 253 + b"\x00", b"\x01" * 255, b"\x01" * 508]
+    cases += [rng.integers(0, 4, n, dtype=np.uint8).tobytes() for n in (10, 300, 600)]
+    for data in cases:
+        encoded = cobs.encode(data)
+        assert tool.ask(f"cobs_enc {data.hex() or '-'}") == (encoded.hex() or "-")
+        assert tool.ask(f"cobs_dec {encoded.hex()}") == (data.hex() or "-")
+
+
+def test_core_cobs_rejects_malformed_frames(tool: ToolProcess) -> None:
+    """A zero byte inside a frame or a code running past its end is a format error."""
+    for bad in ("00", "0311", "05112233", "021100"):
+        assert tool.ask(f"cobs_dec {bad}") == "err bad-format"
+
+
+def test_core_perturb_int8_matches_python(tool: ToolProcess) -> None:
+    """INT8 perturbations agree at any flat offset, both signs, saturating at +-127."""
+    rng = np.random.default_rng(5)
+    weights = rng.integers(-127, 128, 700, dtype=np.int8)
+    full = np.concatenate([np.zeros(77, np.int8), weights])
+    for eps, sign in ((1, 1), (3, -1), (127, 1)):
+        want = perturb_int8(full, 99, 4, 11, eps, sign)[77:]
+        got = tool.ask(f"perturb_i8 99 4 11 {eps} {sign} 77 {weights.tobytes().hex()}")
+        assert got == want.tobytes().hex()
+
+
+def test_core_perturb_int8_rejects_bad_eps(tool: ToolProcess) -> None:
+    """eps outside 1..127 or a sign other than +-1 is refused with a status code."""
+    assert tool.ask("perturb_i8 1 1 1 0 1 0 00") == "err bad-argument"
+    assert tool.ask("perturb_i8 1 1 1 128 1 0 00") == "err bad-argument"
+    assert tool.ask("perturb_i8 1 1 1 1 2 0 00") == "err bad-argument"
+
+
+def test_core_perturb_fp32_matches_python(tool: ToolProcess) -> None:
+    """FP32 perturbations are the same float32 bits."""
+    theta = np.random.default_rng(6).standard_normal(300).astype(np.float32)
+    for sign in (1, -1):
+        want = perturb_fp32(theta, 3, 8, 2, 1e-3, sign)
+        got = tool.ask(f"perturb_f32 3 8 2 {_f32_bits(1e-3)} {sign} 0 {theta.tobytes().hex()}")
+        assert got == want.tobytes().hex()
+
+
+def test_core_apply_fp32_matches_python(tool: ToolProcess) -> None:
+    """An FP32 update with many coefficients gives identical bits at an offset."""
+    rng = np.random.default_rng(7)
+    full = rng.standard_normal(1000).astype(np.float32)
+    pairs = [(int(k), float(np.float32(c))) for k, c in zip(range(0, 60, 3), rng.standard_normal(20), strict=True)]
+    want = apply_fp32(full, 2**40 + 5, 17, pairs)[130:]
+    got = tool.ask(f"apply_f32 {2**40 + 5} 17 130 {_pairs_args(pairs)} {full[130:].tobytes().hex()}")
+    assert got == want.tobytes().hex()
+
+
+def test_core_apply_int8_fp16_matches_python(tool: ToolProcess) -> None:
+    """INT8 + FP16 buffer: weights and buffer bits agree over many steps."""
+    rng = np.random.default_rng(8)
+    weights = rng.integers(-127, 128, 517, dtype=np.int8)
+    buffer = np.zeros(517, dtype=np.float16)
+    for step in range(12):
+        scale = 10.0 ** rng.integers(-4, 3)
+        pairs = [(int(k), float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(6))]
+        want_w, want_b = apply_int8_fp16(weights, buffer, 42, step, pairs)
+        got = tool.ask(f"apply_i8 42 {step} 0 {_pairs_args(pairs)} {weights.tobytes().hex()} {buffer.tobytes().hex()}")
+        assert got == f"{want_w.tobytes().hex()} {want_b.tobytes().hex()}", f"step {step}"
+        weights, buffer = want_w, want_b
+
+
+def test_core_apply_rejects_unsorted_pairs(tool: ToolProcess) -> None:
+    """Pairs out of ascending k, or a repeated k, are a protocol error in C too."""
+    one = _f32_bits(1.0)
+    assert tool.ask(f"apply_f32 1 1 0 2 5 {one} 3 {one} 00000000") == "err bad-order"
+    assert tool.ask(f"apply_i8 1 1 0 2 5 {one} 5 {one} 00 0000") == "err bad-order"
