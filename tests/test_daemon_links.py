@@ -1,0 +1,262 @@
+"""Links with real peers: in-process queues, serial over a pty pair, MQTT on a private Mosquitto."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tty
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from qsched.daemon.links import (
+    BoardAppeared,
+    BoardGone,
+    LinkClosedError,
+    MultiTransport,
+    SendTimeoutError,
+)
+from qsched.daemon.links.base import LinkEvent, MessageTooLargeError
+from qsched.daemon.links.inproc import InProcTransport
+from qsched.daemon.links.serial import ByteStream, FdStream, SerialLink, SerialTransport
+from qsched.protocol.framing import decode_frame, encode_frame
+from qsched.protocol.messages import MAX_PAYLOAD
+
+FAST = {"ack_timeout": 0.05, "max_retries": 4}
+
+
+async def _next_event(events: AsyncIterator[LinkEvent], timeout: float = 5.0) -> LinkEvent:
+    return await asyncio.wait_for(anext(events), timeout)
+
+
+async def _take(link: SerialLink | object, count: int, timeout: float = 5.0) -> list[bytes]:
+    out: list[bytes] = []
+
+    async def collect() -> None:
+        async for message in link.incoming():  # type: ignore[attr-defined]
+            out.append(message)
+            if len(out) == count:
+                return
+
+    await asyncio.wait_for(collect(), timeout)
+    return out
+
+
+# --- in-process --------------------------------------------------------------------
+
+
+async def test_inproc_messages_both_ways_and_detach() -> None:
+    """Attach reports the daemon's end; messages flow both ways in order; detach ends both."""
+    async with InProcTransport() as transport:
+        events = transport.events()
+        board = transport.attach("vb-0")
+        appeared = await _next_event(events)
+        assert isinstance(appeared, BoardAppeared) and appeared.board_id == "vb-0"
+        daemon = appeared.link
+        for i in range(5):
+            await daemon.send(bytes([i]))
+            await board.send(bytes([100 + i]))
+        assert await _take(board, 5) == [bytes([i]) for i in range(5)]
+        assert await _take(daemon, 5) == [bytes([100 + i]) for i in range(5)]
+        transport.detach("vb-0", reason="unplugged")
+        gone = await _next_event(events)
+        assert gone == BoardGone("vb-0", "unplugged", "inproc")
+        assert daemon.closed and board.closed
+        with pytest.raises(LinkClosedError):
+            await daemon.send(b"x")
+        assert [m async for m in board.incoming()] == []
+
+
+async def test_inproc_duplicate_id_refused_and_reattach() -> None:
+    """A second live board with the same id is refused; after it is gone it can return."""
+    async with InProcTransport() as transport:
+        board = transport.attach("vb-1")
+        with pytest.raises(Exception, match="duplicate"):
+            transport.attach("vb-1")
+        await board.close()
+        transport.attach("vb-1")
+
+
+async def test_multi_transport_merges_events() -> None:
+    """Events of several transports arrive on one stream."""
+    first, second = InProcTransport(), InProcTransport()
+    async with MultiTransport([first, second]) as fleet:
+        events = fleet.events()
+        first.attach("a")
+        second.attach("b")
+        seen = {(await _next_event(events)).board_id for _ in range(2)}
+        assert seen == {"a", "b"}
+
+
+# --- serial over a pseudo-terminal -------------------------------------------------
+
+
+class FaultyStream:
+    """Wraps a ByteStream and drops chosen writes: the fault sits where bytes leave."""
+
+    def __init__(self, inner: ByteStream, drop: Callable[[bytes], bool]) -> None:
+        self.inner = inner
+        self.drop = drop
+        self.dropped = 0
+
+    async def read(self) -> bytes:
+        return await self.inner.read()
+
+    async def write(self, data: bytes) -> None:
+        if self.drop(data):
+            self.dropped += 1
+            return
+        await self.inner.write(data)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def _is_ack(wire: bytes) -> bool:
+    return decode_frame(wire.strip(b"\x00")).is_ack
+
+
+def _drop_first(kind_is_ack: bool, count: int = 1) -> Callable[[bytes], bool]:
+    left = [count]
+
+    def drop(wire: bytes) -> bool:
+        if _is_ack(wire) == kind_is_ack and left[0] > 0:
+            left[0] -= 1
+            return True
+        return False
+
+    return drop
+
+
+class Pty:
+    """A pty pair: the daemon opens ``path``; the board owns the master fd."""
+
+    def __init__(self, link_dir: Path | None = None) -> None:
+        self.master, self.slave = os.openpty()
+        tty.setraw(self.slave)  # raw before anyone writes: no echo, no line editing
+        self.path = os.ttyname(self.slave)
+
+    def close(self) -> None:
+        os.close(self.slave)  # held open so the master does not see a hang-up early
+
+
+@asynccontextmanager
+async def serial_pair(
+    drop: Callable[[bytes], bool] | None = None,
+) -> AsyncIterator[tuple[SerialLink, SerialLink, SerialTransport, AsyncIterator[LinkEvent], Pty]]:
+    """A SerialTransport on a pty and the board's SerialLink on its master."""
+    pty = Pty()
+    stream: ByteStream = FdStream(pty.master)
+    if drop is not None:
+        stream = FaultyStream(stream, drop)
+    try:
+        async with SerialTransport([pty.path], reopen_interval=0.05, **FAST) as transport:
+            events = transport.events()
+            async with SerialLink("board-0", stream, **FAST) as board:
+                appeared = await _next_event(events)
+                assert isinstance(appeared, BoardAppeared)
+                assert appeared.board_id == f"serial:{pty.path}"
+                yield appeared.link, board, transport, events, pty  # type: ignore[misc]
+    finally:
+        pty.close()
+
+
+async def test_serial_round_trip_in_order() -> None:
+    """Messages of every size up to MAX_PAYLOAD cross a pty both ways, in order, once."""
+    sizes = [0, 1, 253, 254, 255, 1000, MAX_PAYLOAD]
+    payloads = [os.urandom(n) for n in sizes] + [bytes(300)]  # zeros: worst case for COBS
+    async with serial_pair() as (daemon, board, _, _, _):
+        receiving = asyncio.create_task(_take(board, len(payloads)))
+        for payload in payloads:
+            await daemon.send(payload)
+        assert await receiving == payloads
+        for payload in payloads:
+            await board.send(payload)
+        assert await _take(daemon, len(payloads)) == payloads
+        assert daemon.stats.retransmits == 0 and board.stats.duplicates == 0
+
+
+async def test_serial_survives_garbage_and_cut_frames() -> None:
+    """Garbage and a frame cut off midway are skipped; the next frames still arrive."""
+    async with serial_pair() as (daemon, board, _, _, pty):
+        cut = encode_frame(7, b"never complete")[:-6]
+        os.write(pty.master, b"\xff\x13garbage\x00\x01\x02" + cut)  # injected on the wire
+        await board.send(b"after garbage")
+        os.write(pty.master, bytes(range(1, 256)) * 3)
+        await board.send(b"after noise")
+        assert await _take(daemon, 2) == [b"after garbage", b"after noise"]
+        assert daemon.stats.bad_frames >= 2
+
+
+async def test_serial_retransmits_dropped_frame() -> None:
+    """A data frame lost on the wire is sent again after the ACK timeout and arrives once."""
+    async with serial_pair(drop=_drop_first(kind_is_ack=False, count=2)) as (daemon, board, _, _, _):
+        await board.send(b"lost twice")
+        assert await _take(daemon, 1) == [b"lost twice"]
+        assert board.stats.retransmits == 2
+        assert daemon.stats.duplicates == 0
+
+
+async def test_serial_lost_ack_gives_duplicate_that_is_dropped() -> None:
+    """When an ACK is lost the sender repeats the frame; the receiver delivers it once."""
+    async with serial_pair(drop=_drop_first(kind_is_ack=True)) as (daemon, board, _, _, _):
+        await daemon.send(b"one")
+        await daemon.send(b"two")
+        assert await _take(board, 2) == [b"one", b"two"]
+        assert daemon.stats.retransmits == 1
+        assert board.stats.duplicates == 1
+
+
+async def test_serial_send_times_out_without_acks() -> None:
+    """With every ACK lost, send raises SendTimeoutError after max_retries; the link lives on."""
+    async with serial_pair(drop=_is_ack) as (daemon, board, _, _, _):
+        with pytest.raises(SendTimeoutError):
+            await daemon.send(b"unheard")
+        assert daemon.stats.retransmits == FAST["max_retries"]
+        assert not daemon.closed
+        await board.send(b"still up")  # the other direction still works
+        assert (await _take(daemon, 1)) == [b"still up"]
+
+
+async def test_serial_rejects_oversized() -> None:
+    """A payload larger than one frame is refused before anything is written."""
+    async with serial_pair() as (daemon, _, _, _, _):
+        with pytest.raises(MessageTooLargeError):
+            await daemon.send(bytes(MAX_PAYLOAD + 1))
+
+
+async def test_serial_unplug_reports_gone() -> None:
+    """Closing the board's side (an unplugged cable) ends the daemon's link with BoardGone."""
+    async with serial_pair() as (daemon, board, _, events, _):
+        await board.close()
+        gone = await _next_event(events)
+        assert isinstance(gone, BoardGone) and gone.reason == "unplugged"
+        assert daemon.closed
+        assert [m async for m in daemon.incoming()] == []
+        with pytest.raises(LinkClosedError):
+            await daemon.send(b"x")
+
+
+async def test_serial_replug_reappears(tmp_path: Path) -> None:
+    """A port path (a udev symlink) that comes back after an unplug yields a new board link."""
+    first, second = Pty(), Pty()
+    device = tmp_path / "stlink-0"
+    device.symlink_to(first.path)
+    try:
+        async with SerialTransport([device], reopen_interval=0.05, **FAST) as transport:
+            events = transport.events()
+            async with SerialLink("b", FdStream(first.master), **FAST):
+                assert isinstance(await _next_event(events), BoardAppeared)
+            assert isinstance(await _next_event(events), BoardGone)
+            device.unlink()
+            device.symlink_to(second.path)
+            async with SerialLink("b", FdStream(second.master), **FAST) as board:
+                again = await _next_event(events)
+                assert isinstance(again, BoardAppeared)
+                await board.send(b"hello again")
+                assert await _take(again.link, 1) == [b"hello again"]
+    finally:
+        first.close()
+        second.close()
