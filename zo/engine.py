@@ -1,0 +1,617 @@
+"""The forward engine: FP32 and INT8 evaluation of a model, one or P perturbed copies.
+
+A ZO step evaluates the same batch under 2q perturbed weight sets. What they share is
+computed once:
+
+- the batch and the frozen prefix (nodes before the first perturbed layer) run with a
+  set axis of 1; ``prefix_activations`` goes further and caches that prefix across
+  calls (for a whole data set, then ``Activations.take`` picks a minibatch);
+- the first perturbed layer's input patches (im2col) are built once and multiplied
+  against all P weight sets;
+- the suffix runs on stacked tensors ``(P, N, ...)``, in chunks of P sized to a memory
+  budget.
+
+INT8 arithmetic is exact, so batching changes no bit. FP32 results are also
+independent of batching: the kernels only use per-slice BLAS calls and fixed-order
+element-wise sums (see ``kernels_fp32``), so ``run_fp32_perturbed(...)[p]`` equals
+``run_fp32`` with the p-th weights, bit for bit, on one machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from qsched.zo import kernels_fp32 as kf
+from qsched.zo import kernels_int8 as ki
+from qsched.zo.graph import (
+    Add,
+    AvgPool,
+    Conv2D,
+    Dense,
+    GlobalAvgPool,
+    GraphError,
+    MaxPool,
+    Model,
+    Node,
+    QuantModel,
+    ReLU,
+    ReLU6,
+    Reshape,
+    TensorQuant,
+)
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "SINGLE_ROUNDING",
+    "Activations",
+    "bench_engine",
+    "fp32_tensors",
+    "infer_shapes",
+    "prefix_activations",
+    "run_fp32",
+    "run_fp32_perturbed",
+    "run_int8",
+    "run_int8_perturbed",
+]
+
+# Requantisation arithmetic of the TFLite build the engine matches (reference kernels:
+# double rounding). See ``fixedpoint.multiply_by_quantized_multiplier``.
+SINGLE_ROUNDING: Final = False
+# Working-set budget for one chunk of perturbed copies (activations and patches).
+DEFAULT_MAX_BYTES: Final = 256 * 2**20
+
+Array: TypeAlias = npt.NDArray[Any]
+F32 = npt.NDArray[np.float32]
+I8 = npt.NDArray[np.int8]
+Env: TypeAlias = dict[str, Array]
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Tensors live after the first ``position`` nodes ran, batch first (no set axis)."""
+
+    position: int
+    tensors: dict[str, Array]
+    quantized: bool
+
+    @property
+    def batch(self) -> int:
+        return int(next(iter(self.tensors.values())).shape[0])
+
+    def take(self, index: npt.ArrayLike) -> Activations:
+        """The same activations for a subset of samples (e.g. a minibatch of a data set)."""
+        idx = np.asarray(index)
+        return Activations(self.position, {k: v[idx] for k, v in self.tensors.items()}, self.quantized)
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def _conv_shape(node: Conv2D, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) != 3:
+        raise GraphError(node.name, f"Conv2D needs an (H, W, C) input, got {shape}")
+    h, w, c = shape
+    if node.weight.ndim != 4:
+        raise GraphError(node.name, f"weight must be 4-D, got shape {node.weight.shape}")
+    if node.depthwise:
+        _, kh, kw, o = node.weight.shape
+        if node.weight.shape[0] != 1 or o % c:
+            raise GraphError(node.name, f"depthwise weight {node.weight.shape} does not fit {c} input channels")
+    else:
+        o, kh, kw, ig = node.weight.shape
+        if c % node.groups or o % node.groups or ig * node.groups != c:
+            raise GraphError(
+                node.name, f"weight {node.weight.shape} with groups={node.groups} does not fit {c} input channels"
+            )
+    if node.bias.shape != (o,):
+        raise GraphError(node.name, f"bias shape {node.bias.shape} != ({o},)")
+    oh = kf.out_size(h, kh, node.stride[0], node.padding)
+    ow = kf.out_size(w, kw, node.stride[1], node.padding)
+    if oh < 1 or ow < 1:
+        raise GraphError(node.name, f"kernel {kh}x{kw} does not fit input {h}x{w}")
+    return (oh, ow, o)
+
+
+def _pool_shape(node: AvgPool | MaxPool, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) != 3:
+        raise GraphError(node.name, f"pooling needs an (H, W, C) input, got {shape}")
+    oh = kf.out_size(shape[0], node.pool[0], node.stride[0], node.padding)
+    ow = kf.out_size(shape[1], node.pool[1], node.stride[1], node.padding)
+    if oh < 1 or ow < 1:
+        raise GraphError(node.name, f"pool {node.pool} does not fit input {shape}")
+    return (oh, ow, shape[2])
+
+
+def _node_shape(node: Node, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    ins = [shapes[name] for name in node.inputs]
+    shape = ins[0]
+    if isinstance(node, Conv2D):
+        return _conv_shape(node, shape)
+    if isinstance(node, Dense):
+        features = int(np.prod(shape))
+        if node.weight.ndim != 2 or node.weight.shape[1] != features:
+            raise GraphError(node.name, f"weight {node.weight.shape} does not take {features} input features {shape}")
+        if node.bias.shape != (node.weight.shape[0],):
+            raise GraphError(node.name, f"bias shape {node.bias.shape} != ({node.weight.shape[0]},)")
+        return (node.weight.shape[0],)
+    if isinstance(node, Add):
+        if len(ins) != 2 or ins[0] != ins[1]:
+            raise GraphError(node.name, f"Add needs two inputs of one shape, got {ins}")
+        return shape
+    if isinstance(node, (AvgPool, MaxPool)):
+        return _pool_shape(node, shape)
+    if isinstance(node, GlobalAvgPool):
+        if len(shape) != 3:
+            raise GraphError(node.name, f"global pooling needs an (H, W, C) input, got {shape}")
+        return (shape[2],)
+    if isinstance(node, Reshape):
+        if int(np.prod(node.shape)) != int(np.prod(shape)):
+            raise GraphError(node.name, f"cannot reshape {shape} to {node.shape}")
+        return tuple(node.shape)
+    return shape  # ReLU, ReLU6
+
+
+def infer_shapes(model: Model) -> dict[str, tuple[int, ...]]:
+    """Shape (without the batch axis) of every tensor; raises ``GraphError`` on a mismatch.
+
+    Args:
+        model: the graph.
+
+    Returns:
+        Tensor name to shape, for the input and every node output.
+    """
+    shapes: dict[str, tuple[int, ...]] = {model.input_name: tuple(model.input_shape)}
+    for node in model.nodes:
+        missing = [name for name in node.inputs if name not in shapes]
+        if missing:
+            raise GraphError(node.name, f"reads tensors not produced before it: {missing}")
+        shapes[node.output] = _node_shape(node, shapes)
+    if model.output_name not in shapes:
+        raise GraphError(model.output_name, "model output is not produced by any layer")
+    return shapes
+
+
+def _last_use(model: Model) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for i, node in enumerate(model.nodes):
+        for name in node.inputs:
+            last[name] = i
+    last[model.output_name] = len(model.nodes)
+    return last
+
+
+# ------------------------------------------------------------------------ FP32 nodes
+
+
+@dataclass
+class _Ctx:
+    """What one evaluation carries: weights by layer (stacked) and the patch cache."""
+
+    weights: dict[str, tuple[Array, Array]]
+    cache: dict[str, Array]
+    qmodel: QuantModel | None = None
+    stages: dict[str, Any] | None = None
+
+
+def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
+    x = env[node.inputs[0]]
+    if isinstance(node, Conv2D):
+        w, b = ctx.weights[node.name]
+        if node.depthwise:
+            return kf.depthwise_conv2d(x, w, b, node.stride, node.padding, node.activation)
+        return kf.conv2d(x, w, b, node.stride, node.padding, node.groups, node.activation)
+    if isinstance(node, Dense):
+        w, b = ctx.weights[node.name]
+        return kf.dense(x.reshape(*x.shape[:2], -1), w, b, node.activation)
+    if isinstance(node, Add):
+        return kf.add(x, env[node.inputs[1]], node.activation)
+    if isinstance(node, ReLU):
+        return kf.relu(x)
+    if isinstance(node, ReLU6):
+        return kf.relu6(x)
+    return _shape_op(node, x, kf)
+
+
+def _shape_op(node: Node, x: Array, kernels: Any) -> Array:
+    """Ops whose FP32 and INT8 forms take the same arguments."""
+    if isinstance(node, AvgPool):
+        return kernels.avg_pool(x, node.pool, node.stride, node.padding)
+    if isinstance(node, MaxPool):
+        return kernels.max_pool(x, node.pool, node.stride, node.padding)
+    if isinstance(node, GlobalAvgPool):
+        return kernels.global_avg_pool(x)
+    if isinstance(node, Reshape):
+        return x.reshape(*x.shape[:2], *node.shape)
+    raise GraphError(node.name, f"unsupported operation {type(node).__name__}")
+
+
+# ------------------------------------------------------------------------ INT8 nodes
+
+
+def _tq(qmodel: QuantModel, tensor: str, node: str) -> TensorQuant:
+    try:
+        return qmodel.tensors[tensor]
+    except KeyError:
+        raise GraphError(node, f"tensor {tensor!r} has no quantisation parameters") from None
+
+
+def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
+    """TFLite's Prepare for every node: multipliers, shifts, activation ranges."""
+    stages: dict[str, Any] = {}
+    for node in qmodel.model.nodes:
+        inp = _tq(qmodel, node.inputs[0], node.name)
+        out = _tq(qmodel, node.output, node.name)
+        if isinstance(node, (Conv2D, Dense)):
+            if node.name not in qmodel.layers:
+                raise GraphError(node.name, "layer has no quantized weights")
+            scales = qmodel.layers[node.name].weight_scales
+            stages[node.name] = ki.prepare_output_stage(inp, scales, out, node.activation)
+        elif isinstance(node, Add):
+            other = _tq(qmodel, node.inputs[1], node.name)
+            stages[node.name] = ki.prepare_add(inp, other, out, node.activation)
+        elif isinstance(node, (ReLU, ReLU6)):
+            stages[node.name] = ki.prepare_relu(inp, out, isinstance(node, ReLU6))
+        elif isinstance(node, (AvgPool, MaxPool, GlobalAvgPool)) and (
+            np.float32(inp.scale) != np.float32(out.scale) or inp.zero_point != out.zero_point
+        ):
+            raise GraphError(node.name, "int8 pooling needs equal input and output quantisation")
+    return stages
+
+
+def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
+    x = env[node.inputs[0]]
+    assert ctx.stages is not None
+    stage = ctx.stages.get(node.name)
+    sr = SINGLE_ROUNDING
+    if isinstance(node, Conv2D):
+        w, b = ctx.weights[node.name]
+        if node.depthwise:
+            return ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr)
+        cols = _cached_patches(node, x, stage, ctx)
+        return ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr, cols)
+    if isinstance(node, Dense):
+        w, b = ctx.weights[node.name]
+        return ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr)
+    if isinstance(node, Add):
+        return ki.add(x, env[node.inputs[1]], stage, sr)
+    if isinstance(node, (ReLU, ReLU6)):
+        return ki.relu(x, stage, sr)
+    return _shape_op(node, x, ki)
+
+
+def _cached_patches(node: Conv2D, x: Array, stage: ki.OutputStage, ctx: _Ctx) -> Array | None:
+    """A shared input's patches are built once per call and reused by every chunk of P."""
+    if x.shape[0] != 1:
+        return None
+    if node.name not in ctx.cache:
+        kernel = (node.weight.shape[1], node.weight.shape[2])
+        ig = node.weight.shape[3]
+        ctx.cache[node.name] = ki.patches(x, kernel, node.stride, node.padding, stage.input_zero_point, ig)
+    return ctx.cache[node.name]
+
+
+# ----------------------------------------------------------------------- interpreter
+
+_NodeFn: TypeAlias = Callable[[Node, Env, _Ctx], Array]
+
+
+def _run(model: Model, env: Env, start: int, stop: int, ctx: _Ctx, fn: _NodeFn, last: dict[str, int]) -> Env:
+    """Run nodes [start, stop) on stacked tensors, dropping tensors after their last use."""
+    for i in range(start, stop):
+        node = model.nodes[i]
+        env[node.output] = fn(node, env, ctx)
+        for name in node.inputs:
+            if last.get(name, -1) <= i:
+                env.pop(name, None)
+    return env
+
+
+def _check_weight(node: Node, given: Array, expected: tuple[int, ...], what: str) -> None:
+    if tuple(given.shape) != expected:
+        raise GraphError(node.name, f"{what} shape {tuple(given.shape)} != expected {expected}")
+
+
+def _start_env(model: Model, x: Array | Activations, quantized: bool) -> tuple[Env, int]:
+    """Stacked (set axis 1) tensors to start from, and the index of the first node to run."""
+    if isinstance(x, Activations):
+        if x.quantized != quantized:
+            raise GraphError(model.input_name, "activations were computed in the other numeric mode")
+        return {k: v[None] for k, v in x.tensors.items()}, x.position
+    arr = np.asarray(x)
+    if tuple(arr.shape[1:]) != tuple(model.input_shape):
+        raise GraphError(model.input_name, f"input shape {arr.shape[1:]} != model input {model.input_shape}")
+    if quantized and arr.dtype != np.int8:
+        raise GraphError(model.input_name, f"INT8 input must be int8, got {arr.dtype}")
+    dtype = np.int8 if quantized else np.float32
+    return {model.input_name: arr.astype(dtype, copy=False)[None]}, 0
+
+
+def _fp32_weights(model: Model, params: Mapping[str, tuple[Array, Array]] | None, stacked: bool) -> dict[str, tuple[Array, Array]]:
+    params = params or {}
+    unknown = set(params) - {n.name for n in model.param_nodes()}
+    if unknown:
+        raise GraphError(sorted(unknown)[0], "not a parametrised layer of the model")
+    out: dict[str, tuple[Array, Array]] = {}
+    for node in model.param_nodes():
+        if node.name in params:
+            w, b = (np.asarray(a, dtype=np.float32) for a in params[node.name])
+            lead = (w.shape[0],) if stacked else ()
+            _check_weight(node, w, (*lead, *node.weight.shape), "weight")
+            _check_weight(node, b, (*lead, *node.bias.shape), "bias")
+            out[node.name] = (w, b) if stacked else (w[None], b[None])
+        else:
+            out[node.name] = (node.weight.astype(np.float32)[None], node.bias.astype(np.float32)[None])
+    return out
+
+
+def _int8_weights(qmodel: QuantModel, weights: Mapping[str, Array] | None, stacked: bool) -> dict[str, tuple[Array, Array]]:
+    weights = weights or {}
+    nodes = qmodel.model.param_nodes()
+    unknown = set(weights) - {n.name for n in nodes}
+    if unknown:
+        raise GraphError(sorted(unknown)[0], "not a parametrised layer of the model")
+    out: dict[str, tuple[Array, Array]] = {}
+    for node in nodes:
+        layer = qmodel.layers.get(node.name)
+        if layer is None:
+            raise GraphError(node.name, "layer has no quantized weights")
+        bias = layer.bias.astype(np.int64)[None]
+        if node.name in weights:
+            w = np.asarray(weights[node.name])
+            if w.dtype != np.int8:
+                raise GraphError(node.name, f"int8 weights expected, got {w.dtype}")
+            lead = (w.shape[0],) if stacked else ()
+            _check_weight(node, w, (*lead, *layer.weight.shape), "weight")
+            out[node.name] = (w if stacked else w[None], bias)
+        else:
+            out[node.name] = (layer.weight[None], bias)
+    return out
+
+
+def _first_index(model: Model, names: Iterable[str]) -> int:
+    wanted = set(names)
+    for i, node in enumerate(model.nodes):
+        if node.name in wanted:
+            return i
+    return len(model.nodes)
+
+
+def _chunk_size(model: Model, start: int, batch: int, sets: int, max_bytes: int) -> int:
+    """How many perturbed copies fit the budget: the widest node output plus its patches."""
+    shapes = infer_shapes(model)
+    widest = 1
+    for node in model.nodes[start:]:
+        size = int(np.prod(shapes[node.output]))
+        if isinstance(node, Conv2D) and not node.depthwise:
+            size += size // node.weight.shape[0] * int(np.prod(node.weight.shape[1:])) * node.groups
+        widest = max(widest, size)
+    # Float64 intermediates, and a factor for the temporaries of one kernel.
+    per_copy = widest * batch * 8 * 3
+    return int(max(1, min(sets, max_bytes // per_copy)))
+
+
+def _evaluate(
+    model: Model,
+    env: Env,
+    start: int,
+    ctx: _Ctx,
+    fn: _NodeFn,
+    sets: dict[str, tuple[Array, Array]] | None,
+    max_bytes: int,
+) -> Array:
+    """Run the model; with ``sets``, P stacked copies in chunks after a shared prefix."""
+    last = _last_use(model)
+    if not sets:
+        return _run(model, env, start, len(model.nodes), ctx, fn, last)[model.output_name]
+    first = max(start, _first_index(model, sets))
+    env = _run(model, env, start, first, ctx, fn, last)
+    p = next(iter(sets.values()))[0].shape[0]
+    batch = next(iter(env.values())).shape[1]
+    chunk = _chunk_size(model, first, batch, p, max_bytes)
+    outs = []
+    base = dict(ctx.weights)
+    for c0 in range(0, p, chunk):
+        ctx.weights = {**base, **{k: (w[c0 : c0 + chunk], b if b.shape[0] == 1 else b[c0 : c0 + chunk]) for k, (w, b) in sets.items()}}
+        y = _run(model, dict(env), first, len(model.nodes), ctx, fn, last)[model.output_name]
+        outs.append(np.broadcast_to(y, (min(chunk, p - c0), *y.shape[1:])))
+    ctx.weights = base
+    return np.concatenate(outs, axis=0)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def run_fp32(model: Model, x: Array | Activations, params: Mapping[str, tuple[Array, Array]] | None = None) -> F32:
+    """FP32 forward pass.
+
+    Args:
+        model: the float model.
+        x: ``(N, *input_shape)`` float input, or ``prefix_activations`` of it.
+        params: layer name -> ``(W, b)`` replacing that layer's weights.
+
+    Returns:
+        ``(N, num_classes)`` float32 logits (the output tensor).
+    """
+    infer_shapes(model)
+    env, start = _start_env(model, x, quantized=False)
+    ctx = _Ctx(_fp32_weights(model, params, stacked=False), {})
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, None, 0)[0])
+
+
+def run_fp32_perturbed(
+    model: Model,
+    x: Array | Activations,
+    param_sets: Mapping[str, tuple[Array, Array]],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> F32:
+    """P FP32 forward passes under P weight sets of some layers, sharing what is shared.
+
+    Args:
+        model: the float model.
+        x: ``(N, *input_shape)`` input, or ``prefix_activations`` of it.
+        param_sets: layer name -> ``(W (P, ...), b (P, ...))``; other layers keep theirs.
+        max_bytes: working-set budget for one chunk of copies.
+
+    Returns:
+        ``(P, N, num_classes)`` float32; ``[p]`` equals ``run_fp32`` with the p-th weights.
+    """
+    infer_shapes(model)
+    _check_set_count(param_sets.values(), lambda v: np.shape(v[0])[0])
+    env, start = _start_env(model, x, quantized=False)
+    weights = _fp32_weights(model, None, stacked=False)
+    sets = _fp32_weights(model, param_sets, stacked=True)
+    sets = {k: sets[k] for k in param_sets}
+    ctx = _Ctx(weights, {})
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, sets, max_bytes))
+
+
+def run_int8(qmodel: QuantModel, x_q: Array | Activations, weights: Mapping[str, Array] | None = None) -> I8:
+    """INT8 forward pass with TFLite reference-kernel semantics.
+
+    Args:
+        qmodel: the quantized model.
+        x_q: ``(N, *input_shape)`` int8 input (see ``quantize.quantize_input``), or
+            ``prefix_activations`` of it.
+        weights: layer name -> int8 weight replacing that layer's.
+
+    Returns:
+        ``(N, num_classes)`` int8 logits.
+    """
+    model = qmodel.model
+    infer_shapes(model)
+    env, start = _start_env(model, x_q, quantized=True)
+    ctx = _Ctx(_int8_weights(qmodel, weights, stacked=False), {}, qmodel, _prepare_int8(qmodel))
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, None, 0)[0])
+
+
+def run_int8_perturbed(
+    qmodel: QuantModel,
+    x_q: Array | Activations,
+    weight_sets: Mapping[str, Array],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> I8:
+    """P INT8 forward passes under P int8 weight sets of some layers.
+
+    Args:
+        qmodel: the quantized model.
+        x_q: ``(N, *input_shape)`` int8 input, or ``prefix_activations`` of it.
+        weight_sets: layer name -> int8 array ``(P, *weight.shape)``.
+        max_bytes: working-set budget for one chunk of copies.
+
+    Returns:
+        ``(P, N, num_classes)`` int8; ``[p]`` equals ``run_int8`` with the p-th weights.
+    """
+    model = qmodel.model
+    infer_shapes(model)
+    _check_set_count(weight_sets.values(), lambda v: np.shape(v)[0])
+    env, start = _start_env(model, x_q, quantized=True)
+    base = _int8_weights(qmodel, None, stacked=False)
+    sets = _int8_weights(qmodel, weight_sets, stacked=True)
+    sets = {k: sets[k] for k in weight_sets}
+    ctx = _Ctx(base, {}, qmodel, _prepare_int8(qmodel))
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, sets, max_bytes))
+
+
+def _check_set_count(values: Iterable[Any], count: Callable[[Any], int]) -> None:
+    counts = {count(v) for v in values}
+    if len(counts) > 1:
+        raise ValueError(f"weight sets disagree on the number of copies P: {sorted(counts)}")
+
+
+def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
+    """Every tensor of an FP32 forward pass, batch first (for calibration and debugging).
+
+    Args:
+        model: the float model.
+        x: ``(N, *input_shape)`` input.
+
+    Returns:
+        Tensor name -> ``(N, ...)`` float32 values, the input included.
+    """
+    infer_shapes(model)
+    env, _ = _start_env(model, x, quantized=False)
+    ctx = _Ctx(_fp32_weights(model, None, stacked=False), {})
+    keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
+    env = _run(model, env, 0, len(model.nodes), ctx, _fp32_node, keep)
+    return {k: v[0] for k, v in env.items()}
+
+
+def prefix_activations(
+    model: Model | QuantModel, x: Array, trainable: str | Iterable[str]
+) -> Activations:
+    """Run the frozen prefix (the nodes before the first trainable layer) once.
+
+    Args:
+        model: a float ``Model`` (FP32) or a ``QuantModel`` (INT8, then ``x`` is int8).
+        x: ``(N, *input_shape)`` input.
+        trainable: the trainable layer name(s).
+
+    Returns:
+        The live tensors at the first trainable layer; pass them as ``x`` to ``run_*``.
+    """
+    names = [trainable] if isinstance(trainable, str) else list(trainable)
+    quantized = isinstance(model, QuantModel)
+    graph = model.model if isinstance(model, QuantModel) else model
+    known = {n.name for n in graph.nodes}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise GraphError(unknown[0], "no such layer")
+    infer_shapes(graph)
+    stop = _first_index(graph, names)
+    env, start = _start_env(graph, x, quantized)
+    if quantized:
+        assert isinstance(model, QuantModel)
+        ctx = _Ctx(_int8_weights(model, None, stacked=False), {}, model, _prepare_int8(model))
+        fn: _NodeFn = _int8_node
+    else:
+        ctx = _Ctx(_fp32_weights(graph, None, stacked=False), {})
+        fn = _fp32_node
+    env = _run(graph, env, start, stop, ctx, fn, _last_use(graph))
+    return Activations(stop, {k: np.ascontiguousarray(v[0]) for k, v in env.items()}, quantized)
+
+
+def bench_engine(
+    qmodel: QuantModel, batch: int = 64, sets: int = 128, trainable: Iterable[str] | None = None, repeats: int = 3, seed: int = 0
+) -> dict[str, float]:
+    """Micro-benchmark of the INT8 engine (a CLI helper, not a test).
+
+    Args:
+        qmodel: model to time.
+        batch: samples per forward pass.
+        sets: perturbed copies P.
+        trainable: layers perturbed (default: all parametrised layers).
+        repeats: timing repetitions (the best is reported).
+        seed: input data seed.
+
+    Returns:
+        Seconds for one plain pass, for P looped passes (estimated from one), and for the
+        batched P-copy evaluation, plus the speed-up.
+    """
+    rng = np.random.default_rng(seed)
+    model = qmodel.model
+    x = rng.integers(-128, 128, size=(batch, *model.input_shape), dtype=np.int8)
+    names = list(trainable) if trainable is not None else [n.name for n in model.param_nodes()]
+    wsets = {}
+    for name in names:
+        w = qmodel.layers[name].weight
+        noise = rng.choice(np.array([-1, 1], np.int16), size=(sets, *w.shape))
+        wsets[name] = np.clip(w.astype(np.int16) + noise, -127, 127).astype(np.int8)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    single = best(lambda: run_int8(qmodel, x))
+    batched = best(lambda: run_int8_perturbed(qmodel, x, wsets))
+    looped = single * sets
+    return {"single_s": single, "looped_estimate_s": looped, "batched_s": batched, "speedup": looped / batched}
