@@ -15,6 +15,11 @@ The rule, judged at every validation:
 4. When ``patience`` validations in a row did not improve, q moves to the next
    allowed value (never above ``qmax``, never down) and the count restarts.
 
+The default metric is the smoothed training loss: it sees every step rather than a
+validation set whose size sets the resolution of the accuracy, its relative threshold
+needs no per-dataset scale, and it notices a diverging loss that a slowly creeping
+accuracy hides.
+
 The best value is kept across a raise: raising q does not change the weights, so the
 new q must beat what the old q already reached to count as progress; resetting it
 would let the first noisy dip-and-recover after a raise pass for improvement.
@@ -46,7 +51,7 @@ Metric = Literal["val_accuracy", "val_loss", "train_loss"]
 class QSchedulerConfig(LadderConfig):
     """Config of ``qscheduler``."""
 
-    metric: Metric = Field(default="val_accuracy", description="what progress is judged on")
+    metric: Metric = Field(default="train_loss", description="what progress is judged on")
     direction: Literal["auto", "max", "min"] = Field(
         default="auto", description="auto: max for accuracy, min for losses"
     )

@@ -16,6 +16,7 @@ CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=10.0, eval_every=10)
 
 
 def make(**config: Any) -> QPolicy:
+    config.setdefault("metric", "val_accuracy")
     return create_policy(PolicySpec(name="qscheduler", config=config), CONTEXT)
 
 
@@ -132,3 +133,13 @@ def test_qscheduler_ladder_invariants(
     # A raise always lands on the next rung: no rung is skipped.
     rungs = [*allowed, allowed[-1]]
     assert all(b in (a, rungs[allowed.index(a) + 1]) for a, b in itertools.pairwise(qs))
+
+
+def test_qscheduler_default_judges_training_loss() -> None:
+    """By default a falling training loss keeps q even while validation accuracy is flat."""
+    policy = create_policy(PolicySpec(name="qscheduler"), CONTEXT)
+    for t in range(300):
+        step(policy, t, 3.0 * 0.99**t)
+        if t % 10 == 9:
+            policy.on_eval(EvalReport(t, 1.0, 0.5))
+    assert policy.q == 1

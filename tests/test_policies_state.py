@@ -24,7 +24,7 @@ CONTEXT = PolicyContext(total_steps=120, steps_per_epoch=7.5, eval_every=5)
 
 SPECS = [
     PolicySpec(name="fixed", config={"q": 5}),
-    PolicySpec(name="qscheduler", config={"patience": 1, "cooldown": 1}),
+    PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1, "cooldown": 1}),
     PolicySpec(name="qscheduler", config={"metric": "val_loss", "patience": 2, "cooldown": 0}),
     PolicySpec(name="qscheduler", config={"metric": "train_loss", "patience": 1, "smoothing": 0.7}),
     PolicySpec(name="linear", config={"qmax": 16}),
