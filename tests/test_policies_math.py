@@ -7,6 +7,7 @@ import random
 import pytest
 
 from qsched.policies._math import (
+    Direction,
     default_allowed,
     ema,
     floor_allowed,
@@ -87,10 +88,10 @@ def test_ema_first_value_and_update() -> None:
     ],
 )
 def test_improved_margin_and_direction(
-    value: float, best: float, direction: str, relative: bool, expected: bool
+    value: float, best: float, direction: Direction, relative: bool, expected: bool
 ) -> None:
     """An improvement must beat the best by more than min_delta in the metric's sense."""
-    assert improved(value, best, 0.002, direction, relative) is expected  # type: ignore[arg-type]
+    assert improved(value, best, 0.002, direction, relative) is expected
 
 
 def test_ols_drift_exact_line() -> None:
