@@ -34,3 +34,11 @@ def test_serial_seconds_at_dk_baud():
     assert serial_seconds(92_160) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         serial_seconds(1, baud=0)
+
+
+def test_latency_anchor_matches_zoo_count():
+    """The anchor's MAC count is what the zoo counts for MobileNetV2-0.35 at 128x128."""
+    from qsched.zo.zoo import build_model, model_summary
+
+    model = build_model("mobilenetv2", (128, 128, 3), 1000, 0, width=0.35)
+    assert model_summary(model)[1] == MOBILENETV2_035_128_MACS
