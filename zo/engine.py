@@ -60,9 +60,19 @@ __all__ = [
     "run_int8_perturbed",
 ]
 
-# Requantisation arithmetic of the TFLite build the engine matches (reference kernels:
-# double rounding). See ``fixedpoint.multiply_by_quantized_multiplier``.
-SINGLE_ROUNDING: Final = False
+# Requantisation rounding per kernel (``fixedpoint.multiply_by_quantized_multiplier``),
+# measured against LiteRT's interpreter with the reference op resolver (ai-edge-litert
+# 2.3, per-op isolation on random models): CONV_2D and DEPTHWISE_CONV_2D use the
+# reference double rounding, FULLY_CONNECTED (per-channel int8) rounds once,
+# ``(x * m + 2^(30 - s)) >> (31 - s)``. ADD and RELU gave the same bits under both on
+# every case tried; they keep the reference's double rounding.
+SINGLE_ROUNDING: Final[dict[str, bool]] = {
+    "conv2d": False,
+    "depthwise_conv2d": False,
+    "dense": True,
+    "add": False,
+    "relu": False,
+}
 # Working-set budget for one chunk of perturbed copies (activations and patches).
 DEFAULT_MAX_BYTES: Final = 256 * 2**20
 
@@ -272,16 +282,16 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
         if node.depthwise:
-            return ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr)
+            return ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
         cols = _cached_patches(node, x, stage, ctx)
-        return ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr, cols)
+        return ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols)
     if isinstance(node, Dense):
         w, b = ctx.weights[node.name]
-        return ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr)
+        return ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
     if isinstance(node, Add):
-        return ki.add(x, env[node.inputs[1]], stage, sr)
+        return ki.add(x, env[node.inputs[1]], stage, sr["add"])
     if isinstance(node, (ReLU, ReLU6)):
-        return ki.relu(x, stage, sr)
+        return ki.relu(x, stage, sr["relu"])
     return _shape_op(node, x, ki)
 
 
