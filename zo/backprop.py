@@ -158,22 +158,27 @@ def _conv_fwd(node: Conv2D, x: Array) -> tuple[Array, _Ctx]:
     return y, (cols, w, x.shape, y)
 
 
-def _conv_bwd(node: Conv2D, ctx: _Ctx, dy: Array) -> _Back:
+def _conv_bwd(node: Conv2D, ctx: _Ctx, dy: Array, need_dx: bool) -> _Back:
     if node.depthwise:
-        return _dw_bwd(node, ctx, dy)
+        return _dw_bwd(node, ctx, dy, need_dx)
     cols, w, xshape, y = ctx
     out, kh, kw, _ = node.weight.shape
     dz = _act_grad(y, dy, node.activation)
     m = dz.shape[0] * w.oh * w.ow
     dzf = dz.reshape(m, out)
     g = node.groups
+    grads = (dz.sum(axis=(0, 1, 2)),)
     if g == 1:
         dw = dzf.T @ cols.reshape(m, -1)
+        if not need_dx:
+            return [], (dw.reshape(node.weight.shape), *grads)
         dcols = dzf @ node.weight.reshape(out, -1)
     else:
         cg = cols.reshape(m, kh * kw, g, -1).transpose(2, 0, 1, 3).reshape(g, m, -1)
         dzg = dzf.reshape(m, g, out // g).transpose(1, 0, 2)  # (G, M, O/G)
         dw = dzg.transpose(0, 2, 1) @ cg  # (G, O/G, K)
+        if not need_dx:
+            return [], (dw.reshape(node.weight.shape), *grads)
         dcg = dzg @ node.weight.reshape(g, out // g, -1)  # (G, M, kh*kw*I/G)
         dcols = dcg.reshape(g, m, kh * kw, -1).transpose(1, 2, 0, 3)
     dcols = dcols.reshape(cols.shape)
@@ -181,7 +186,7 @@ def _conv_bwd(node: Conv2D, ctx: _Ctx, dy: Array) -> _Back:
                    dtype=dz.dtype)
     for i, j in w.taps():
         w.tap(dxp, i, j)[...] += dcols[:, :, :, i, j, :]
-    return [w.unpad(dxp)], (dw.reshape(node.weight.shape), dz.sum(axis=(0, 1, 2)))
+    return [w.unpad(dxp)], (dw.reshape(node.weight.shape), *grads)
 
 
 def _dw_fwd(node: Conv2D, x: Array) -> tuple[Array, _Ctx]:
@@ -198,14 +203,17 @@ def _dw_fwd(node: Conv2D, x: Array) -> tuple[Array, _Ctx]:
     return y, (xp, w, x.shape, y, mult)
 
 
-def _dw_bwd(node: Conv2D, ctx: _Ctx, dy: Array) -> _Back:
+def _dw_bwd(node: Conv2D, ctx: _Ctx, dy: Array, need_dx: bool) -> _Back:
     xp, w, _, y, mult = ctx
     dz = _act_grad(y, dy, node.activation)
     dw = np.zeros_like(node.weight, dtype=dz.dtype)
     dxp = np.zeros(xp.shape, dtype=dz.dtype)
     for i, j in w.taps():
         dw[0, i, j] = np.einsum("nhwc,nhwc->c", dz, w.tap(xp, i, j))
-        w.tap(dxp, i, j)[...] += dz * node.weight[0, i, j]
+        if need_dx:
+            w.tap(dxp, i, j)[...] += dz * node.weight[0, i, j]
+    if not need_dx:
+        return [], (dw, dz.sum(axis=(0, 1, 2)))
     if mult > 1:
         dxp = dxp.reshape(*dxp.shape[:3], -1, mult).sum(axis=4)
     return [w.unpad(dxp)], (dw, dz.sum(axis=(0, 1, 2)))
@@ -216,10 +224,10 @@ def _dense_fwd(node: Dense, x: Array) -> tuple[Array, _Ctx]:
     return y, (x, y)
 
 
-def _dense_bwd(node: Dense, ctx: _Ctx, dy: Array) -> _Back:
+def _dense_bwd(node: Dense, ctx: _Ctx, dy: Array, need_dx: bool) -> _Back:
     x, y = ctx
     dz = _act_grad(y, dy, node.activation)
-    return [dz @ node.weight], (dz.T @ x, dz.sum(axis=0))
+    return [dz @ node.weight] if need_dx else [], (dz.T @ x, dz.sum(axis=0))
 
 
 def _pool_fwd(node: AvgPool | MaxPool, x: Array) -> tuple[Array, _Ctx]:
@@ -271,11 +279,11 @@ def _fwd(node: Node, xs: list[Array]) -> tuple[Array, _Ctx]:
     raise BackpropError(f"layer {node.name!r}: no backprop rule for {type(node).__name__}")
 
 
-def _bwd(node: Node, ctx: _Ctx, dy: Array) -> _Back:
+def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
     if isinstance(node, Conv2D):
-        return _conv_bwd(node, ctx, dy)
+        return _conv_bwd(node, ctx, dy, need_dx)
     if isinstance(node, Dense):
-        return _dense_bwd(node, ctx, dy)
+        return _dense_bwd(node, ctx, dy, need_dx)
     if isinstance(node, (AvgPool, MaxPool)):
         return _pool_bwd(node, ctx, dy)
     if isinstance(node, Add):
@@ -406,10 +414,11 @@ def _backward(model: Model, ctxs: list[_Ctx], dlogits: Array, names: set[str], f
         dy = del_tensors.pop(node.output, None)
         if dy is None:
             continue  # the output does not reach the loss
-        dxs, pgrad = _bwd(node, ctxs[idx], dy)
+        # Nothing before the earliest trainable layer needs a gradient.
+        dxs, pgrad = _bwd(node, ctxs[idx], dy, need_dx=idx > first)
         if pgrad is not None and node.name in names:
             grads[node.name] = pgrad
-        for tensor, dx in zip(node.inputs, dxs, strict=True):
+        for tensor, dx in zip(node.inputs, dxs, strict=False):
             prev = del_tensors.get(tensor)
             del_tensors[tensor] = dx if prev is None else prev + dx
     return grads
