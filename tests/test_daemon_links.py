@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tty
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from qsched.daemon.broker import MosquittoBroker, free_port
+from qsched.daemon.config import MqttConfig
 from qsched.daemon.links import (
     BoardAppeared,
     BoardGone,
@@ -20,9 +23,11 @@ from qsched.daemon.links import (
 )
 from qsched.daemon.links.base import LinkEvent, MessageTooLargeError
 from qsched.daemon.links.inproc import InProcTransport
+from qsched.daemon.links.mqtt import MqttConnection, MqttEndpoint, MqttTransport
 from qsched.daemon.links.serial import ByteStream, FdStream, SerialLink, SerialTransport
 from qsched.protocol.framing import decode_frame, encode_frame
 from qsched.protocol.messages import MAX_PAYLOAD
+from qsched.protocol.topics import TopicMap
 
 FAST = {"ack_timeout": 0.05, "max_retries": 4}
 
@@ -260,3 +265,119 @@ async def test_serial_replug_reappears(tmp_path: Path) -> None:
     finally:
         first.close()
         second.close()
+
+
+# --- MQTT on a private Mosquitto ---------------------------------------------------
+
+_BOARD_SCRIPT = """
+import asyncio, sys
+from qsched.daemon.config import MqttConfig
+from qsched.daemon.links.mqtt import MqttEndpoint
+from qsched.protocol.topics import TopicMap
+
+async def main():
+    cfg = MqttConfig(port=int(sys.argv[1]), keepalive_s=5)
+    async with MqttEndpoint(cfg, TopicMap(fleet="t"), sys.argv[2]) as link:
+        await link.wait_connected(10)
+        await link.send(b"hello from " + sys.argv[2].encode())
+        print("ready", flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def _mqtt_cfg(port: int) -> MqttConfig:
+    return MqttConfig(port=port, reconnect_min_s=0.05, reconnect_max_s=0.3, send_timeout_s=10.0, keepalive_s=5)
+
+
+async def _reconnected(*connections: MqttConnection) -> None:
+    while not all(c.connected and c.connects >= 2 for c in connections):
+        await asyncio.sleep(0.02)
+
+
+async def test_mqtt_birth_messages_and_clean_leave(mqtt_broker: MosquittoBroker) -> None:
+    """A board appears by its birth message, talks both ways, and leaves as offline."""
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+    async with MqttTransport(cfg, topics) as transport:
+        events = transport.events()
+        await transport.wait_connected(5)
+        async with MqttEndpoint(cfg, topics, "board-1") as board:
+            appeared = await _next_event(events)
+            assert isinstance(appeared, BoardAppeared) and appeared.board_id == "board-1"
+            daemon = appeared.link
+            payloads = [os.urandom(n) for n in (0, 1, 500, MAX_PAYLOAD)]
+            for payload in payloads:
+                await daemon.send(payload)
+                await board.send(payload[::-1])
+            assert await _take(board, len(payloads)) == payloads
+            assert await _take(daemon, len(payloads)) == [p[::-1] for p in payloads]
+        gone = await _next_event(events)
+        assert gone == BoardGone("board-1", "offline", "mqtt")
+        assert daemon.closed
+        with pytest.raises(LinkClosedError):
+            await daemon.send(b"x")
+
+
+async def test_mqtt_will_reports_killed_board(mqtt_broker: MosquittoBroker) -> None:
+    """A board process killed mid-run is reported gone by its Last Will."""
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+    async with MqttTransport(cfg, topics) as transport:
+        events = transport.events()
+        await transport.wait_connected(5)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _BOARD_SCRIPT, str(mqtt_broker.port), "board-k", stdout=asyncio.subprocess.PIPE
+        )
+        try:
+            assert proc.stdout is not None
+            while (await asyncio.wait_for(proc.stdout.readline(), 20)).strip() != b"ready":
+                pass  # log lines before it
+            appeared = await _next_event(events)
+            assert isinstance(appeared, BoardAppeared) and appeared.board_id == "board-k"
+            assert await _take(appeared.link, 1) == [b"hello from board-k"]
+        finally:
+            proc.kill()
+            await proc.wait()
+        gone = await _next_event(events, timeout=10)
+        assert gone == BoardGone("board-k", "offline", "mqtt")
+
+
+async def test_mqtt_reconnects_after_broker_restart(mqtt_broker: MosquittoBroker) -> None:
+    """After the broker restarts, both sides reconnect, the board re-announces, messages flow."""
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+    async with MqttTransport(cfg, topics) as transport:
+        events = transport.events()
+        async with MqttEndpoint(cfg, topics, "board-r") as board:
+            appeared = await _next_event(events)
+            assert isinstance(appeared, BoardAppeared)
+            await mqtt_broker.arestart(down_s=0.2)
+            sending = asyncio.create_task(board.send(b"sent during the outage"))
+            await asyncio.wait_for(_reconnected(transport.connection, board.connection), 10)
+            await sending  # the publish waited for the reconnect instead of failing
+            await appeared.link.send(b"after the restart")
+            assert await _take(board, 1) == [b"after the restart"]
+            assert not appeared.link.closed
+
+
+async def test_mqtt_forgotten_board_returns_on_message(mqtt_broker: MosquittoBroker) -> None:
+    """A link the fleet closed (missed heartbeats) comes back when the live board speaks."""
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+    async with MqttTransport(cfg, topics) as transport:
+        events = transport.events()
+        async with MqttEndpoint(cfg, topics, "board-f") as board:
+            first = await _next_event(events)
+            assert isinstance(first, BoardAppeared)
+            await first.link.close("heartbeat")
+            assert await _next_event(events) == BoardGone("board-f", "heartbeat", "mqtt")
+            await board.send(b"still here")
+            again = await _next_event(events)
+            assert isinstance(again, BoardAppeared) and again.link is not first.link
+            assert await _take(again.link, 1) == [b"still here"]
+
+
+async def test_mqtt_send_times_out_without_broker() -> None:
+    """With no broker at all, a send fails with SendTimeoutError after send_timeout_s."""
+    cfg = MqttConfig(port=free_port(), reconnect_min_s=0.05, reconnect_max_s=0.1, send_timeout_s=0.3)
+    async with MqttEndpoint(cfg, TopicMap(fleet="t"), "lonely") as board:
+        with pytest.raises(SendTimeoutError):
+            await board.send(b"nobody listens")

@@ -1,0 +1,190 @@
+"""The daemon's configuration: a TOML file, then environment overrides, validated.
+
+Every setting has a default, so no file is needed. Precedence, highest first:
+environment (``QSCHED_<SECTION>_<KEY>``, e.g. ``QSCHED_MQTT_HOST``,
+``QSCHED_MQTT_TLS_CA_FILE``, ``QSCHED_SERIAL_DEVICES=/dev/ttyACM0,/dev/ttyACM1``), the file
+(``--config``, else ``$QSCHED_CONFIG``), the defaults below. ``systemd/qsched.example.toml``
+documents every key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "DaemonConfig",
+    "MqttConfig",
+    "SerialConfig",
+    "TlsConfig",
+    "env_overrides",
+    "load_config",
+]
+
+ENV_PREFIX = "QSCHED_"
+
+
+class ConfigError(ValueError):
+    """The configuration file or an environment override is invalid."""
+
+    def __init__(self, source: str, detail: str) -> None:
+        super().__init__(f"{source}: {detail}")
+        self.source = source
+        self.detail = detail
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TlsConfig(_Section):
+    """TLS towards the broker (off unless ``enabled``)."""
+
+    enabled: bool = False
+    ca_file: Path | None = Field(default=None, description="CA bundle; system CAs when unset")
+    cert_file: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    key_file: Path | None = Field(default=None, description="client key (mutual TLS)")
+    insecure: bool = Field(default=False, description="skip host name verification (testing only)")
+
+
+class MqttConfig(_Section):
+    """The MQTT broker and how to stay connected to it."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=1883, ge=1, le=65535)
+    username: str | None = None
+    password: SecretStr | None = None
+    tls: TlsConfig = Field(default_factory=TlsConfig)
+    protocol: Literal["3.1.1", "5"] = Field(default="5", description="5 gives control replies a response topic")
+    keepalive_s: int = Field(default=30, ge=5, le=3600)
+    prefix: str = "qsched/v1"
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    send_timeout_s: float = Field(default=10.0, gt=0, description="how long a send waits for a reconnect")
+
+
+class SerialConfig(_Section):
+    """USB serial boards attached to this host."""
+
+    devices: list[str] = Field(default_factory=list, description="port paths, e.g. /dev/qsched/stlink-*")
+    baudrate: int = Field(default=921600, gt=0)
+    reopen_interval_s: float = Field(default=1.0, gt=0)
+
+
+class DaemonConfig(_Section):
+    """Everything ``qsched daemon`` reads at start."""
+
+    fleet: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    state_dir: Path | None = Field(default=None, description="default: $STATE_DIRECTORY or ~/.local/state/qsched")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    step_deadline_s: float = Field(default=5.0, gt=0, description="answers later than this are reassigned")
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a board is gone")
+    checkpoint_every: int = Field(default=100, gt=0, description="steps between checkpoints (the job's own wins)")
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    serial: SerialConfig = Field(default_factory=SerialConfig)
+
+
+def _leaves(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _leaves(annotation, (*path, name))
+        else:
+            yield (*path, name), annotation
+
+
+def _env_value(raw: str, annotation: Any) -> Any:
+    if "list[" in str(annotation):
+        text = raw.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if raw == "" and "None" in str(annotation):
+        return None
+    return raw  # pydantic coerces "8883", "true", "0.5"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings given as ``QSCHED_*`` environment variables, as nested data.
+
+    Args:
+        environ: the environment (``os.environ``).
+
+    Returns:
+        A nested mapping to merge over the file's settings.
+
+    Raises:
+        ConfigError: a list value is not valid JSON.
+    """
+    out: dict[str, Any] = {}
+    for path, annotation in _leaves(DaemonConfig):
+        name = ENV_PREFIX + "_".join(path).upper()
+        if name not in environ:
+            continue
+        try:
+            value = _env_value(environ[name], annotation)
+        except ValueError as exc:
+            raise ConfigError(name, f"not a valid list: {exc}") from exc
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(path), "no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from exc
+
+
+def load_config(path: Path | str | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Read the configuration: defaults, then the TOML file, then the environment.
+
+    Args:
+        path: the TOML file; ``$QSCHED_CONFIG`` when ``None``; no file when neither is set.
+        environ: the environment to read overrides from (``os.environ`` by default).
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: the file is missing or invalid, or a setting fails validation
+            (the message names the setting).
+    """
+    env = os.environ if environ is None else environ
+    if path is None and env.get(ENV_PREFIX + "CONFIG"):
+        path = env[ENV_PREFIX + "CONFIG"]
+    data = _read_toml(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "configuration"
+    try:
+        return DaemonConfig.model_validate(_merge(data, env_overrides(env)))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(source, problems) from exc

@@ -1,0 +1,586 @@
+"""MQTT links: per-board topics, presence by birth message and Last Will.
+
+Topics, QoS and retain flags come from ``qsched.protocol.topics.TopicMap``. A board
+publishes a retained ``BoardPresence(online=True)`` on connect (its birth) and leaves a
+Last Will that sets it ``online=False``; the daemon does the same with
+``DaemonPresence`` on the daemon state topic. Data-plane messages are the binary codec
+bytes on ``boards/<id>/in`` (daemon -> board) and ``boards/<id>/out`` (board -> daemon).
+
+``MqttConnection`` keeps one aiomqtt client connected with aiomqtt's documented
+reconnect pattern (re-enter ``async with client`` after ``MqttError``), waiting a capped,
+jittered, exponentially growing delay between attempts and logging each. Sends wait for
+a reconnect up to ``send_timeout_s``, so a broker restart delays messages but loses no
+link. MQTT delivers to the subscribers present when a message is published: what the
+daemon sends while a board is still reconnecting is lost (the step engine re-asks
+after its deadline), which is why a repeated birth message keeps the link but the fleet
+should treat the board's next Hello as a fresh session. Other daemon parts (the control API) subscribe through ``MqttTransport.connection``.
+
+    async with MqttTransport(cfg.mqtt, TopicMap(fleet=cfg.fleet)) as transport:   # daemon
+        async for event in transport.events(): ...
+    async with MqttEndpoint(cfg.mqtt, TopicMap(fleet="f"), "board-07") as link:   # board
+        await link.send(hello_bytes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import aiomqtt
+import structlog
+from paho.mqtt.properties import Properties
+from pydantic import ValidationError
+
+from qsched.daemon.config import MqttConfig
+from qsched.daemon.links.base import (
+    EVENT_QUEUE_SIZE,
+    INCOMING_QUEUE_SIZE,
+    BoardAppeared,
+    BoardGone,
+    LinkClosedError,
+    LinkEvent,
+    MessageTooLargeError,
+    SendTimeoutError,
+    close_queue,
+    iterate_queue,
+)
+from qsched.protocol.control import BoardPresence, DaemonPresence
+from qsched.protocol.messages import MAX_PAYLOAD
+from qsched.protocol.topics import TopicKind, TopicMap
+
+__all__ = [
+    "MessageHandler",
+    "MqttBoardLink",
+    "MqttConnection",
+    "MqttEndpoint",
+    "MqttTransport",
+    "backoff_delays",
+]
+
+NAME = "mqtt"
+_log = structlog.get_logger("qsched.links.mqtt")
+
+MessageHandler = Callable[[aiomqtt.Message], Awaitable[None]]
+
+
+def backoff_delays(minimum: float, maximum: float) -> Callable[[int], float]:
+    """The reconnect delay for attempt ``n`` (0-based): capped exponential, jittered.
+
+    Jitter (a factor in [0.5, 1]) keeps a fleet of boards that lost the same broker from
+    reconnecting in lock-step.
+
+    Args:
+        minimum: the first delay's upper bound in seconds.
+        maximum: the cap.
+
+    Returns:
+        A function from attempt number to delay.
+    """
+
+    def delay(attempt: int) -> float:
+        return min(maximum, minimum * 2 ** min(attempt, 32)) * random.uniform(0.5, 1.0)
+
+    return delay
+
+
+def _tls_context(cfg: MqttConfig) -> ssl.SSLContext | None:
+    tls = cfg.tls
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    if tls.cert_file is not None:
+        context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+    if tls.insecure:
+        context.check_hostname = False
+    return context
+
+
+@dataclass(frozen=True)
+class _Subscription:
+    topic_filter: str
+    qos: int
+    handler: MessageHandler
+
+
+class MqttConnection:
+    """One MQTT client kept connected; runs subscriptions' handlers in order.
+
+    Args:
+        cfg: broker address, credentials, TLS and reconnect timing.
+        identifier: the MQTT client id (unique per broker).
+        will: the Last Will, published by the broker if this client drops.
+        on_connect: awaited after each (re)connect, before subscribing (birth messages).
+    """
+
+    def __init__(
+        self,
+        cfg: MqttConfig,
+        identifier: str,
+        *,
+        will: aiomqtt.Will | None = None,
+        on_connect: Callable[[aiomqtt.Client], Awaitable[None]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.identifier = identifier
+        self._will = will
+        self._on_connect = on_connect
+        self._subscriptions: list[_Subscription] = []
+        self._client: aiomqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._delay = backoff_delays(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        self.connects = 0  # successful connections so far (a reconnect makes it > 1)
+
+    def subscribe(self, topic_filter: str, qos: int, handler: MessageHandler) -> None:
+        """Register a subscription, (re)made on every connect; call before ``run``.
+
+        Args:
+            topic_filter: an MQTT topic filter (wildcards allowed).
+            qos: the subscription QoS.
+            handler: awaited for each matching message, in arrival order; its
+                exceptions are logged and the loop goes on.
+        """
+        self._subscriptions.append(_Subscription(topic_filter, qos, handler))
+
+    def _make_client(self) -> aiomqtt.Client:
+        cfg = self.cfg
+        version = aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311
+        return aiomqtt.Client(
+            cfg.host,
+            cfg.port,
+            username=cfg.username,
+            password=cfg.password.get_secret_value() if cfg.password else None,
+            identifier=self.identifier,
+            protocol=version,
+            will=self._will,
+            keepalive=cfg.keepalive_s,
+            tls_context=_tls_context(cfg),
+            tls_insecure=cfg.tls.insecure if cfg.tls.enabled else None,
+            max_queued_incoming_messages=INCOMING_QUEUE_SIZE * 16,
+            timeout=cfg.send_timeout_s,
+        )
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now."""
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait for a connection (raises ``TimeoutError`` after ``timeout``)."""
+        await asyncio.wait_for(self._connected.wait(), timeout)
+
+    async def run(self) -> None:
+        """Connect, subscribe, dispatch messages; reconnect on loss. Runs until cancelled."""
+        client = self._make_client()
+        attempt = 0
+        while True:
+            try:
+                async with client:
+                    attempt = 0
+                    await self._session(client)
+            except aiomqtt.MqttError as exc:
+                self._lost()
+                delay = self._delay(attempt)
+                attempt += 1
+                _log.warning(
+                    "mqtt connection failed; reconnecting",
+                    client=self.identifier,
+                    broker=f"{self.cfg.host}:{self.cfg.port}",
+                    attempt=attempt,
+                    delay_s=round(delay, 3),
+                    error=str(exc),
+                )
+                await asyncio.sleep(delay)
+            finally:
+                self._lost()
+
+    async def _session(self, client: aiomqtt.Client) -> None:
+        if self._on_connect is not None:
+            await self._on_connect(client)
+        for sub in self._subscriptions:
+            await client.subscribe(sub.topic_filter, qos=sub.qos)
+        self._client = client
+        self.connects += 1
+        self._connected.set()
+        _log.info("mqtt connected", client=self.identifier, broker=f"{self.cfg.host}:{self.cfg.port}")
+        async for message in client.messages:
+            await self._dispatch(message)
+
+    def _lost(self) -> None:
+        self._connected.clear()
+        self._client = None
+
+    async def _dispatch(self, message: aiomqtt.Message) -> None:
+        for sub in self._subscriptions:
+            if message.topic.matches(sub.topic_filter):
+                try:
+                    await sub.handler(message)
+                except Exception:  # a misbehaving peer must not stop the loop
+                    _log.exception("mqtt handler failed", topic=message.topic.value)
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes | str,
+        *,
+        qos: int,
+        retain: bool = False,
+        properties: Properties | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Publish, waiting for a (re)connection if the broker is away.
+
+        Args:
+            topic: the topic.
+            payload: the bytes (or text).
+            qos: MQTT QoS; at QoS 1 and 2 this waits for the broker's acknowledgement.
+            retain: whether the broker keeps the message for new subscribers.
+            properties: MQTT 5 properties (response topic, correlation data).
+            timeout: overall seconds; ``cfg.send_timeout_s`` by default.
+
+        Raises:
+            TimeoutError: not published within the timeout.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.cfg.send_timeout_s if timeout is None else timeout)
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"publish to {topic} timed out")
+            await asyncio.wait_for(self._connected.wait(), remaining)
+            client = self._client
+            if client is None:
+                continue
+            try:
+                await client.publish(
+                    topic, payload, qos=qos, retain=retain, properties=properties, timeout=remaining
+                )
+                return
+            except aiomqtt.MqttError as exc:
+                _log.debug("publish failed; waiting for reconnect", topic=topic, error=str(exc))
+                await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+
+
+class MqttBoardLink:
+    """The daemon's link to one MQTT board (created by ``MqttTransport``)."""
+
+    def __init__(self, board_id: str, transport: MqttTransport, queue_size: int) -> None:
+        self.board_id = board_id
+        self.reason = ""
+        self.dropped = 0  # messages dropped because the incoming queue was full
+        self._transport = transport
+        self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the board is gone or the link was closed."""
+        return self._closed
+
+    async def send(self, payload: bytes) -> None:
+        """Publish one message to the board's in topic (QoS 1).
+
+        Raises:
+            LinkClosedError: the board is gone.
+            SendTimeoutError: the broker stayed unreachable for ``send_timeout_s``.
+            MessageTooLargeError: the payload exceeds ``MAX_PAYLOAD``.
+        """
+        if self._closed:
+            raise LinkClosedError(self.board_id, self.reason or "closed")
+        if len(payload) > MAX_PAYLOAD:
+            raise MessageTooLargeError(self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes")
+        await self._transport.send_to_board(self.board_id, bytes(payload))
+
+    def _deliver(self, payload: bytes) -> None:
+        try:
+            self._inbox.put_nowait(payload)
+        except asyncio.QueueFull:
+            # One message loop serves every board: a board that floods its queue loses
+            # messages rather than stalling the others (the step engine re-asks).
+            self.dropped += 1
+            _log.warning("board queue full; message dropped", board=self.board_id)
+
+    async def incoming(self) -> AsyncIterator[bytes]:
+        """Messages from the board's out topic until the board is gone."""
+        async for item in iterate_queue(self._inbox):
+            yield item  # type: ignore[misc]
+
+    def _mark_closed(self, reason: str) -> bool:
+        if self._closed:
+            return False
+        self._closed = True
+        self.reason = reason
+        close_queue(self._inbox)
+        return True
+
+    async def close(self, reason: str = "closed") -> None:
+        """Forget the board (e.g. missed heartbeats); it comes back with its next message."""
+        self._transport._forget(self, reason)
+
+
+class MqttTransport:
+    """The daemon's side: presence, per-board links, the daemon's own retained state.
+
+    Args:
+        cfg: the broker settings.
+        topics: the fleet's topic map.
+        identifier: the daemon's MQTT client id.
+        version: reported in the daemon's presence message.
+        queue_size: the bound of each board's incoming queue.
+    """
+
+    name = NAME
+
+    def __init__(
+        self,
+        cfg: MqttConfig,
+        topics: TopicMap,
+        *,
+        identifier: str | None = None,
+        version: str | None = None,
+        queue_size: int = INCOMING_QUEUE_SIZE,
+    ) -> None:
+        self.topics = topics
+        self._version = version
+        self._queue_size = queue_size
+        self._events: asyncio.Queue[object] = asyncio.Queue(EVENT_QUEUE_SIZE)
+        self._links: dict[str, MqttBoardLink] = {}
+        self._online: set[str] = set()
+        rule = topics.rule("daemon_state")
+        will = aiomqtt.Will(topics.daemon_state(), self._presence(False), rule.qos, rule.retain)
+        self.connection = MqttConnection(
+            cfg, identifier or f"qsched-daemon-{topics.fleet}", will=will, on_connect=self._birth
+        )
+        self.connection.subscribe(topics.all_board_presence(), topics.rule("board_presence").qos, self._on_presence)
+        self.connection.subscribe(topics.all_board_out(), topics.rule("board_out").qos, self._on_out)
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+
+    def _presence(self, online: bool) -> bytes:
+        return DaemonPresence(online=online, version=self._version).model_dump_json().encode()
+
+    async def _birth(self, client: aiomqtt.Client) -> None:
+        rule = self.topics.rule("daemon_state")
+        await client.publish(self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain)
+
+    async def send_to_board(self, board_id: str, payload: bytes) -> None:
+        """Publish a data-plane message on the board's in topic, by the topic rule.
+
+        Raises:
+            SendTimeoutError: the broker stayed unreachable for ``send_timeout_s``.
+        """
+        rule = self.topics.rule("board_in")
+        try:
+            await self.connection.publish(self.topics.board_in(board_id), payload, qos=rule.qos, retain=rule.retain)
+        except TimeoutError as exc:
+            raise SendTimeoutError(board_id, "broker_unreachable", str(exc)) from exc
+
+    async def __aenter__(self) -> Self:
+        self._tasks = asyncio.TaskGroup()
+        await self._tasks.__aenter__()
+        self._task = self._tasks.create_task(self.connection.run(), name="mqtt[daemon].connection")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await _leave(self.connection, self.topics.daemon_state(), self._presence(False), "daemon_state", self.topics)
+        if self._task is not None:
+            self._task.cancel()
+        if self._tasks is not None:
+            await self._tasks.__aexit__(None, None, None)
+        for link in self._links.values():
+            link._mark_closed("shutdown")
+        close_queue(self._events)
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the broker connection is up."""
+        await self.connection.wait_connected(timeout)
+
+    async def events(self) -> AsyncIterator[LinkEvent]:
+        """``BoardAppeared`` on birth (or first message), ``BoardGone`` on Will or close."""
+        async for event in iterate_queue(self._events):
+            yield event  # type: ignore[misc]
+
+    async def _on_presence(self, message: aiomqtt.Message) -> None:
+        parsed = self.topics.parse_board_topic(message.topic.value)
+        if parsed is None:
+            return
+        board_id = parsed[0]
+        online = _presence_online(message.payload, board_id)
+        if online is None:
+            return
+        if online:
+            self._online.add(board_id)
+            await self._appear(board_id)
+        else:
+            self._online.discard(board_id)
+            link = self._links.get(board_id)
+            if link is not None:
+                self._forget(link, "offline")
+
+    async def _on_out(self, message: aiomqtt.Message) -> None:
+        parsed = self.topics.parse_board_topic(message.topic.value)
+        if parsed is None or not isinstance(message.payload, bytes | bytearray):
+            return
+        board_id = parsed[0]
+        link = self._links.get(board_id)
+        if link is None and board_id in self._online:
+            # A board forgotten by the fleet (missed heartbeats) but still alive comes back.
+            link = await self._appear(board_id)
+        if link is None:
+            _log.debug("message from a board without presence dropped", board=board_id)
+            return
+        link._deliver(bytes(message.payload))
+
+    async def _appear(self, board_id: str) -> MqttBoardLink:
+        link = self._links.get(board_id)
+        if link is None:  # a repeated birth (reconnect) keeps the existing link
+            link = MqttBoardLink(board_id, self, self._queue_size)
+            self._links[board_id] = link
+            await self._events.put(BoardAppeared(board_id, link, NAME))
+        return link
+
+    def _forget(self, link: MqttBoardLink, reason: str) -> None:
+        if self._links.get(link.board_id) is link:
+            del self._links[link.board_id]
+        if link._mark_closed(reason):
+            try:
+                self._events.put_nowait(BoardGone(link.board_id, reason, NAME))
+            except asyncio.QueueFull:
+                _log.error("event queue full; BoardGone lost", board=link.board_id)
+
+
+def _presence_online(payload: Any, board_id: str) -> bool | None:
+    if not payload:
+        return False  # a cleared retained presence: the board is gone
+    try:
+        presence = BoardPresence.model_validate_json(payload)
+    except ValidationError as exc:
+        _log.warning("invalid board presence ignored", board=board_id, error=str(exc))
+        return None
+    if presence.board_id != board_id:
+        _log.warning("presence board id does not match its topic", board=board_id)
+        return None
+    return presence.online
+
+
+async def _leave(conn: MqttConnection, topic: str, payload: bytes, kind: TopicKind, topics: TopicMap) -> None:
+    # A clean disconnect does not fire the Will, so say "offline" ourselves.
+    if not conn.connected:
+        return
+    rule = topics.rule(kind)
+    with contextlib.suppress(TimeoutError, aiomqtt.MqttError):
+        await conn.publish(topic, payload, qos=rule.qos, retain=rule.retain, timeout=2.0)
+
+
+class MqttEndpoint:
+    """A board's link to the daemon over MQTT (the virtual board, the serial bridge).
+
+    Args:
+        cfg: the broker settings.
+        topics: the fleet's topic map.
+        board_id: this board's id (one topic level).
+        protocol_version: reported in the birth message.
+        queue_size: the bound of the incoming queue.
+    """
+
+    def __init__(
+        self,
+        cfg: MqttConfig,
+        topics: TopicMap,
+        board_id: str,
+        *,
+        protocol_version: int | None = None,
+        queue_size: int = INCOMING_QUEUE_SIZE,
+    ) -> None:
+        self.board_id = board_id
+        self.topics = topics
+        self.dropped = 0
+        self._protocol_version = protocol_version
+        self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
+        self._closed = False
+        rule = topics.rule("board_presence")
+        will = aiomqtt.Will(topics.board_presence(board_id), self._presence(False), rule.qos, rule.retain)
+        self.connection = MqttConnection(
+            cfg, f"qsched-{topics.fleet}-{board_id}", will=will, on_connect=self._birth
+        )
+        self.connection.subscribe(topics.board_in(board_id), topics.rule("board_in").qos, self._on_in)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the endpoint was closed."""
+        return self._closed
+
+    def _presence(self, online: bool) -> bytes:
+        presence = BoardPresence(board_id=self.board_id, online=online, protocol_version=self._protocol_version)
+        return presence.model_dump_json().encode()
+
+    async def _birth(self, client: aiomqtt.Client) -> None:
+        rule = self.topics.rule("board_presence")
+        await client.publish(
+            self.topics.board_presence(self.board_id), self._presence(True), qos=rule.qos, retain=rule.retain
+        )
+
+    async def _on_in(self, message: aiomqtt.Message) -> None:
+        if isinstance(message.payload, bytes | bytearray):
+            try:
+                self._inbox.put_nowait(bytes(message.payload))
+            except asyncio.QueueFull:
+                self.dropped += 1
+                _log.warning("board inbox full; message dropped", board=self.board_id)
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self.connection.run(), name=f"mqtt[{self.board_id}].connection")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the broker connection is up (the birth message is out)."""
+        await self.connection.wait_connected(timeout)
+
+    async def send(self, payload: bytes) -> None:
+        """Publish one message on the board's out topic (QoS 1).
+
+        Raises:
+            LinkClosedError: the endpoint was closed.
+            SendTimeoutError: the broker stayed unreachable for ``send_timeout_s``.
+        """
+        if self._closed:
+            raise LinkClosedError(self.board_id, "closed")
+        rule = self.topics.rule("board_out")
+        try:
+            await self.connection.publish(
+                self.topics.board_out(self.board_id), bytes(payload), qos=rule.qos, retain=rule.retain
+            )
+        except TimeoutError as exc:
+            raise SendTimeoutError(self.board_id, "broker_unreachable", str(exc)) from exc
+
+    async def incoming(self) -> AsyncIterator[bytes]:
+        """Messages from the daemon until the endpoint is closed."""
+        async for item in iterate_queue(self._inbox):
+            yield item  # type: ignore[misc]
+
+    async def close(self) -> None:
+        """Say offline (retained), disconnect, end ``incoming`` (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await _leave(
+            self.connection, self.topics.board_presence(self.board_id), self._presence(False), "board_presence", self.topics
+        )
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        close_queue(self._inbox)
