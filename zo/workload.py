@@ -1,0 +1,546 @@
+"""The ZO workload: one job's model, data and numerics behind a small facade.
+
+The daemon, the Python virtual boards, the experiment runner and the single-process
+trainer all drive training through :class:`Workload`, so a step is computed the same way
+everywhere:
+
+    idx    = workload.batch(step)                            # Philox minibatch
+    losses = workload.perturbed_losses(state, step, ks)       # on the boards, sharded by k
+    pairs  = spsa.coefficients(losses, lr, eps, q)            # in the daemon, once
+    state  = workload.apply_update(state, step, pairs)        # everywhere, bit-identical
+
+Construction is a pure function of the :class:`JobSpec` (and an optional backbone).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from qsched.zo import accum_int8, engine, intloss, prng, update
+from qsched.zo.datasets import Dataset, load_dataset
+from qsched.zo.graph import Model, QuantizedLayer, QuantModel
+from qsched.zo.quantize import dequantize_weights, quantize_input, quantize_model
+from qsched.zo.spec import JobSpec
+from qsched.zo.spsa import LossPairs
+from qsched.zo.zoo import build_model
+
+__all__ = [
+    "CALIBRATION_SAMPLES",
+    "DOMAIN_CALIBRATION",
+    "StateError",
+    "TrainState",
+    "Workload",
+    "WorkloadError",
+    "resolve_trainable",
+]
+
+# Philox domain (counter word 3) of the PTQ calibration subset; 0 and 1 are the protocol's.
+DOMAIN_CALIBRATION: Final = 2
+CALIBRATION_SAMPLES: Final = 512
+# Perturbed weight sets evaluated per engine call are capped so that sets x parameters
+# stays near this many elements (memory), whatever q and the model are.
+_MAX_SET_ELEMENTS: Final = 1 << 24
+_VALIDATION_CHUNK: Final = 1024
+
+_STATE_MAGIC: Final = b"QZST"
+_STATE_VERSION: Final = 1
+_STATE_HEADER: Final = struct.Struct("<4sHBBQII")
+_PARAM_CODES: Final = {np.dtype(np.float32): 1, np.dtype(np.int8): 2}
+_BUFFER_CODES: Final = {None: 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2}
+
+
+class WorkloadError(ValueError):
+    """A job spec the workload cannot build (unknown layer, backbone mismatch, ...)."""
+
+
+class StateError(ValueError):
+    """A train state that does not fit the workload, or bytes that are not a state."""
+
+
+@dataclass(eq=False)
+class TrainState:
+    """Everything that changes during training: the flat trainable vector and its buffer.
+
+    ``params`` is float32 (FP32 mode) or int8 (INT8 mode); ``buffer`` is the FP16
+    accumulation buffer, the INT8 accumulator state (``accum_int8``), or None (FP32).
+    ``step`` is the next step to run.
+    """
+
+    step: int
+    params: npt.NDArray[np.float32] | npt.NDArray[np.int8]
+    buffer: npt.NDArray[np.float16] | npt.NDArray[np.int8] | None = None
+
+    def checksum(self) -> int:
+        """CRC-32 of the params' bytes then the buffer's bytes (SPEC section 5)."""
+        crc = zlib.crc32(np.ascontiguousarray(self.params).astype(self.params.dtype.newbyteorder("<")).tobytes())
+        if self.buffer is not None:
+            buf = np.ascontiguousarray(self.buffer)
+            crc = zlib.crc32(buf.astype(buf.dtype.newbyteorder("<")).tobytes(), crc)
+        return crc
+
+    def to_bytes(self) -> bytes:
+        """Serialise: a 24-byte header (magic, version, codes, step, sizes), params, buffer.
+
+        Returns:
+            Little-endian bytes that :meth:`from_bytes` reads back.
+        """
+        buffer = self.buffer
+        header = _STATE_HEADER.pack(
+            _STATE_MAGIC,
+            _STATE_VERSION,
+            _PARAM_CODES[self.params.dtype],
+            _BUFFER_CODES[None if buffer is None else buffer.dtype],
+            self.step,
+            self.params.size,
+            0 if buffer is None else buffer.size,
+        )
+        parts = [header, self.params.astype(self.params.dtype.newbyteorder("<")).tobytes()]
+        if buffer is not None:
+            parts.append(buffer.astype(buffer.dtype.newbyteorder("<")).tobytes())
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TrainState:
+        """Parse :meth:`to_bytes` output.
+
+        Args:
+            data: the serialised state.
+
+        Returns:
+            The state.
+
+        Raises:
+            StateError: wrong magic, version, codes or length.
+        """
+        if len(data) < _STATE_HEADER.size:
+            raise StateError("train state: truncated header")
+        magic, version, pcode, bcode, step, n_params, n_buffer = _STATE_HEADER.unpack_from(data)
+        if magic != _STATE_MAGIC or version != _STATE_VERSION:
+            raise StateError(f"train state: bad magic {magic!r} or version {version}")
+        pdtype = _code_dtype(_PARAM_CODES, pcode, "params")
+        bdtype = _code_dtype(_BUFFER_CODES, bcode, "buffer")
+        expected = _STATE_HEADER.size + n_params * pdtype.itemsize + (n_buffer * bdtype.itemsize if bdtype else 0)
+        if len(data) != expected:
+            raise StateError(f"train state: {len(data)} bytes, expected {expected}")
+        offset = _STATE_HEADER.size
+        params = np.frombuffer(data, dtype=pdtype.newbyteorder("<"), count=n_params, offset=offset)
+        buffer = None
+        if bdtype is not None:
+            offset += n_params * pdtype.itemsize
+            buffer = np.frombuffer(data, dtype=bdtype.newbyteorder("<"), count=n_buffer, offset=offset)
+            buffer = buffer.astype(bdtype)
+        return cls(step=int(step), params=params.astype(pdtype), buffer=buffer)
+
+    def copy(self) -> TrainState:
+        """A deep copy."""
+        return TrainState(self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy())
+
+
+def _code_dtype(codes: dict[np.dtype | None, int], code: int, what: str) -> np.dtype | None:  # type: ignore[type-arg]
+    for dtype, value in codes.items():
+        if value == code:
+            return dtype
+    raise StateError(f"train state: unknown {what} code {code}")
+
+
+def resolve_trainable(model: Model, trainable: str | list[str]) -> list[str]:
+    """The trainable parametrised layers, in model order.
+
+    Args:
+        model: the graph.
+        trainable: "all", "last:N" or a list of layer names.
+
+    Returns:
+        Layer names in model order.
+
+    Raises:
+        WorkloadError: an unknown or parameter-free layer, or N too large.
+    """
+    names = [n.name for n in model.param_nodes()]
+    if trainable == "all":
+        return names
+    if isinstance(trainable, str):
+        if not trainable.startswith("last:"):
+            raise WorkloadError(f"trainable must be 'all', 'last:N' or layer names, got {trainable!r}")
+        count = int(trainable.split(":", 1)[1])
+        if not 0 < count <= len(names):
+            raise WorkloadError(f"trainable {trainable!r}: the model has {len(names)} layers with weights: {names}")
+        return names[-count:]
+    unknown = [t for t in trainable if t not in names]
+    if unknown:
+        raise WorkloadError(f"unknown trainable layer(s) {unknown}; layers with weights: {names}")
+    return [n for n in names if n in set(trainable)]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One tensor of the flat trainable vector."""
+
+    layer: str
+    kind: Literal["weight", "bias"]
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+
+class Workload:
+    """One job's model, data and numerics (see the module docstring)."""
+
+    def __init__(
+        self, spec: JobSpec, model: Model, qmodel: QuantModel | None, dataset: Dataset, trainable: list[str]
+    ) -> None:
+        self.spec = spec
+        self.model = model
+        self.qmodel = qmodel
+        self.dataset = dataset
+        self.trainable_layers = trainable
+        self.segments = self._layout()
+        self.num_params = self.segments[-1].stop if self.segments else 0
+        if self.num_params == 0:
+            raise WorkloadError("no trainable parameters")
+        self._loss_table: npt.NDArray[np.uint32] | None = None
+        self._loss_scale_q24 = 0
+        self._train_prefix: engine.Activations | None = None
+        self._x_train: npt.NDArray[np.float32] | npt.NDArray[np.int8] = dataset.x_train
+        self._x_val: npt.NDArray[np.float32] | npt.NDArray[np.int8] = dataset.x_val
+        if qmodel is not None:
+            scale = qmodel.tensors[model.output_name].scale
+            self._loss_table = intloss.exp_table(scale)
+            self._loss_scale_q24 = intloss.scale_q24(scale)
+            self._x_train = quantize_input(qmodel, dataset.x_train)
+            self._x_val = quantize_input(qmodel, dataset.x_val)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, *, backbone: Model | QuantModel | None = None) -> Workload:
+        """Build the workload a spec describes, deterministically.
+
+        Args:
+            spec: the job.
+            backbone: a model to start from instead of the zoo's seeded initialisation
+                (a QuantModel keeps its quantisation in INT8 mode).
+
+        Returns:
+            The workload.
+
+        Raises:
+            WorkloadError: the spec and the backbone or data do not fit.
+        """
+        dataset = load_dataset(spec.dataset)
+        if backbone is None and spec.backbone is not None:
+            backbone = _load_backbone(spec.backbone)
+        if isinstance(backbone, QuantModel):
+            model = backbone.model
+        elif isinstance(backbone, Model):
+            model = backbone
+        else:
+            model = build_model(
+                spec.model, dataset.input_shape, dataset.num_classes, seed=spec.seed, **spec.model_options
+            )
+        if tuple(model.input_shape) != dataset.input_shape or model.num_classes != dataset.num_classes:
+            raise WorkloadError(
+                f"model {model.name!r} takes {model.input_shape} -> {model.num_classes} classes, "
+                f"data set {dataset.name!r} is {dataset.input_shape} -> {dataset.num_classes}"
+            )
+        qmodel = None
+        if spec.numerics == "int8":
+            if isinstance(backbone, QuantModel):
+                qmodel = backbone
+            else:
+                qmodel = quantize_model(model, dataset.x_train[calibration_indices(spec.seed, len(dataset.x_train))])
+        return cls(spec, model, qmodel, dataset, resolve_trainable(model, spec.trainable))
+
+    def _layout(self) -> list[_Segment]:
+        segments: list[_Segment] = []
+        start = 0
+        for name in self.trainable_layers:
+            node = self.model.node(name)
+            kinds: tuple[Literal["weight", "bias"], ...] = ("weight",) if self.int8 else ("weight", "bias")
+            for kind in kinds:
+                shape = tuple(int(d) for d in getattr(node, kind).shape)
+                segments.append(_Segment(name, kind, start, shape))
+                start = segments[-1].stop
+        return segments
+
+    @property
+    def int8(self) -> bool:
+        """True in INT8 mode."""
+        return self.spec.numerics == "int8"
+
+    @property
+    def tensor_sizes(self) -> list[int]:
+        """Sizes of the flat vector's tensors, in order (the INT8 accumulator's per-tensor scales)."""
+        return [s.size for s in self.segments]
+
+    # ------------------------------------------------------------------ state
+
+    def initial_state(self) -> TrainState:
+        """The state before step 0: the model's weights and a zero buffer."""
+        if self.qmodel is None:
+            parts = [np.asarray(getattr(self.model.node(s.layer), s.kind), np.float32).ravel() for s in self.segments]
+            return TrainState(0, np.concatenate(parts).astype(np.float32), None)
+        params = np.concatenate([self.qmodel.layers[s.layer].weight.ravel() for s in self.segments]).astype(np.int8)
+        if self.spec.accumulator == "int8":
+            return TrainState(0, params, accum_int8.initial_state(self.tensor_sizes))
+        return TrainState(0, params, np.zeros(self.num_params, dtype=np.float16))
+
+    def check_state(self, state: TrainState) -> None:
+        """Raise StateError unless ``state`` has this workload's sizes and dtypes."""
+        dtype = np.int8 if self.int8 else np.float32
+        if state.params.dtype != dtype or state.params.shape != (self.num_params,):
+            raise StateError(
+                f"state params are {state.params.dtype}{state.params.shape}, expected {np.dtype(dtype)}({self.num_params},)"
+            )
+        expected = self.initial_state().buffer
+        if (expected is None) != (state.buffer is None) or (
+            expected is not None and state.buffer is not None
+            and (expected.dtype != state.buffer.dtype or expected.shape != state.buffer.shape)
+        ):
+            raise StateError("state buffer does not match the job's accumulator")
+
+    # ------------------------------------------------------------------ one step
+
+    def batch(self, step: int) -> npt.NDArray[np.int64]:
+        """The minibatch indices of a step (SPEC section 1)."""
+        return prng.batch_indices(self.spec.seed, step, self.spec.batch_size, len(self.dataset.x_train))
+
+    def perturbed_losses(self, state: TrainState, step: int, ks: Sequence[int]) -> LossPairs:
+        """The losses of perturbations ``ks`` at ``step`` on the step's minibatch.
+
+        Two-sided: L(theta + eps z_k) and L(theta - eps z_k) per k; one-sided: L(theta +
+        eps z_k) per k and L(theta). All sets are evaluated in batched engine calls on one
+        shared minibatch. INT8 losses are the integer loss's Q16 values as floats (exact).
+
+        Args:
+            state: the current state (its params are perturbed, never modified).
+            step: the step (keys the batch and the perturbations).
+            ks: perturbation indices, distinct.
+
+        Returns:
+            The losses.
+        """
+        self.check_state(state)
+        keys = [int(k) for k in ks]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"repeated perturbation index in {keys}")
+        eps = self.spec.eps
+        sets: list[npt.NDArray[np.float32] | npt.NDArray[np.int8]] = []
+        for k in keys:
+            for sign in (1, -1) if self.spec.estimator == "two_sided" else (1,):
+                sets.append(self._perturb(state.params, step, k, eps, sign))
+        if self.spec.estimator == "one_sided":
+            sets.append(state.params)
+        idx = self.batch(step)
+        losses = self._set_losses(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        if self.spec.estimator == "two_sided":
+            return LossPairs(
+                plus={k: losses[2 * i] for i, k in enumerate(keys)},
+                minus={k: losses[2 * i + 1] for i, k in enumerate(keys)},
+            )
+        return LossPairs(plus={k: losses[i] for i, k in enumerate(keys)}, minus={}, base=losses[-1])
+
+    def _train_inputs(
+        self, idx: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations:
+        """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
+        first = next(i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers))
+        if first == 0:
+            return self._x_train[idx]
+        if self._train_prefix is None:
+            source = self.qmodel if self.qmodel is not None else self.model
+            self._train_prefix = engine.prefix_activations(source, self._x_train, self.trainable_layers)
+        return self._train_prefix.take(idx)
+
+    def _perturb(
+        self, params: npt.NDArray[np.float32] | npt.NDArray[np.int8], step: int, k: int, eps: float, sign: int
+    ) -> npt.NDArray[np.float32] | npt.NDArray[np.int8]:
+        if self.int8:
+            return update.perturb_int8(params.astype(np.int8), self.spec.seed, step, k, int(eps), sign)
+        return update.perturb_fp32(params.astype(np.float32), self.spec.seed, step, k, eps, sign)
+
+    def apply_update(self, state: TrainState, step: int, pairs: Sequence[tuple[int, float]]) -> TrainState:
+        """Apply the step's update pairs (SPEC section 4); returns a new state at step + 1.
+
+        Args:
+            state: the state at ``step``.
+            step: the step the pairs belong to.
+            pairs: (k, c_k) with c_k float32 values.
+
+        Returns:
+            The new state.
+
+        Raises:
+            StateError: the state is not at ``step``.
+        """
+        self.check_state(state)
+        if state.step != step:
+            raise StateError(f"state is at step {state.step}, update is for step {step}")
+        seed = self.spec.seed
+        if not self.int8:
+            return TrainState(step + 1, update.apply_fp32(state.params.astype(np.float32), seed, step, pairs), None)
+        weights = state.params.astype(np.int8)
+        if self.spec.accumulator == "int8":
+            assert state.buffer is not None
+            new_w, new_b = accum_int8.apply(
+                weights, state.buffer.astype(np.int8), self.tensor_sizes, seed, step, pairs
+            )
+            return TrainState(step + 1, new_w, new_b)
+        assert state.buffer is not None
+        new_w, new_f16 = update.apply_int8_fp16(weights, state.buffer.astype(np.float16), seed, step, pairs)
+        return TrainState(step + 1, new_w, new_f16)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _set_losses(
+        self,
+        sets: Sequence[npt.NDArray[np.float32] | npt.NDArray[np.int8]],
+        x: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        y: npt.NDArray[np.int64],
+    ) -> list[float]:
+        """Mean batch loss of each flat weight set, in engine calls of bounded size."""
+        chunk = max(1, min(len(sets), _MAX_SET_ELEMENTS // max(1, self.num_params)))
+        out: list[float] = []
+        for start in range(0, len(sets), chunk):
+            stacked = np.stack(sets[start : start + chunk])
+            per_sample = self._per_sample_losses(stacked, x, y)
+            if self.int8:
+                out.extend(float(intloss.q16_to_float(v)) for v in intloss.batch_loss_q16(per_sample))
+            else:
+                out.extend(float(v) for v in per_sample.mean(axis=-1, dtype=np.float32))
+        return out
+
+    def _logits(
+        self,
+        stacked: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        x: npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations,
+    ) -> npt.NDArray[np.int8] | npt.NDArray[np.float32]:
+        """Logits (P, B, C) of P flat weight sets on one input batch."""
+        count = stacked.shape[0]
+        views = {s: stacked[:, s.start : s.stop].reshape(count, *s.shape) for s in self.segments}
+        if self.qmodel is not None:
+            weight_sets = {s.layer: views[s].astype(np.int8) for s in self.segments}
+            return engine.run_int8_perturbed(self.qmodel, x, weight_sets)
+        param_sets = {
+            layer: (views[self._segment(layer, "weight")], views[self._segment(layer, "bias")])
+            for layer in self.trainable_layers
+        }
+        return engine.run_fp32_perturbed(self.model, x, param_sets)
+
+    def _per_sample_losses(
+        self,
+        stacked: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        x: npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations,
+        y: npt.NDArray[np.int64],
+    ) -> npt.NDArray[np.int32] | npt.NDArray[np.float32]:
+        """Per-sample losses (P, B): Q16 ints in INT8 mode, float32 in FP32 mode."""
+        logits = self._logits(stacked, x)
+        if self.qmodel is not None:
+            assert self._loss_table is not None
+            return intloss.loss_q16(logits.astype(np.int8), y[None, :], self._loss_table, self._loss_scale_q24)
+        return intloss.float_cross_entropy(logits.astype(np.float32), y[None, :])
+
+    def _segment(self, layer: str, kind: str) -> _Segment:
+        return next(s for s in self.segments if s.layer == layer and s.kind == kind)
+
+    def validate(self, state: TrainState, start: int = 0, count: int | None = None) -> tuple[float, int, int]:
+        """Unperturbed loss and accuracy on a slice of the validation set.
+
+        Boards validate data-parallel: each takes a slice and the daemon sums the results.
+
+        Args:
+            state: the weights to evaluate.
+            start: first validation sample.
+            count: number of samples (default: to the end).
+
+        Returns:
+            (sum of per-sample losses, number correct, number of samples). INT8 loss sums
+            are sums of Q16 values divided by 65536 (exact).
+        """
+        self.check_state(state)
+        n_val = len(self.dataset.x_val)
+        stop = n_val if count is None else min(n_val, start + count)
+        if not 0 <= start <= stop:
+            raise ValueError(f"validation slice [{start}, {stop}) outside [0, {n_val}]")
+        loss_sum, correct = 0.0, 0
+        for lo in range(start, stop, _VALIDATION_CHUNK):
+            hi = min(stop, lo + _VALIDATION_CHUNK)
+            y = self.dataset.y_val[lo:hi]
+            logits = self._logits(state.params[None, :], self._x_val[lo:hi])[0]
+            if self.qmodel is not None:
+                assert self._loss_table is not None
+                q16 = intloss.loss_q16(logits.astype(np.int8), y, self._loss_table, self._loss_scale_q24)
+                loss_sum += int(q16.astype(np.int64).sum()) / 65536.0
+            else:
+                loss_sum += float(intloss.float_cross_entropy(logits.astype(np.float32), y).astype(np.float64).sum())
+            correct += int((np.argmax(logits, axis=-1) == y).sum())
+        return loss_sum, correct, stop - start
+
+    # ------------------------------------------------------------------ export
+
+    def to_quant_model(self, state: TrainState) -> QuantModel:
+        """The INT8 model with the state's weights (scales unchanged; float view dequantised)."""
+        self.check_state(state)
+        if self.qmodel is None:
+            raise WorkloadError("to_quant_model needs an INT8 job (numerics='int8')")
+        layers = dict(self.qmodel.layers)
+        for seg in self.segments:
+            old = layers[seg.layer]
+            weight = state.params[seg.start : seg.stop].astype(np.int8).reshape(seg.shape)
+            layers[seg.layer] = QuantizedLayer(weight=weight, weight_scales=old.weight_scales, bias=old.bias)
+        updated = QuantModel(model=self.model, tensors=dict(self.qmodel.tensors), layers=layers)
+        return QuantModel(model=dequantize_weights(updated), tensors=updated.tensors, layers=layers)
+
+    def to_model(self, state: TrainState) -> Model:
+        """The float model with the state's weights (INT8: the dequantised weights)."""
+        if self.qmodel is not None:
+            return self.to_quant_model(state).model
+        self.check_state(state)
+        nodes = list(self.model.nodes)
+        for seg in self.segments:
+            i = next(j for j, n in enumerate(nodes) if n.name == seg.layer)
+            values = state.params[seg.start : seg.stop].reshape(seg.shape).astype(np.float32).copy()
+            nodes[i] = replace(nodes[i], **{seg.kind: values})
+        return replace(self.model, nodes=nodes)
+
+    def model_blob(self) -> bytes:
+        """The bytes LoadModel ships to the boards (``blob.encode_blob``)."""
+        from qsched.zo.blob import encode_blob
+
+        return encode_blob(self)
+
+
+def calibration_indices(seed: int, dataset_size: int, count: int = CALIBRATION_SAMPLES) -> npt.NDArray[np.int64]:
+    """The PTQ calibration subset: ``count`` indices from Philox domain 2 (sorted, unique)."""
+    if dataset_size <= count:
+        return np.arange(dataset_size, dtype=np.int64)
+    blocks = (count + 3) // 4
+    counters = np.zeros((blocks, 4), dtype=np.uint32)
+    counters[:, 0] = np.arange(blocks, dtype=np.uint32)
+    counters[:, 3] = DOMAIN_CALIBRATION
+    words = prng.philox4x32(counters, (seed & 0xFFFFFFFF, seed >> 32)).reshape(-1)[:count]
+    idx = (words.astype(np.uint64) * np.uint64(dataset_size)) >> np.uint64(32)
+    return np.unique(idx.astype(np.int64))
+
+
+def _load_backbone(path: str) -> Model | QuantModel:
+    """A pretrained model from a .tflite (INT8) file."""
+    if path.endswith(".tflite"):
+        from qsched.zo.tflite_io import read_tflite
+
+        return read_tflite(path)
+    raise WorkloadError(f"backbone {path!r}: only .tflite files are supported")
