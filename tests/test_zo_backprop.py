@@ -14,7 +14,7 @@ from qsched.zo.backprop import (
     softmax_cross_entropy,
     train_backprop,
 )
-from qsched.zo.datasets import load_digits
+from qsched.zo.datasets import load_digits, split_classes
 from qsched.zo.graph import (
     Add,
     AvgPool,
@@ -27,7 +27,7 @@ from qsched.zo.graph import (
     ReLU6,
     Reshape,
 )
-from qsched.zo.zoo import build_model
+from qsched.zo.zoo import build_model, replace_classifier
 
 
 def _every_op_model(padding, rng, dtype=np.float64):
@@ -158,6 +158,18 @@ def test_train_backprop_trainable_last_layer_only():
     for o, n in zip(old[:-1], new[:-1], strict=True):
         assert np.array_equal(o.weight, n.weight) and np.array_equal(o.bias, n.bias)
     assert not np.array_equal(old[-1].weight, new[-1].weight)
+
+
+def test_train_backprop_transfer_head_on_unseen_classes():
+    """A backbone pretrained on digits 0-4 supports a new head trained alone on digits 5-9."""
+    src, tgt = split_classes(load_digits(), [0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    backbone, _ = train_backprop(build_model("cnn", src.input_shape, 5, seed=0), src, steps=150, lr=1e-2,
+                                 batch_size=32)
+    fresh = replace_classifier(backbone, tgt.num_classes, seed=1)
+    assert evaluate(fresh, tgt.x_val, tgt.y_val)[1] < 0.5
+    tuned, history = train_backprop(fresh, tgt, steps=100, lr=1e-2, batch_size=32, trainable="last:1")
+    assert history.val_accuracy[-1] >= 0.85
+    assert np.array_equal(tuned.param_nodes()[0].weight, backbone.param_nodes()[0].weight)
 
 
 def test_loss_and_grads_stops_at_first_trainable():

@@ -10,6 +10,7 @@ from qsched.zo.zoo import (
     build_model,
     infer_shapes,
     model_summary,
+    replace_classifier,
     zoo_table,
 )
 
@@ -177,3 +178,15 @@ def test_dense_classifier_is_last():
     for name, (shape, options) in SMALL.items():
         model = build_model(name, shape, 5, seed=0, **options)
         assert isinstance(model.nodes[-1], Dense) and model.nodes[-1].output == model.output_name
+
+
+def test_replace_classifier_new_head_same_backbone():
+    """replace_classifier keeps every backbone weight and gives a fresh head of the new size."""
+    model = build_model("cnn", (8, 8, 1), 10, seed=0)
+    new = replace_classifier(model, 4, seed=1)
+    assert new.num_classes == 4 and infer_shapes(new)[new.output_name] == (4,)
+    for old, kept in zip(model.param_nodes()[:-1], new.param_nodes()[:-1], strict=True):
+        assert kept.name == old.name and np.array_equal(kept.weight, old.weight)
+        assert kept.weight is not old.weight
+    assert new.nodes[-1].name == "dense_1" and new.param_nodes()[-1].weight.shape == (4, 256)
+    assert model.num_classes == 10 and model.param_nodes()[-1].weight.shape == (10, 256)

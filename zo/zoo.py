@@ -14,6 +14,7 @@ initialisation: the last convolution of each residual branch is scaled by
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "conv_output_size",
     "infer_shapes",
     "model_summary",
+    "replace_classifier",
     "zoo_table",
 ]
 
@@ -455,6 +457,35 @@ def build_model(
     except GraphError as exc:
         raise ZooError(f"model {name!r} does not fit input {shape}: {exc}") from exc
     return builder.model
+
+
+def replace_classifier(model: Model, num_classes: int, seed: int = 0) -> Model:
+    """A copy of ``model`` whose final Dense layer is freshly initialised for ``num_classes``.
+
+    The transfer setting: a backbone pretrained on source classes gets a new head for
+    the target classes; every other weight is copied unchanged.
+
+    Args:
+        model: a model ending in a Dense classifier.
+        num_classes: outputs of the new head.
+        seed: seeds the new head's weights (same scheme as :func:`build_model`).
+
+    Returns:
+        The new model; the head keeps its layer name.
+    """
+    last = model.nodes[-1] if model.nodes else None
+    if not isinstance(last, Dense) or last.output != model.output_name:
+        raise ZooError(f"model {model.name!r} does not end in a Dense classifier")
+    if num_classes < 2:
+        raise ZooError(f"num_classes must be at least 2, got {num_classes}")
+    nodes: list[Node] = [copy.deepcopy(n) for n in model.nodes[:-1]]
+    fan_in = int(last.weight.shape[1])
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((num_classes, fan_in)) * math.sqrt(1.0 / fan_in)).astype(np.float32)
+    head = Dense(last.name, list(last.inputs), last.output, weight, np.zeros(num_classes, np.float32),
+                 last.activation)
+    return Model(model.name, model.input_name, tuple(model.input_shape), [*nodes, head],
+                 model.output_name, num_classes)
 
 
 def _entries() -> list[_Entry]:
