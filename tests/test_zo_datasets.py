@@ -228,3 +228,12 @@ def test_input_quantisation_maps_uint8_exactly():
     x = (p.astype(np.float32) / np.float32(255.0)).astype(np.float32)
     q = np.round(x / INPUT_SCALE) + INPUT_ZERO_POINT
     assert np.array_equal(q, p - 128)
+
+
+def test_load_dataset_inline_options():
+    """'name:key=value,...' passes options to a built-in loader (one string in a job spec)."""
+    ds = load_dataset("digits:flat=true,seed=2,val_fraction=0.5")
+    ref = load_digits(flat=True, seed=2, val_fraction=0.5)
+    assert ds.content_hash == ref.content_hash and ds.input_shape == (64,)
+    with pytest.raises(DatasetError, match="key=value"):
+        load_dataset("digits:flat")

@@ -449,11 +449,13 @@ def _is_stl10(root: Path) -> bool:
 def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
     """Load a built-in data set by name, or a data set from a path.
 
-    A path may be an STL-10 folder (``train_X.bin`` ...), a folder of class
-    sub-folders, or an ``.npz`` file (:func:`load_npz`).
+    A built-in name may carry options inline, for the one string of a job spec:
+    ``"eurosat:size=32"``, ``"digits:flat=true,seed=1"``. A path may be an STL-10
+    folder (``train_X.bin`` ...), a folder of class sub-folders, or an ``.npz`` file
+    (:func:`load_npz`).
 
     Args:
-        name_or_path: ``"digits"``, ``"eurosat"`` or a path.
+        name_or_path: ``"digits"``, ``"eurosat"`` (optionally ``name:key=value,...``) or a path.
         **options: passed to the loader (e.g. ``flat=True``, ``size=32``).
 
     Returns:
@@ -463,8 +465,9 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
         DatasetError: unknown name, missing path, or an unreadable layout.
     """
     key = str(name_or_path)
-    if key in _BUILTIN:
-        return _call(_BUILTIN[key], key, options)
+    name, _, inline = key.partition(":")
+    if name in _BUILTIN:
+        return _call(_BUILTIN[name], key, {**_parse_inline(inline, key), **options})
     path = Path(key).expanduser()
     if path.is_dir():
         loader: Callable[..., Dataset] = load_stl10 if _is_stl10(path) else load_image_folder
@@ -472,6 +475,27 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
     if path.is_file() and path.suffix == ".npz":
         return _call(load_npz, key, options, path)
     raise DatasetError(f"unknown data set {key!r}: not one of {dataset_names()} nor an existing folder or .npz")
+
+
+def _parse_inline(text: str, key: str) -> dict[str, Any]:
+    """``"size=32,flat=true"`` -> ``{"size": 32, "flat": True}`` (ints, floats, booleans)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or not name:
+            raise DatasetError(f"data set {key!r}: expected key=value options after ':', got {item!r}")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        out[name.strip()] = value
+    return out
 
 
 def _call(loader: Callable[..., Dataset], key: str, options: dict[str, Any], *args: Path) -> Dataset:
