@@ -287,7 +287,7 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Scalar("uptime_ms", "I"),
         _Enum("state", get_args(ReportedState)),
         _JOB,
-        _Scalar("step", "I", "last step applied"),
+        _Scalar("step", "I", "the step its weights are at (section 9)"),
     ),
     EvalResult: (
         _JOB,
@@ -336,7 +336,7 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Scalar("total", "I", "length of weights (+ buffer) bytes"),
         _Scalar("offset", "I"),
         _JOB,
-        _Scalar("step", "I", "the step these weights are after"),
+        _Scalar("step", "I", "the step these weights are at"),
         _Scalar("checksum", "I", "CRC-32 of the whole byte string (section 5)"),
         _Blob("chunk", MAX_CHUNK),
     ),

@@ -21,6 +21,7 @@ from qsched.zo.spec import JobSpec
 
 __all__ = [
     "BOARD_ERROR_CODES",
+    "HEARTBEAT_INTERVAL_S",
     "K_LIMIT",
     "MAX_CHUNK",
     "MAX_KS",
@@ -70,6 +71,8 @@ MAX_CHUNK: Final = 8192
 # Most sample keys k in one EvalRequest / EvalResult / ApplyUpdate. k is a uint16.
 MAX_KS: Final = 1024
 K_LIMIT: Final = 0xFFFF
+# A board sends an unsolicited Heartbeat at least this often while idle.
+HEARTBEAT_INTERVAL_S: Final = 5.0
 
 BoardErrorCode = Literal[
     "internal",
@@ -169,7 +172,7 @@ class Heartbeat(WireModel):
     uptime_ms: U32
     state: ReportedState
     job_id: U32 = 0
-    step: U32 = 0  # the last step whose update the board applied
+    step: U32 = 0  # the step its weights are at: the next step it can evaluate
 
 
 class EvalResult(WireModel):

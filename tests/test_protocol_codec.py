@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import qsched.protocol
 from qsched.protocol import (
     MAX_CHUNK,
     MAX_KS,
@@ -302,6 +304,14 @@ def test_codec_job_config_from_spec() -> None:
     assert (config.seed, config.numerics, config.batch_size, config.estimator) == (
         2**63 + 5, "fp32", 32, "one_sided")
     assert decode(encode(config)) == config
+
+
+def test_codec_spec_tables_are_current() -> None:
+    """SPEC.md section 6.3 holds exactly the tables generated from the codec layouts."""
+    spec = (Path(qsched.protocol.__file__).parent / "SPEC.md").read_text(encoding="utf-8")
+    begin = "<!-- BEGIN GENERATED: message tables -->\n"
+    end = "<!-- END GENERATED: message tables -->"
+    assert spec[spec.index(begin) + len(begin) : spec.index(end)] == layout_tables()
 
 
 def test_codec_layout_tables_name_every_field() -> None:
