@@ -28,6 +28,7 @@ from qsched.protocol.framing import (
     FrameEncoder,
     FrameReader,
     ReceiveFilter,
+    StopAndWaitSender,
     decode_frame,
     encode_frame,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "SelectDataset",
     "SetWeights",
     "StatusReport",
+    "StopAndWaitSender",
     "TopicMap",
     "TopicRule",
     "UpdateAck",

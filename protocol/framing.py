@@ -39,6 +39,7 @@ __all__ = [
     "FrameEncoder",
     "FrameReader",
     "ReceiveFilter",
+    "StopAndWaitSender",
     "decode_frame",
     "encode_frame",
 ]
@@ -216,3 +217,73 @@ class ReceiveFilter:
             return False
         self._last = key
         return True
+
+
+class StopAndWaitSender:
+    """The sending side's retransmission rules, driven by the caller's clock. No I/O.
+
+    ``send`` frames a payload, ``on_ack`` clears it when its ACK arrives, and ``poll``
+    says what to resend when ``ACK_TIMEOUT_S`` has passed; after ``MAX_RETRIES`` resends
+    it raises ``TimeoutError`` and the next frame carries SYN.
+    """
+
+    def __init__(
+        self,
+        encoder: FrameEncoder | None = None,
+        timeout_s: float = ACK_TIMEOUT_S,
+        max_retries: int = MAX_RETRIES,
+    ) -> None:
+        self._encoder = encoder or FrameEncoder()
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._pending: tuple[int, bytes] | None = None
+        self._deadline = 0.0
+        self._retries = 0
+
+    @property
+    def busy(self) -> bool:
+        """True while a data frame awaits its ACK (the next one must wait)."""
+        return self._pending is not None
+
+    @property
+    def deadline(self) -> float | None:
+        """When ``poll`` next has something to do, or None when idle."""
+        return self._deadline if self._pending is not None else None
+
+    def send(self, payload: bytes, now: float) -> bytes:
+        """Frame a payload. Returns the wire bytes to write.
+
+        Raises:
+            RuntimeError: a frame is still awaiting its ACK.
+        """
+        if self._pending is not None:
+            raise RuntimeError(f"frame {self._pending[0]} is still awaiting its ACK")
+        seq, wire = self._encoder.data(payload)
+        self._pending = (seq, wire)
+        self._deadline = now + self._timeout_s
+        self._retries = 0
+        return wire
+
+    def on_ack(self, frame: Frame) -> bool:
+        """Take an ACK frame; True if it acknowledged the pending frame."""
+        if not frame.is_ack or self._pending is None or frame.seq != self._pending[0]:
+            return False
+        self._pending = None
+        return True
+
+    def poll(self, now: float) -> bytes | None:
+        """The bytes to resend if the ACK is overdue, else None.
+
+        Raises:
+            TimeoutError: the frame went unacknowledged MAX_RETRIES times; it is dropped.
+        """
+        if self._pending is None or now < self._deadline:
+            return None
+        if self._retries >= self._max_retries:
+            seq = self._pending[0]
+            self._pending = None
+            self._encoder.restart()
+            raise TimeoutError(f"no ACK for frame {seq} after {self._max_retries} retries")
+        self._retries += 1
+        self._deadline = now + self._timeout_s
+        return self._pending[1]

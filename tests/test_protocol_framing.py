@@ -7,15 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsched.protocol import (
+    ACK_TIMEOUT_S,
     FLAG_ACK,
     FLAG_SYN,
     MAX_ENCODED_FRAME,
     MAX_PAYLOAD,
+    MAX_RETRIES,
     Frame,
     FrameEncoder,
     FrameReader,
     ProtocolError,
     ReceiveFilter,
+    StopAndWaitSender,
     decode_frame,
     encode_frame,
 )
@@ -150,3 +153,54 @@ def test_framing_filter_drops_retransmissions() -> None:
     assert filt.accept(Frame(seq=11, flags=FLAG_SYN, payload=b"rebooted"))
     with pytest.raises(ValueError):
         filt.accept(Frame(seq=1, flags=FLAG_ACK, payload=b""))
+
+
+def test_framing_sender_retransmits_then_gives_up() -> None:
+    """An unacknowledged frame is resent after the timeout, MAX_RETRIES times, then fails."""
+    sender = StopAndWaitSender(FrameEncoder(initial_seq=5))
+    wire = sender.send(b"msg", now=0.0)
+    assert sender.poll(ACK_TIMEOUT_S / 2) is None
+    resent = [sender.poll(ACK_TIMEOUT_S * (i + 1)) for i in range(MAX_RETRIES)]
+    assert resent == [wire] * MAX_RETRIES
+    with pytest.raises(TimeoutError):
+        sender.poll(ACK_TIMEOUT_S * (MAX_RETRIES + 1))
+    assert not sender.busy
+    assert decode_frame(sender.send(b"next", now=10.0)[1:-1]).is_syn
+
+
+def test_framing_sender_clears_on_matching_ack_only() -> None:
+    """Only the ACK with the pending seq frees the sender for the next frame."""
+    sender = StopAndWaitSender(FrameEncoder(initial_seq=5))
+    sender.send(b"one", now=0.0)
+    with pytest.raises(RuntimeError):
+        sender.send(b"two", now=0.0)
+    assert not sender.on_ack(Frame(seq=4, flags=FLAG_ACK, payload=b""))
+    assert not sender.on_ack(Frame(seq=5, flags=0, payload=b""))
+    assert sender.on_ack(Frame(seq=5, flags=FLAG_ACK, payload=b""))
+    assert not sender.busy and sender.poll(100.0) is None
+    frame = decode_frame(sender.send(b"two", now=1.0)[1:-1])
+    assert (frame.seq, frame.is_syn) == (6, False)
+
+
+def test_framing_lossy_link_delivers_each_message_once() -> None:
+    """Over a link that drops every other frame, each message is delivered exactly once."""
+    sender, receiver = StopAndWaitSender(FrameEncoder(initial_seq=0)), ReceiveFilter()
+    to_board, from_board = FrameReader(), FrameReader()
+    acker = FrameEncoder()
+    delivered: list[bytes] = []
+    now, dropped = 0.0, 0
+    for message in [b"a", b"b", b"c", b"d"]:
+        wire = sender.send(message, now)
+        while sender.busy:
+            dropped += 1
+            if dropped % 2 == 0:  # this copy of the frame arrives
+                for frame in _frames(to_board.feed(wire)):
+                    if receiver.accept(frame):
+                        delivered.append(frame.payload)
+                    ack = acker.ack(frame.seq)
+                    if dropped % 4 == 0:  # and every other ACK arrives too
+                        for item in _frames(from_board.feed(ack)):
+                            sender.on_ack(item)
+            now += ACK_TIMEOUT_S
+            wire = sender.poll(now) or wire
+    assert delivered == [b"a", b"b", b"c", b"d"]
