@@ -57,7 +57,7 @@ from qsched.protocol.messages import (
     ValidateRequest,
     ValidateResult,
     job_config,
-    job_id,
+    job_id_of,
 )
 from qsched.protocol.states import BoardState, JobState
 from qsched.protocol.topics import TopicMap, TopicRule
@@ -117,7 +117,7 @@ __all__ = [
     "encode_frame",
     "error_reply",
     "job_config",
-    "job_id",
+    "job_id_of",
     "parse_command",
     "parse_control",
     "peek_header",

@@ -58,7 +58,7 @@ __all__ = [
     "ValidateResult",
     "WireModel",
     "job_config",
-    "job_id",
+    "job_id_of",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -425,7 +425,7 @@ TYPE_CODES: Final[dict[type[WireModel], int]] = {
 }
 
 
-def job_id(spec: JobSpec) -> int:
+def job_id_of(spec: JobSpec) -> int:
     """The uint32 job id boards use to reject stale requests: CRC-32 of the spec's JSON.
 
     0 means "no job" on the wire, so a CRC of 0 maps to 1.
@@ -436,7 +436,7 @@ def job_id(spec: JobSpec) -> int:
 def job_config(spec: JobSpec) -> JobConfig:
     """The binary JobConfig a board receives for a job spec."""
     return JobConfig(
-        job_id=job_id(spec),
+        job_id=job_id_of(spec),
         seed=spec.seed,
         numerics=spec.numerics,
         estimator=spec.estimator,

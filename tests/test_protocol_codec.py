@@ -36,7 +36,7 @@ from qsched.protocol import (
     decode,
     encode,
     job_config,
-    job_id,
+    job_id_of,
     peek_header,
 )
 from qsched.protocol.codec import layout_tables
@@ -300,7 +300,7 @@ def test_codec_job_config_from_spec() -> None:
     """JobConfig carries the spec's seed, numerics and batch size under the spec's job id."""
     spec = JobSpec(seed=2**63 + 5, numerics="fp32", eps=0.001, batch_size=32, estimator="one_sided")
     config = job_config(spec)
-    assert config.job_id == job_id(spec) != job_id(spec.model_copy(update={"seed": 1}))
+    assert config.job_id == job_id_of(spec) != job_id_of(spec.model_copy(update={"seed": 1}))
     assert (config.seed, config.numerics, config.batch_size, config.estimator) == (
         2**63 + 5, "fp32", 32, "one_sided")
     assert decode(encode(config)) == config
