@@ -11,6 +11,7 @@ import pytest
 from ai_edge_litert import schema_py_generated as tfl
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
+from qsched.zo.engine import run_int8
 from qsched.zo.graph import (
     Add,
     AvgPool,
@@ -54,14 +55,14 @@ def _every_op_model() -> Model:
         ReLU6("relu6", ["add"], "relu6"),
         MaxPool("maxpool", ["relu6"], "maxpool"),
         ReLU("relu", ["maxpool"], "relu"),
-        AvgPool("avgpool", ["relu"], "avgpool", pool=(1, 1), stride=(1, 1), padding="same"),
-        Conv2D("conv2", ["avgpool"], "conv2", _zeros(16, 3, 3, 16), _zeros(16), stride=(2, 2)),
+        AvgPool("avgpool", ["relu"], "avgpool", pool=(3, 3), stride=(1, 1), padding="same"),
+        Conv2D("conv2", ["avgpool"], "conv2", _zeros(16, 3, 3, 8), _zeros(16), groups=2),
         GlobalAvgPool("gap", ["conv2"], "gap"),
         Dense("fc1", ["gap"], "fc1", _zeros(12, 16), _zeros(12), activation="relu"),
         Reshape("reshape", ["fc1"], "reshape", shape=(12,)),
         Dense("fc2", ["reshape"], "logits", _zeros(10, 12), _zeros(10)),
     ]
-    return Model("every_op", "input", (8, 8, 3), nodes, "logits", 10)
+    return Model("every_op", "input", (12, 12, 3), nodes, "logits", 10)
 
 
 def _quantise_randomly(model: Model, seed: int) -> QuantModel:
@@ -162,7 +163,7 @@ def test_tflite_litert_runs_int8_in_int8_out() -> None:
     it.allocate_tensors()
     (inp,), (out,) = it.get_input_details(), it.get_output_details()
     assert inp["dtype"] == np.int8 and out["dtype"] == np.int8
-    assert tuple(inp["shape"]) == (3, 8, 8, 3) and tuple(out["shape"]) == (3, 10)
+    assert tuple(inp["shape"]) == (3, 12, 12, 3) and tuple(out["shape"]) == (3, 10)
     q_out = qm.tensors["logits"]
     assert out["quantization"] == (pytest.approx(q_out.scale), q_out.zero_point)
 
@@ -170,7 +171,7 @@ def test_tflite_litert_runs_int8_in_int8_out() -> None:
 def test_tflite_weights_as_inputs_match_constants() -> None:
     """Feeding weights as graph inputs gives the constant-weight file's outputs, perturbed too."""
     qm = _quantise_randomly(_every_op_model(), seed=5)
-    x = np.random.default_rng(0).integers(-128, 128, size=(2, 8, 8, 3)).astype(np.int8)
+    x = np.random.default_rng(0).integers(-128, 128, size=(2, 12, 12, 3)).astype(np.int8)
     fed = export_tflite(qm, batch=2, weights_as_inputs=True)
     feeds = {weight_tensor_name(n): lay.weight for n, lay in qm.layers.items()}
     np.testing.assert_array_equal(_run(fed, x, feeds), _run(export_tflite(qm, batch=2), x))
@@ -178,6 +179,16 @@ def test_tflite_weights_as_inputs_match_constants() -> None:
                                        -127, 127).astype(np.int8)
     feeds[weight_tensor_name("conv")] = qm.layers["conv"].weight
     np.testing.assert_array_equal(_run(fed, x, feeds), _run(export_tflite(qm, batch=2), x))
+
+
+@pytest.mark.parametrize("seed", [20, 21, 22])
+def test_tflite_every_op_bit_exact(seed: int) -> None:
+    """The engine equals LiteRT's reference kernels on grouped conv, pools, RELU, ADD, FC."""
+    qm = _quantise_randomly(_every_op_model(), seed=seed)
+    x = np.random.default_rng(seed).integers(-128, 128, size=(4, 12, 12, 3)).astype(np.int8)
+    theirs = _run(export_tflite(qm, batch=4), x)
+    np.testing.assert_array_equal(run_int8(qm, x), theirs)
+    assert len(np.unique(theirs)) > 5
 
 
 def test_tflite_weights_as_inputs_not_importable() -> None:
