@@ -201,44 +201,56 @@ def _last_use(model: Model) -> dict[str, int]:
 
 @dataclass
 class _Ctx:
-    """What one evaluation carries: weights by layer (stacked) and the patch cache."""
+    """What one evaluation carries: weights by layer (stacked) and the patch cache.
+
+    ``shared`` names the tensors computed once for all copies (the prefix); only their
+    patches are cached, since a chunk of one copy also has a set axis of 1.
+    """
 
     weights: dict[str, tuple[Array, Array]]
     cache: dict[str, Array]
     qmodel: QuantModel | None = None
     stages: dict[str, Any] | None = None
+    shared: frozenset[str] = frozenset()
 
 
 def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
     x = env[node.inputs[0]]
+    y: Array
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
         if node.depthwise:
-            return kf.depthwise_conv2d(x, w, b, node.stride, node.padding, node.activation)
-        return kf.conv2d(x, w, b, node.stride, node.padding, node.groups, node.activation)
-    if isinstance(node, Dense):
+            y = kf.depthwise_conv2d(x, w, b, node.stride, node.padding, node.activation)
+        else:
+            y = kf.conv2d(x, w, b, node.stride, node.padding, node.groups, node.activation)
+    elif isinstance(node, Dense):
         w, b = ctx.weights[node.name]
-        return kf.dense(x.reshape(*x.shape[:2], -1), w, b, node.activation)
-    if isinstance(node, Add):
-        return kf.add(x, env[node.inputs[1]], node.activation)
-    if isinstance(node, ReLU):
-        return kf.relu(x)
-    if isinstance(node, ReLU6):
-        return kf.relu6(x)
-    return _shape_op(node, x, kf)
+        y = kf.dense(x.reshape(*x.shape[:2], -1), w, b, node.activation)
+    elif isinstance(node, Add):
+        y = kf.add(x, env[node.inputs[1]], node.activation)
+    elif isinstance(node, ReLU):
+        y = kf.relu(x)
+    elif isinstance(node, ReLU6):
+        y = kf.relu6(x)
+    else:
+        y = _shape_op(node, x, kf)
+    return y
 
 
 def _shape_op(node: Node, x: Array, kernels: Any) -> Array:
     """Ops whose FP32 and INT8 forms take the same arguments."""
+    y: Array
     if isinstance(node, AvgPool):
-        return kernels.avg_pool(x, node.pool, node.stride, node.padding)
-    if isinstance(node, MaxPool):
-        return kernels.max_pool(x, node.pool, node.stride, node.padding)
-    if isinstance(node, GlobalAvgPool):
-        return kernels.global_avg_pool(x)
-    if isinstance(node, Reshape):
-        return x.reshape(*x.shape[:2], *node.shape)
-    raise GraphError(node.name, f"unsupported operation {type(node).__name__}")
+        y = kernels.avg_pool(x, node.pool, node.stride, node.padding)
+    elif isinstance(node, MaxPool):
+        y = kernels.max_pool(x, node.pool, node.stride, node.padding)
+    elif isinstance(node, GlobalAvgPool):
+        y = kernels.global_avg_pool(x)
+    elif isinstance(node, Reshape):
+        y = x.reshape(*x.shape[:2], *node.shape)
+    else:
+        raise GraphError(node.name, f"unsupported operation {type(node).__name__}")
+    return y
 
 
 # ------------------------------------------------------------------------ INT8 nodes
@@ -279,25 +291,29 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
     assert ctx.stages is not None
     stage = ctx.stages.get(node.name)
     sr = SINGLE_ROUNDING
+    y: Array
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
         if node.depthwise:
-            return ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
-        cols = _cached_patches(node, x, stage, ctx)
-        return ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols)
-    if isinstance(node, Dense):
+            y = ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
+        else:
+            cols = _cached_patches(node, x, stage, ctx)
+            y = ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols)
+    elif isinstance(node, Dense):
         w, b = ctx.weights[node.name]
-        return ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
-    if isinstance(node, Add):
-        return ki.add(x, env[node.inputs[1]], stage, sr["add"])
-    if isinstance(node, (ReLU, ReLU6)):
-        return ki.relu(x, stage, sr["relu"])
-    return _shape_op(node, x, ki)
+        y = ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
+    elif isinstance(node, Add):
+        y = ki.add(x, env[node.inputs[1]], stage, sr["add"])
+    elif isinstance(node, (ReLU, ReLU6)):
+        y = ki.relu(x, stage, sr["relu"])
+    else:
+        y = _shape_op(node, x, ki)
+    return y
 
 
 def _cached_patches(node: Conv2D, x: Array, stage: ki.OutputStage, ctx: _Ctx) -> Array | None:
     """A shared input's patches are built once per call and reused by every chunk of P."""
-    if x.shape[0] != 1:
+    if node.inputs[0] not in ctx.shared:
         return None
     if node.name not in ctx.cache:
         kernel = (node.weight.shape[1], node.weight.shape[2])
@@ -421,6 +437,7 @@ def _evaluate(
         return _run(model, env, start, len(model.nodes), ctx, fn, last)[model.output_name]
     first = max(start, _first_index(model, sets))
     env = _run(model, env, start, first, ctx, fn, last)
+    ctx.shared = frozenset(env)
     p = next(iter(sets.values()))[0].shape[0]
     batch = next(iter(env.values())).shape[1]
     chunk = _chunk_size(model, first, batch, p, max_bytes)

@@ -19,7 +19,7 @@ window only.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 F32 = npt.NDArray[np.float32]
-Array = npt.NDArray[np.generic]
+Array = npt.NDArray[Any]
 _RELU6_MAX: Final = np.float32(6.0)
 
 
@@ -199,7 +199,7 @@ def depthwise_conv2d(
         x = np.repeat(x, o // c, axis=-1)
     xp, oh, ow = padded_windows(x, (kh, kw), stride, padding, 0.0)
     wt = weight[:, 0][:, None, None, None]  # (S', 1, 1, 1, kh, kw, O)
-    acc: F32 | None = None
+    acc: Array | None = None
     for i in range(kh):
         for j in range(kw):
             term = window_tap(xp, i, j, oh, ow, stride) * wt[..., i, j, :]
@@ -223,8 +223,8 @@ def avg_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Pa
     """Average over the in-bounds part of each window (TFLite excludes padding)."""
     xp, oh, ow = padded_windows(x, pool, stride, padding, 0.0)
     ones = padded_windows(np.ones((1, 1, *x.shape[2:4], 1), np.float32), pool, stride, padding, 0.0)[0]
-    total: F32 | None = None
-    count: F32 | None = None
+    total: Array | None = None
+    count: Array | None = None
     for i in range(pool[0]):
         for j in range(pool[1]):
             t = window_tap(xp, i, j, oh, ow, stride)
@@ -238,7 +238,7 @@ def avg_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Pa
 def max_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Padding) -> F32:
     """Maximum over the in-bounds part of each window."""
     xp, oh, ow = padded_windows(x, pool, stride, padding, -np.inf)
-    out: F32 | None = None
+    out: Array | None = None
     for i in range(pool[0]):
         for j in range(pool[1]):
             t = window_tap(xp, i, j, oh, ow, stride)

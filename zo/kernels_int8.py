@@ -22,7 +22,7 @@ every model here is far below it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +56,7 @@ __all__ = [
 
 I8 = npt.NDArray[np.int8]
 I64 = npt.NDArray[np.int64]
-Array = npt.NDArray[np.generic]
+Array = npt.NDArray[Any]
 INT8_MIN: Final = -128
 INT8_MAX: Final = 127
 # Largest |w * (x - zp)| for int8 w and x: 128 * 255 < 2^15.
@@ -90,7 +90,7 @@ class OutputStage:
 
     def apply(self, acc: I64, single_rounding: bool = False) -> I8:
         """int32 accumulators (bias included, channels last) -> clamped int8."""
-        y = multiply_by_quantized_multiplier(acc, self.multiplier, self.shift, single_rounding=single_rounding)
+        y: I64 = multiply_by_quantized_multiplier(acc, self.multiplier, self.shift, single_rounding=single_rounding)
         y += self.output_zero_point
         np.clip(y, self.act_min, self.act_max, out=y)
         return y.astype(np.int8)
@@ -135,7 +135,8 @@ def int_matmul(a: Array, b: Array) -> I64:
         out = np.matmul(af.reshape(s * m, k), bf[0]).reshape(s, m, -1)
     else:
         out = np.matmul(af, bf)
-    return np.rint(out).astype(np.int64)
+    exact: I64 = np.rint(out).astype(np.int64)
+    return exact
 
 
 def _centred(x: I8, zero_point: int) -> npt.NDArray[np.int16]:
@@ -199,7 +200,8 @@ def patches(
     """
     k = kernel[0] * kernel[1] * (in_per_group or x.shape[-1])
     xc = _centred(x, zero_point).astype(_exact_dtype(k))
-    return extract_patches(xc, kernel, stride, padding, 0)
+    cols: npt.NDArray[np.floating] = extract_patches(xc, kernel, stride, padding, 0)
+    return cols
 
 
 def depthwise_conv2d(
@@ -279,7 +281,7 @@ def add(a: I8, b: I8, p: AddParams, single_rounding: bool = False) -> I8:
     x2 = (b.astype(np.int64) - p.in2_zero_point) << p.left_shift
     y1 = multiply_by_quantized_multiplier(x1, p.in1_multiplier, p.in1_shift, single_rounding=sr)
     y2 = multiply_by_quantized_multiplier(x2, p.in2_multiplier, p.in2_shift, single_rounding=sr)
-    raw = multiply_by_quantized_multiplier(y1 + y2, p.out_multiplier, p.out_shift, single_rounding=sr)
+    raw: I64 = multiply_by_quantized_multiplier(y1 + y2, p.out_multiplier, p.out_shift, single_rounding=sr)
     raw += p.out_zero_point
     return np.clip(raw, p.act_min, p.act_max).astype(np.int8)
 
@@ -334,7 +336,7 @@ def avg_pool(
 def max_pool(x: I8, pool: tuple[int, int], stride: tuple[int, int], padding: Padding) -> I8:
     """int8 MAX_POOL_2D over the in-bounds window."""
     xp, oh, ow = padded_windows(x.astype(np.int16), pool, stride, padding, INT8_MIN - 1)
-    out = None
+    out: Array | None = None
     for i in range(pool[0]):
         for j in range(pool[1]):
             t = window_tap(xp, i, j, oh, ow, stride)

@@ -106,7 +106,7 @@ def quantize_weight(weight: F32, axis: int) -> tuple[I8, F32]:
 
 def _bias(bias: F32, in_scale: float, w_scales: F32) -> npt.NDArray[np.int32]:
     scale = np.float32(in_scale) * w_scales.astype(np.float32)
-    q = round_half_away(np.asarray(bias, dtype=np.float32) / scale)
+    q: F32 = round_half_away(np.asarray(bias, dtype=np.float32) / scale)
     return np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
 
 
@@ -152,14 +152,15 @@ def quantize_model(model: Model, calibration_inputs: npt.ArrayLike) -> QuantMode
 def quantize_input(qmodel: QuantModel, x: npt.ArrayLike) -> I8:
     """TFLite QUANTIZE of the model input: ``clamp(round(x / scale) + zp)`` in float32."""
     tq = qmodel.tensors[qmodel.model.input_name]
-    q = round_half_away(np.asarray(x, dtype=np.float32) / np.float32(tq.scale))
-    return np.clip(q + tq.zero_point, _QMIN, _QMAX).astype(np.int8)
+    q: F32 = round_half_away(np.asarray(x, dtype=np.float32) / np.float32(tq.scale))
+    out: I8 = np.clip(q + tq.zero_point, _QMIN, _QMAX).astype(np.int8)
+    return out
 
 
 def dequantize_output(qmodel: QuantModel, y_q: npt.ArrayLike) -> F32:
     """TFLite DEQUANTIZE of the model output: ``scale * (q - zp)``."""
     tq = qmodel.tensors[qmodel.model.output_name]
-    centred = np.asarray(y_q, dtype=np.int64) - tq.zero_point
+    centred: npt.NDArray[np.int64] = np.asarray(y_q, dtype=np.int64) - tq.zero_point
     return (float(np.float32(tq.scale)) * centred).astype(np.float32)
 
 
