@@ -1,0 +1,836 @@
+"""The Python virtual board: the board side of the protocol, computed with ``qsched.zo``.
+
+A ``BoardAgent`` is transport-agnostic: ``await agent.handle(msg)`` takes one
+daemon-to-board message and returns the board's answers. ``serve_link`` runs an agent on
+any ``Link`` (in-process, serial, MQTT): it sends the Hello, heartbeats from a separate
+task, decodes what arrives and encodes what goes back. Its losses and checksums are the
+bits the daemon computes with ``Workload`` — it builds one from the model blob it was
+sent, the data set it holds and the job config — and it sleeps for the time an STM32N6
+would take (``LatencyProfile``), so a fleet of virtual boards has a real fleet's timing.
+
+Session, as the board sees it (SPEC section 9 has the daemon's side):
+
+- ``LoadModel`` chunks are reassembled (duplicates ignored, overlaps refused), CRC-checked
+  and decoded; ``Loaded(model)`` answers the last one. ``SelectDataset`` is checked against
+  the board's own copy (name, hash, sizes): ``Loaded(dataset)`` or ``dataset_missing``.
+  ``JobConfig``: ``Loaded(job_config)``.
+- Once model, data set and job config are all there the board is ``ready``, its weights
+  those of the blob at step 0 with a zero buffer; ``SetWeights`` (reassembled, CRC-checked)
+  replaces them and sets the step.
+- Steps: the board's step is ``TrainState.step``, the next step to run (the number of
+  updates applied). ``SetWeights.step`` sets it and ``Heartbeat.step`` reports it.
+  ``EvalRequest``, ``ApplyUpdate`` and ``ValidateRequest`` must be for exactly that step
+  (else ``stale_step``, whose detail says where the board is); an ``ApplyUpdate`` equal to
+  the last one applied is a duplicate delivery and gets the same ``UpdateAck`` again.
+- Bad input never stops the board: every refusal is a typed ``Error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import numpy as np
+import structlog
+
+from qsched.daemon.links.base import LinkError
+from qsched.firmware.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
+from qsched.firmware.latency import MOBILENETV2_035_128_MACS, NpuLatencyModel, serial_seconds
+from qsched.protocol.codec import decode, encode
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.messages import (
+    MAX_PAYLOAD,
+    TYPE_CODES,
+    ApplyUpdate,
+    BoardErrorCode,
+    DataMessage,
+    Error,
+    EvalRequest,
+    EvalResult,
+    Heartbeat,
+    Hello,
+    JobConfig,
+    Loaded,
+    LoadModel,
+    Ping,
+    ReportedState,
+    Reset,
+    SelectDataset,
+    SetWeights,
+    UpdateAck,
+    ValidateRequest,
+    ValidateResult,
+)
+from qsched.zo import blob as blob_format
+from qsched.zo.datasets import Dataset, DatasetError, dataset_names, load_dataset
+from qsched.zo.graph import Model, QuantModel
+from qsched.zo.spec import JobSpec
+from qsched.zo.workload import StateError, TrainState, Workload, WorkloadError
+from qsched.zo.zoo import model_summary
+
+__all__ = [
+    "FIRMWARE_VERSION",
+    "HEARTBEAT_INTERVAL_S",
+    "MAX_BATCH",
+    "MAX_MODEL_BYTES",
+    "MODEL_LATENCIES",
+    "VIRTUAL_RAM_KIB",
+    "BoardAgent",
+    "BoardCrash",
+    "DatasetCatalog",
+    "LatencyProfile",
+    "blob_trainable_layers",
+    "dataset_hash64",
+    "model_hash64",
+    "serve_link",
+]
+
+FIRMWARE_VERSION: Final = "qsched-vb-0.1.0"
+# What a virtual board says about itself: the STM32N6's 4.2 MB of internal SRAM.
+VIRTUAL_RAM_KIB: Final = 4200
+MAX_BATCH: Final = 4096  # JobSpec's limit
+# Largest model blob a virtual board accepts (a real one is bounded by its flash).
+MAX_MODEL_BYTES: Final = 64 << 20
+HEARTBEAT_INTERVAL_S: Final = 5.0
+# Workloads shared by the boards of one process (same blob, data set and job config):
+# a data set's quantised copy is built once, not once per board.
+_WORKLOAD_CACHE_SIZE: Final = 4
+# Bytes a serial frame adds around a payload: seq/flags/CRC header and COBS overhead.
+_FRAME_OVERHEAD: Final = 12
+_U32_MAX: Final = 0xFFFFFFFF
+
+MODEL_LATENCIES: Final[dict[str, int]] = {"mobilenetv2-0.35-128": MOBILENETV2_035_128_MACS}
+
+_log = structlog.get_logger("qsched.firmware.virtual_board")
+_T = TypeVar("_T")
+
+
+class BoardCrash(Exception):
+    """The board died on purpose (fault ``crash-at-step``): stop serving, say nothing."""
+
+    def __init__(self, board_id: str, step: int) -> None:
+        super().__init__(f"board {board_id} crashed at step {step}")
+        self.board_id = board_id
+        self.step = step
+
+
+class _Refusal(Exception):
+    def __init__(self, code: BoardErrorCode, detail: str, *, job_id: int = 0, step: int = 0) -> None:
+        super().__init__(detail)
+        self.code: BoardErrorCode = code
+        self.detail = detail
+        self.job_id = job_id
+        self.step = step
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def _hash64(data: bytes) -> int:
+    """First 8 bytes of a SHA-256 digest as a little-endian u64 (Hello's hash fields)."""
+    return int.from_bytes(data[:8], "little")
+
+
+def model_hash64(blob: bytes) -> int:
+    """The model hash a board reports: SHA-256 of the blob, first 8 bytes, LE."""
+    return _hash64(hashlib.sha256(blob).digest())
+
+
+def dataset_hash64(dataset: Dataset) -> int:
+    """The data set hash of ``SelectDataset``/``Hello``: its content hash's first 8 bytes, LE."""
+    return _hash64(bytes.fromhex(dataset.content_hash))
+
+
+def blob_trainable_layers(blob: bytes) -> list[str]:
+    """Names of the ops a model blob marks trainable, in model order.
+
+    Args:
+        blob: a model blob (already validated by ``decode_blob``).
+
+    Returns:
+        The trainable layer names.
+    """
+    header = blob_format._HEADER.unpack_from(blob)
+    n_tensors, n_ops = header[4], header[5]
+    pos = blob_format._HEADER.size + blob_format._TABLE.size + n_tensors * blob_format._TENSOR.size
+    names = []
+    for i in range(n_ops):
+        record = blob_format._OP.unpack_from(blob, pos + i * blob_format._OP.size)
+        if record[4] & blob_format.OP_TRAINABLE:
+            names.append(bytes(record[0]).rstrip(b"\0").decode())
+    return names
+
+
+# --------------------------------------------------------------------------- latency
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """How long the modelled board takes; the agent sleeps the part compute did not use.
+
+    Args:
+        macs_per_forward: MACs of the model it *models* per sample; None: the model it computes.
+        speed: throughput multiplier (2.0: twice as fast), for heterogeneous fleets.
+        baud: serial line rate, when the board sits behind a serial link.
+        enabled: False: no sleeping at all (unit tests, fast experiments).
+        npu: the NPU time model.
+    """
+
+    macs_per_forward: int | None = None
+    speed: float = 1.0
+    baud: int | None = None
+    enabled: bool = True
+    npu: NpuLatencyModel = field(default_factory=NpuLatencyModel)
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0:
+            raise ValueError(f"speed must be positive, got {self.speed}")
+        if self.macs_per_forward is not None and self.macs_per_forward < 0:
+            raise ValueError("macs_per_forward must be non-negative")
+
+    @classmethod
+    def off(cls) -> LatencyProfile:
+        """No modelled latency."""
+        return cls(enabled=False)
+
+    @classmethod
+    def named(cls, name: str, **options: Any) -> LatencyProfile:
+        """A profile of a known model (``MODEL_LATENCIES``), ``"computed"`` or ``"off"``.
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        if name == "off":
+            return cls(enabled=False, **options)
+        if name == "computed":
+            return cls(**options)
+        if name not in MODEL_LATENCIES:
+            raise ValueError(f"unknown latency model {name!r}; known: computed, off, {', '.join(MODEL_LATENCIES)}")
+        return cls(macs_per_forward=MODEL_LATENCIES[name], **options)
+
+    def forward_seconds(self, computed_macs: int, samples: int) -> float:
+        """Modelled seconds for ``samples`` forward passes.
+
+        Args:
+            computed_macs: MACs per sample of the model actually computed.
+            samples: forward passes (sets x batch).
+
+        Returns:
+            Seconds (0 when disabled).
+        """
+        if not self.enabled or samples <= 0:
+            return 0.0
+        macs = computed_macs if self.macs_per_forward is None else self.macs_per_forward
+        return self.npu.forward_seconds(macs, samples) / self.speed
+
+    def wire_seconds(self, payload_bytes: int) -> float:
+        """Modelled seconds to move a message over the serial line (0 without a baud rate)."""
+        if not self.enabled or self.baud is None or payload_bytes <= 0:
+            return 0.0
+        return serial_seconds(payload_bytes + _FRAME_OVERHEAD, self.baud)
+
+
+# --------------------------------------------------------------------------- data sets
+
+_DATASETS: dict[str, Dataset] = {}
+_DATASETS_LOCK = threading.Lock()
+
+
+def _load_shared(source: str) -> Dataset:
+    """Load a data set once per process (boards of one process share it)."""
+    with _DATASETS_LOCK:
+        if source not in _DATASETS:
+            _DATASETS[source] = load_dataset(source)
+        return _DATASETS[source]
+
+
+class DatasetCatalog:
+    """The data sets a virtual board holds: name -> where to load it from.
+
+    Args:
+        sources: extra data sets, ``name -> built-in name or path`` (an ``.npz``, a folder).
+        builtins: whether the built-in data sets (``digits`` ...) are held too.
+        preloaded: data sets already in memory, by name (tests, the daemon's own copy).
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, str] | None = None,
+        *,
+        builtins: bool = True,
+        preloaded: Mapping[str, Dataset] | None = None,
+    ) -> None:
+        self._sources = {name: name for name in (dataset_names() if builtins else [])}
+        self._sources.update(sources or {})
+        self._preloaded = dict(preloaded or {})
+
+    @property
+    def names(self) -> list[str]:
+        """The names the board can select."""
+        return sorted({*self._sources, *self._preloaded})
+
+    def get(self, name: str) -> Dataset | None:
+        """The data set called ``name``, loaded on first use; None if not held or unreadable."""
+        if name in self._preloaded:
+            return self._preloaded[name]
+        source = self._sources.get(name)
+        if source is None:
+            return None
+        try:
+            return _load_shared(source)
+        except DatasetError as exc:
+            _log.warning("data set unreadable", name=name, source=source, error=str(exc))
+            return None
+
+
+# --------------------------------------------------------------------------- shared workloads
+
+
+@dataclass
+class _Shared:
+    workload: Workload
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_WORKLOADS: OrderedDict[tuple[object, ...], _Shared] = OrderedDict()
+_WORKLOADS_LOCK = threading.Lock()
+
+
+def _shared_workload(key: tuple[object, ...], build: Callable[[], Workload]) -> _Shared:
+    with _WORKLOADS_LOCK:
+        shared = _WORKLOADS.get(key)
+        if shared is not None:
+            _WORKLOADS.move_to_end(key)
+            return shared
+    shared = _Shared(build())
+    with _WORKLOADS_LOCK:
+        _WORKLOADS[key] = shared
+        while len(_WORKLOADS) > _WORKLOAD_CACHE_SIZE:
+            _WORKLOADS.popitem(last=False)
+    return shared
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+class _Transfer:
+    """Reassembles one chunked resource (LoadModel, SetWeights)."""
+
+    def __init__(self, key: tuple[int, ...], total: int) -> None:
+        self.key = key
+        self.data = bytearray(total)
+        self.spans: dict[int, int] = {}  # offset -> end
+        self.received = 0
+
+    def add(self, offset: int, chunk: bytes) -> bool:
+        """Store a chunk; returns True when every byte has arrived.
+
+        Raises:
+            _Refusal: the chunk overlaps another one differently.
+        """
+        end = offset + len(chunk)
+        if self.spans.get(offset) == end:
+            return self.complete  # a duplicate delivery
+        for start, stop in self.spans.items():
+            if start < end and offset < stop:
+                raise _Refusal("malformed", f"chunk [{offset},{end}) overlaps [{start},{stop})")
+        self.spans[offset] = end
+        self.data[offset:end] = chunk
+        self.received += len(chunk)
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        return self.received == len(self.data)
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+def _detail(text: str) -> str:
+    """An Error detail: printable ASCII, at most 64 characters."""
+    return re.sub(r"[^\x20-\x7e]", "?", text)[:64]
+
+
+def _error(code: BoardErrorCode, detail: str, ref: DataMessage | None = None, *, job_id: int = 0, step: int = 0) -> Error:
+    ref_type = TYPE_CODES[type(ref)] if ref is not None else 0
+    return Error(code=code, ref_type=ref_type, job_id=job_id, step=step, detail=_detail(detail))
+
+
+_PROTOCOL_CODES: Final[dict[str, BoardErrorCode]] = {
+    "unsupported_version": "unsupported_version",
+    "unknown_type": "unknown_type",
+    "oversized": "too_large",
+}
+
+
+class BoardAgent:
+    """One virtual board's protocol state machine and compute (see the module docstring).
+
+    Args:
+        board_id: the board's id (a topic level: ``[A-Za-z0-9_.-]{1,32}``).
+        datasets: the data sets it holds (default: the built-in ones).
+        latency: the modelled timing (default: the NPU model of the computed model).
+        faults: its faults (default: none).
+        clock: monotonic seconds (tests may pass a fake).
+    """
+
+    def __init__(
+        self,
+        board_id: str,
+        *,
+        datasets: DatasetCatalog | None = None,
+        latency: LatencyProfile | None = None,
+        faults: BoardFaults | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.board_id = board_id
+        self.datasets = datasets if datasets is not None else DatasetCatalog()
+        self.latency = latency if latency is not None else LatencyProfile()
+        self.faults = faults if faults is not None else FaultPlan().for_board(board_id)
+        self._clock = clock
+        self._booted = clock()
+        self._handlers: dict[type, Callable[[Any], Awaitable[list[DataMessage]]]] = {
+            LoadModel: self._on_load_model,
+            SetWeights: self._on_set_weights,
+            SelectDataset: self._on_select_dataset,
+            JobConfig: self._on_job_config,
+            EvalRequest: self._on_eval,
+            ApplyUpdate: self._on_apply_update,
+            ValidateRequest: self._on_validate,
+            Ping: self._on_ping,
+            Reset: self._on_reset,
+            Error: self._on_error,
+        }
+        self._clear(dataset=True)
+
+    def _clear(self, *, dataset: bool) -> None:
+        self._blob: bytes | None = None
+        self._model: Model | QuantModel | None = None
+        self._trainable: list[str] = []
+        self._macs = 0
+        self._config: JobConfig | None = None
+        self._shared: _Shared | None = None
+        self._state: TrainState | None = None
+        self._model_rx: _Transfer | None = None
+        self._weights_rx: _Transfer | None = None
+        self._last_update: tuple[ApplyUpdate, UpdateAck] | None = None
+        self._busy = False
+        if dataset:
+            self._dataset: Dataset | None = None
+            self._dataset_hash = 0
+
+    # ------------------------------------------------------------------ what it reports
+
+    @property
+    def state(self) -> ReportedState:
+        """What the board would say its state is."""
+        if self._busy:
+            return "busy"
+        if self._model_rx is not None or self._weights_rx is not None:
+            return "loading"
+        return "ready" if self._state is not None else "idle"
+
+    @property
+    def train_state(self) -> TrainState | None:
+        """The board's weights and step (None before model, data set and job config)."""
+        return self._state
+
+    @property
+    def workload(self) -> Workload | None:
+        """The workload built from what the board was sent."""
+        return self._shared.workload if self._shared is not None else None
+
+    def hello(self) -> Hello:
+        """The board's Hello: who it is and what it holds."""
+        return Hello(
+            board_id=self.board_id,
+            firmware_version=FIRMWARE_VERSION,
+            npu="virtual",
+            ram_kib=VIRTUAL_RAM_KIB,
+            max_batch=MAX_BATCH,
+            max_payload=MAX_PAYLOAD,
+            model_hash=model_hash64(self._blob) if self._blob is not None else 0,
+            dataset_hash=self._dataset_hash,
+        )
+
+    def heartbeat(self, nonce: int = 0) -> Heartbeat:
+        """A Heartbeat (``nonce``: the Ping's, 0 if unsolicited)."""
+        uptime_ms = int((self._clock() - self._booted) * 1000) & _U32_MAX
+        return Heartbeat(
+            nonce=nonce,
+            uptime_ms=uptime_ms,
+            state=self.state,
+            job_id=self._config.job_id if self._config is not None else 0,
+            step=self._state.step if self._state is not None else 0,
+        )
+
+    # ------------------------------------------------------------------ entry points
+
+    async def handle_bytes(self, data: bytes) -> list[DataMessage]:
+        """Decode one message and handle it; undecodable input gets a typed Error.
+
+        Args:
+            data: one encoded data-plane message.
+
+        Returns:
+            The answers (possibly none).
+
+        Raises:
+            BoardCrash: a crash fault fired.
+        """
+        try:
+            msg = decode(data)
+        except ProtocolError as exc:
+            code = _PROTOCOL_CODES.get(exc.kind, "malformed")
+            return [Error(code=code, ref_type=exc.msg_type or 0, detail=_detail(f"{exc.kind}: {exc.detail}"))]
+        return await self.handle(msg)
+
+    async def handle(self, msg: DataMessage) -> list[DataMessage]:
+        """Handle one daemon-to-board message.
+
+        Args:
+            msg: the message.
+
+        Returns:
+            The answers: usually one; none for an incoming Error, intermediate chunks,
+            or a dropped answer.
+
+        Raises:
+            BoardCrash: a crash fault fired (the caller stops serving, or exits).
+        """
+        step = getattr(msg, "step", None)
+        if isinstance(msg, EvalRequest | ApplyUpdate | ValidateRequest) and self.faults.crash(msg.step):
+            raise BoardCrash(self.board_id, msg.step)
+        handler = self._handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise _Refusal("unknown_type", f"{msg.type} is not a daemon-to-board message")
+            replies = await handler(msg)
+        except _Refusal as refusal:
+            replies = [_error(refusal.code, refusal.detail, msg, job_id=refusal.job_id, step=refusal.step)]
+        except Exception as exc:  # a bug or a numeric failure: report it, keep the board alive
+            _log.exception("board failed to handle a message", board=self.board_id, type=msg.type)
+            replies = [_error("internal", f"{type(exc).__name__}: {exc}", msg)]
+        finally:
+            self._busy = False
+        return await self._misbehave(replies, step)
+
+    async def _misbehave(self, replies: list[DataMessage], step: int | None) -> list[DataMessage]:
+        if not replies or not self.faults.active:
+            return replies
+        if self.faults.drop(step):
+            _log.info("fault: answer dropped", board=self.board_id, step=step)
+            return []
+        delay = self.faults.delay(step)
+        if delay > 0:
+            _log.info("fault: answer delayed", board=self.board_id, step=step, seconds=delay)
+            await asyncio.sleep(delay)
+        return replies
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ready(self, job_id: int) -> tuple[Workload, TrainState]:
+        if self._config is None:
+            raise _Refusal("not_ready", "no job config", job_id=job_id)
+        if job_id != self._config.job_id:
+            raise _Refusal("unknown_job", f"job {job_id}, board has job {self._config.job_id}", job_id=job_id)
+        if self._shared is None or self._state is None:
+            missing = [n for n, v in (("model", self._model), ("dataset", self._dataset)) if v is None]
+            raise _Refusal("not_ready", f"missing {', '.join(missing) or 'workload'}", job_id=job_id)
+        return self._shared.workload, self._state
+
+    def _check_step(self, job_id: int, step: int, state: TrainState) -> None:
+        if step != state.step:
+            raise _Refusal("stale_step", f"request for step {step}, board is at step {state.step}", job_id=job_id, step=step)
+
+    async def _compute(self, fn: Callable[..., _T], *args: Any) -> tuple[_T, float]:
+        """Run ``fn`` in a worker thread (heartbeats go on); returns (result, seconds)."""
+        assert self._shared is not None
+        lock = self._shared.lock
+
+        def run() -> tuple[_T, float]:
+            with lock:  # one computation per shared workload at a time
+                start = time.perf_counter()
+                result = fn(*args)
+                return result, time.perf_counter() - start
+
+        self._busy = True
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self._busy = False
+
+    async def _spend(self, modelled: float, computed: float) -> int:
+        """Sleep what the modelled time has left over compute; returns the board's µs."""
+        if modelled > computed:
+            await asyncio.sleep(modelled - computed)
+        return min(_U32_MAX, int(max(modelled, computed) * 1e6))
+
+    # ------------------------------------------------------------------ loading
+
+    async def _on_load_model(self, msg: LoadModel) -> list[DataMessage]:
+        if msg.total > MAX_MODEL_BYTES:
+            raise _Refusal("too_large", f"model of {msg.total} bytes > {MAX_MODEL_BYTES}")
+        rx = self._model_rx
+        if rx is None or rx.key != (msg.total, msg.crc32):
+            rx = self._model_rx = _Transfer((msg.total, msg.crc32), msg.total)
+        if not rx.add(msg.offset, msg.chunk):
+            return []
+        self._model_rx = None
+        blob = bytes(rx.data)
+        if zlib.crc32(blob) != msg.crc32:
+            raise _Refusal("crc_mismatch", f"model CRC {zlib.crc32(blob):08x}, expected {msg.crc32:08x}")
+        if blob != self._blob:
+            self._install_model(blob)
+        return [Loaded(resource="model", crc32=msg.crc32, size=msg.total), *self._rebuild()]
+
+    def _install_model(self, blob: bytes) -> None:
+        try:
+            model = blob_format.decode_blob(blob)
+            trainable = blob_trainable_layers(blob)
+            macs = model_summary(model.model if isinstance(model, QuantModel) else model)[1]
+        except (blob_format.BlobError, ValueError, KeyError) as exc:
+            raise _Refusal("model_invalid", str(exc)) from exc
+        if not trainable:
+            raise _Refusal("model_invalid", "the blob marks no layer trainable")
+        self._blob, self._model, self._trainable, self._macs = blob, model, trainable, macs
+        self._shared = self._state = None
+
+    async def _on_select_dataset(self, msg: SelectDataset) -> list[DataMessage]:
+        dataset = self.datasets.get(msg.name)
+        if dataset is None:
+            raise _Refusal("dataset_missing", f"no data set {msg.name!r} here")
+        if dataset_hash64(dataset) != msg.dataset_hash:
+            raise _Refusal("dataset_missing", f"{msg.name}: hash {dataset_hash64(dataset):016x} differs")
+        if (len(dataset.x_train), len(dataset.x_val)) != (msg.train_size, msg.val_size):
+            raise _Refusal("dataset_missing", f"{msg.name}: {len(dataset.x_train)}+{len(dataset.x_val)} samples")
+        if self._dataset is not dataset:
+            self._dataset, self._dataset_hash = dataset, msg.dataset_hash
+            self._shared = self._state = None
+        size = msg.train_size + msg.val_size
+        return [Loaded(resource="dataset", crc32=msg.dataset_hash & _U32_MAX, size=size & _U32_MAX), *self._rebuild()]
+
+    async def _on_job_config(self, msg: JobConfig) -> list[DataMessage]:
+        if msg.batch_size > MAX_BATCH or msg.batch_size == 0:
+            raise _Refusal("malformed", f"batch size {msg.batch_size} outside [1, {MAX_BATCH}]", job_id=msg.job_id)
+        if msg != self._config:
+            self._config = msg
+            self._shared = self._state = None
+            self._last_update = None
+        raw = encode(msg)
+        return [Loaded(resource="job_config", job_id=msg.job_id, crc32=zlib.crc32(raw), size=len(raw)), *self._rebuild()]
+
+    def _rebuild(self) -> list[DataMessage]:
+        """Build the workload once model, data set and job config are all there."""
+        if self._shared is not None or self._model is None or self._dataset is None or self._config is None:
+            return []
+        cfg, model, dataset = self._config, self._model, self._dataset
+        assert self._blob is not None
+        key = (
+            hashlib.sha256(self._blob).digest(), dataset.content_hash,
+            cfg.numerics, cfg.accumulator, cfg.estimator, cfg.seed, cfg.batch_size, cfg.eps,
+        )
+        try:
+            self._shared = _shared_workload(key, lambda: self._build(cfg, model, dataset))
+        except (WorkloadError, ValueError) as exc:
+            # pydantic's ValidationError is a ValueError: a config JobSpec refuses.
+            return [_error("model_invalid", str(exc), cfg, job_id=cfg.job_id)]
+        self._state = self._shared.workload.initial_state()
+        self._last_update = None
+        return []
+
+    def _build(self, cfg: JobConfig, model: Model | QuantModel, dataset: Dataset) -> Workload:
+        qmodel = model if isinstance(model, QuantModel) else None
+        graph = model.model if isinstance(model, QuantModel) else model
+        if (qmodel is not None) != (cfg.numerics == "int8"):
+            raise WorkloadError(f"job is {cfg.numerics}, the model blob is {'int8' if qmodel else 'fp32'}")
+        if tuple(graph.input_shape) != dataset.input_shape or graph.num_classes != dataset.num_classes:
+            raise WorkloadError(f"model {tuple(graph.input_shape)}->{graph.num_classes} vs data {dataset.input_shape}")
+        spec = JobSpec(
+            name="board", dataset=dataset.name, model="blob", numerics=cfg.numerics, accumulator=cfg.accumulator,
+            estimator=cfg.estimator, seed=cfg.seed, batch_size=cfg.batch_size, eps=cfg.eps, trainable=self._trainable,
+        )
+        return Workload(spec, graph, qmodel, dataset, list(self._trainable))
+
+    async def _on_set_weights(self, msg: SetWeights) -> list[DataMessage]:
+        workload, _ = self._ready(msg.job_id)
+        key = (msg.total, msg.checksum, msg.job_id, msg.step)
+        rx = self._weights_rx
+        if rx is None or rx.key != key:
+            rx = self._weights_rx = _Transfer(key, msg.total)
+        if not rx.add(msg.offset, msg.chunk):
+            return []
+        self._weights_rx = None
+        raw = bytes(rx.data)
+        if zlib.crc32(raw) != msg.checksum:
+            raise _Refusal("crc_mismatch", f"weights CRC {zlib.crc32(raw):08x}, expected {msg.checksum:08x}",
+                           job_id=msg.job_id, step=msg.step)
+        self._state = self._parse_weights(workload, raw, msg)
+        self._last_update = None
+        return [Loaded(resource="weights", job_id=msg.job_id, crc32=msg.checksum, size=msg.total)]
+
+    @staticmethod
+    def _parse_weights(workload: Workload, raw: bytes, msg: SetWeights) -> TrainState:
+        template = workload.initial_state()
+        params = template.params
+        size = params.size * params.itemsize
+        buffer_size = 0 if template.buffer is None else template.buffer.size * template.buffer.itemsize
+        if len(raw) != size + buffer_size:
+            raise _Refusal("malformed", f"weights are {len(raw)} bytes, the job needs {size + buffer_size}",
+                           job_id=msg.job_id, step=msg.step)
+        new_params = np.frombuffer(raw, dtype=params.dtype.newbyteorder("<"), count=params.size).astype(params.dtype)
+        buffer = None
+        if template.buffer is not None:
+            dtype = template.buffer.dtype
+            buffer = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), offset=size).astype(dtype)
+        state = TrainState(msg.step, new_params, buffer)
+        try:
+            workload.check_state(state)
+        except StateError as exc:
+            raise _Refusal("malformed", str(exc), job_id=msg.job_id, step=msg.step) from exc
+        return state
+
+    # ------------------------------------------------------------------ one step
+
+    async def _on_eval(self, msg: EvalRequest) -> list[DataMessage]:
+        workload, state = self._ready(msg.job_id)
+        self._check_step(msg.job_id, msg.step, state)
+        cfg = self._config
+        assert cfg is not None
+        if (msg.batch_size, msg.eps, msg.estimator) != (cfg.batch_size, cfg.eps, cfg.estimator):
+            raise _Refusal("malformed", f"request's batch/eps/estimator differ from job {cfg.job_id}'s",
+                           job_id=msg.job_id, step=msg.step)
+        losses, computed = await self._compute(workload.perturbed_losses, state, msg.step, msg.ks)
+        two_sided = msg.estimator == "two_sided"
+        sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
+        compute_us = await self._spend(self.latency.forward_seconds(self._macs, sets * msg.batch_size), computed)
+        result = EvalResult(
+            job_id=msg.job_id, step=msg.step, compute_us=compute_us, estimator=msg.estimator, ks=msg.ks,
+            loss_plus=tuple(losses.plus[k] for k in msg.ks),
+            loss_minus=tuple(losses.minus[k] for k in msg.ks) if two_sided else (),
+            loss_zero=None if two_sided else losses.base,
+        )
+        return [self.faults.lie(result)]
+
+    async def _on_apply_update(self, msg: ApplyUpdate) -> list[DataMessage]:
+        workload, state = self._ready(msg.job_id)
+        if self._last_update is not None and self._last_update[0] == msg:
+            return [self._last_update[1]]  # a duplicate delivery: the same answer again
+        self._check_step(msg.job_id, msg.step, state)
+        new_state, _ = await self._compute(workload.apply_update, state, msg.step, msg.pairs())
+        self._state = new_state
+        checksum = self.faults.checksum(msg.step, new_state.checksum())
+        ack = UpdateAck(job_id=msg.job_id, step=msg.step, checksum=checksum)
+        self._last_update = (msg, ack)
+        return [ack]
+
+    async def _on_validate(self, msg: ValidateRequest) -> list[DataMessage]:
+        workload, state = self._ready(msg.job_id)
+        self._check_step(msg.job_id, msg.step, state)
+        n_val = len(workload.dataset.x_val)
+        if msg.start >= n_val:
+            raise _Refusal("malformed", f"validation start {msg.start} >= {n_val} samples", job_id=msg.job_id, step=msg.step)
+        (loss_sum, correct, count), computed = await self._compute(workload.validate, state, msg.start, msg.count)
+        compute_us = await self._spend(self.latency.forward_seconds(self._macs, count), computed)
+        return [ValidateResult(
+            job_id=msg.job_id, step=msg.step, start=msg.start, count=count,
+            loss_sum=loss_sum, correct=correct, compute_us=compute_us,
+        )]
+
+    # ------------------------------------------------------------------ housekeeping
+
+    async def _on_ping(self, msg: Ping) -> list[DataMessage]:
+        return [self.heartbeat(msg.nonce)]
+
+    async def _on_reset(self, msg: Reset) -> list[DataMessage]:
+        self._clear(dataset=msg.scope == "hard")
+        if msg.scope == "hard":
+            self._booted = self._clock()
+        return [self.hello()]
+
+    async def _on_error(self, msg: Error) -> list[DataMessage]:
+        # Never answer an Error with an Error: two confused peers would loop forever.
+        _log.warning("daemon reported an error", board=self.board_id, code=msg.code, detail=msg.detail)
+        return []
+
+
+# --------------------------------------------------------------------------- serving a link
+
+
+async def _heartbeats(agent: BoardAgent, send: Callable[[DataMessage], Awaitable[None]], interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await send(agent.heartbeat())
+
+
+async def serve_link(
+    agent: BoardAgent,
+    link: Any,
+    *,
+    heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+    exit_on_crash: bool = False,
+    corrupt_payloads: bool = False,
+) -> str:
+    """Run ``agent`` on ``link`` until the link ends or the board crashes.
+
+    Args:
+        agent: the board.
+        link: its end of a link (``send``, ``incoming``, ``close``), already open.
+        heartbeat_interval: seconds between unsolicited heartbeats.
+        exit_on_crash: a crash fault ends the process (``os._exit``), as a real crash
+            would; otherwise the link is closed and ``"crashed"`` returned.
+        corrupt_payloads: apply the ``corrupt`` fault to whole message payloads (MQTT,
+            in-process); serial links corrupt frames in their stream instead.
+
+    Returns:
+        Why it stopped: ``"closed"`` or ``"crashed"``.
+    """
+
+    async def send(msg: DataMessage) -> None:
+        payload = encode(msg)
+        await link.send(agent.faults.corrupt(payload) if corrupt_payloads else payload)
+
+    async with asyncio.TaskGroup() as tasks:
+        beat = tasks.create_task(_heartbeats(agent, send, heartbeat_interval), name=f"board[{agent.board_id}].heartbeat")
+        try:
+            await send(agent.hello())
+            return await _serve(agent, link, send, exit_on_crash)
+        except LinkError as exc:  # the link went away under a send: the board is done
+            _log.info("board link gone", board=agent.board_id, reason=exc.reason)
+            return "closed"
+        finally:
+            beat.cancel()
+
+
+async def _serve(
+    agent: BoardAgent, link: Any, send: Callable[[DataMessage], Awaitable[None]], exit_on_crash: bool
+) -> str:
+    async for data in link.incoming():
+        try:
+            replies = await agent.handle_bytes(data)
+        except BoardCrash as crash:
+            _log.warning("fault: board crashes", board=agent.board_id, step=crash.step)
+            if exit_on_crash:
+                os._exit(CRASH_EXIT_CODE)
+            with contextlib.suppress(Exception):
+                await link.close()
+            return "crashed"
+        encoded = sum(len(encode(r)) for r in replies)
+        wire = agent.latency.wire_seconds(len(data)) + agent.latency.wire_seconds(encoded)
+        if wire > 0 and replies:
+            await asyncio.sleep(wire)
+        for reply in replies:
+            await send(reply)
+    return "closed"
+
