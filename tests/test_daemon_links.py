@@ -381,3 +381,25 @@ async def test_mqtt_send_times_out_without_broker() -> None:
     async with MqttEndpoint(cfg, TopicMap(fleet="t"), "lonely") as board:
         with pytest.raises(SendTimeoutError):
             await board.send(b"nobody listens")
+
+
+async def test_serial_glob_finds_new_ports(tmp_path: Path) -> None:
+    """A glob pattern picks up ports present at start and ports plugged in later."""
+    ptys = [Pty(), Pty()]
+    (tmp_path / "stlink-a").symlink_to(ptys[0].path)
+    try:
+        async with SerialTransport([str(tmp_path / "stlink-*")], reopen_interval=0.05, **FAST) as transport:
+            events = transport.events()
+            async with SerialLink("a", FdStream(ptys[0].master), **FAST):
+                first = await _next_event(events)
+                assert first.board_id == f"serial:{tmp_path / 'stlink-a'}"
+                (tmp_path / "stlink-b").symlink_to(ptys[1].path)
+                async with SerialLink("b", FdStream(ptys[1].master), **FAST) as board_b:
+                    second = await _next_event(events)
+                    assert isinstance(second, BoardAppeared)
+                    assert second.board_id == f"serial:{tmp_path / 'stlink-b'}"
+                    await board_b.send(b"b here")
+                    assert await _take(second.link, 1) == [b"b here"]
+    finally:
+        for pty in ptys:
+            pty.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import glob
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -411,9 +412,10 @@ class SerialTransport:
     """The daemon's serial ports: opens each, reports boards, reopens after unplug.
 
     Args:
-        devices: port paths (udev symlinks such as ``/dev/qsched/stlink-<serial>`` work).
+        devices: port paths (udev symlinks such as ``/dev/qsched/stlink-<serial>`` work)
+            or glob patterns (``/dev/qsched/stlink-*``), rescanned for new ports.
         baudrate: the line speed.
-        reopen_interval: seconds between attempts to open an absent port.
+        reopen_interval: seconds between attempts to open an absent port (and rescans).
         link_options: ``ack_timeout``, ``max_retries``, ``queue_size`` of each link.
     """
 
@@ -433,25 +435,43 @@ class SerialTransport:
         self._link_options = link_options
         self._events: asyncio.Queue[object] = asyncio.Queue(EVENT_QUEUE_SIZE)
         self._tasks: asyncio.TaskGroup | None = None
-        self._watchers: list[asyncio.Task[None]] = []
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._scanner: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
         for device in self.devices:
-            task = self._tasks.create_task(self._watch(device), name=f"serial[{device}].watch")
-            self._watchers.append(task)
+            if not glob.has_magic(device):
+                self._start_watch(device)
+        if any(glob.has_magic(device) for device in self.devices):
+            self._scanner = self._tasks.create_task(self._scan(), name="serial.scan")
         return self
+
+    def _start_watch(self, device: str) -> None:
+        assert self._tasks is not None
+        task = self._tasks.create_task(self._watch(device), name=f"serial[{device}].watch")
+        self._watchers[device] = task
+
+    async def _scan(self) -> None:
+        patterns = [device for device in self.devices if glob.has_magic(device)]
+        while True:
+            for pattern in patterns:
+                for device in sorted(glob.glob(pattern)):
+                    if device not in self._watchers:
+                        self._start_watch(device)
+            await asyncio.sleep(self._reopen_interval)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for task in self._watchers:
+        if self._scanner is not None:
+            self._scanner.cancel()
+        for task in self._watchers.values():
             task.cancel()
         if self._tasks is not None:
             await self._tasks.__aexit__(None, None, None)
         close_queue(self._events)
-
     async def events(self) -> AsyncIterator[LinkEvent]:
         """``BoardAppeared`` when a port opens, ``BoardGone("unplugged")`` when it drops."""
         async for event in iterate_queue(self._events):

@@ -1,0 +1,289 @@
+"""The ``qsched`` command line: one entry point, subcommands dispatched by a table.
+
+Each subcommand is a ``main(argv: list[str]) -> int`` function somewhere in the package,
+named in ``COMMANDS`` as ``"module:function"`` and imported only when it runs, so
+``qsched --help`` stays fast and a part that is not built yet fails alone, with a clear
+message and exit status 2. Adding a command is one line in the table.
+
+Exit statuses: 0 success, 1 failure at run time, 2 usage or configuration error (or a
+command that is not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from qsched.daemon.config import ConfigError, load_config
+from qsched.daemon.logging import LEVELS, configure_logging
+
+__all__ = ["COMMANDS", "Command", "NotBuiltError", "main", "resolve"]
+
+EXIT_USAGE = 2
+
+
+class Command(NamedTuple):
+    """One subcommand: where its ``main(argv) -> int`` lives, and a line of help."""
+
+    target: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "daemon": Command("qsched.daemon.service:main", "run the fleet daemon (boards, jobs, control API)"),
+    "ctl": Command("qsched.daemon.ctl:main", "send a command to a running daemon"),
+    "board": Command("qsched.firmware.board_main:main", "run virtual boards on MQTT or serial ports"),
+    "bridge": Command("qsched.daemon.bridge:main", "expose this host's serial boards on MQTT"),
+    "demo": Command("qsched.daemon.demo:main", "train on virtual boards with embedded defaults"),
+    "train": Command("qsched.daemon.cli:train_main", "train in this process, without boards"),
+    "experiment": Command("qsched.daemon.experiment:main", "compare q policies (the paper's grid)"),
+    "bench engine": Command("qsched.zo.bench_engine:main", "time the forward engine (FP32, INT8)"),
+    "bench fleet": Command("qsched.daemon.bench_fleet:main", "time steps on fleets of virtual boards"),
+    "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),
+    "schema": Command("qsched.protocol.schema:main", "write the control-plane JSON Schema"),
+    "config": Command("qsched.daemon.cli:config_main", "print the effective daemon configuration"),
+}
+
+
+class NotBuiltError(RuntimeError):
+    """The module or function a command names does not exist (yet)."""
+
+
+def resolve(target: str) -> Callable[[list[str]], int | None]:
+    """Import ``"module:function"``.
+
+    Args:
+        target: the dotted module path and the function name.
+
+    Returns:
+        The function.
+
+    Raises:
+        NotBuiltError: the module or the function is missing. Any other import
+            failure (a bug inside a built module) propagates unchanged.
+    """
+    module_name, _, func_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise NotBuiltError(f"{module_name} is missing") from exc
+        raise
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise NotBuiltError(f"{module_name} has no {func_name}()")
+    return func  # type: ignore[no-any-return]
+
+
+def _groups() -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in COMMANDS:
+        head, _, tail = name.partition(" ")
+        groups.setdefault(head, []).append(tail)
+    return groups
+
+
+def _epilog() -> str:
+    width = max(len(name) for name in COMMANDS) + 2
+    lines = ["commands:"] + [f"  {name:<{width}}{cmd.help}" for name, cmd in COMMANDS.items()]
+    lines.append("\nRun `qsched COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qsched",
+        description="Zeroth-order training on fleets of STM32N6 NPU boards.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--config", type=Path, help="daemon configuration (TOML); also $QSCHED_CONFIG")
+    parser.add_argument(
+        "--log-level", choices=sorted(LEVELS), default=os.environ.get("QSCHED_LOG_LEVEL", "info").lower()
+    )
+    parser.add_argument("command", metavar="COMMAND", choices=sorted(_groups()), help="see below")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qsched")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _split_command(command: str, rest: list[str]) -> tuple[str, list[str]] | str:
+    subs = _groups()[command]
+    if subs == [""]:
+        return command, rest
+    if not rest or rest[0] not in subs:
+        return f"qsched {command}: choose one of {', '.join(subs)}"
+    return f"{command} {rest[0]}", rest[1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``qsched`` command line.
+
+    Args:
+        argv: the arguments after the program name (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit status.
+    """
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    split = _split_command(args.command, list(args.args))
+    if isinstance(split, str):
+        print(split, file=sys.stderr)
+        return EXIT_USAGE
+    name, rest = split
+    if args.config is not None:
+        try:
+            load_config(args.config)  # fail early, with the setting's name
+        except ConfigError as exc:
+            print(f"qsched: configuration error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        os.environ["QSCHED_CONFIG"] = str(args.config)  # the subcommand reads it from there
+    configure_logging(args.log_level)
+    try:
+        func = resolve(COMMANDS[name].target)
+    except NotBuiltError as exc:
+        print(f"qsched {name}: not built yet ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        status = func(rest)
+    except NotBuiltError as exc:  # a command that needs a part not built yet
+        print(f"qsched {name}: not built yet ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:
+        print(f"qsched {name}: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return 0 if status is None else int(status)
+
+
+# --- small commands that live here ------------------------------------------------
+
+
+def config_main(argv: list[str]) -> int:
+    """``qsched config``: print the effective configuration as JSON (secrets masked).
+
+    Args:
+        argv: ``[--config PATH]``.
+
+    Returns:
+        0, or 2 on a configuration error.
+    """
+    parser = argparse.ArgumentParser(prog="qsched config", description=config_main.__doc__)
+    parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG, else none)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    print(cfg.model_dump_json(indent=2))
+    return 0
+
+
+def zoo_main(argv: list[str]) -> int:
+    """``qsched zoo``: the model zoo as a table.
+
+    Args:
+        argv: no options.
+
+    Returns:
+        0.
+    """
+    argparse.ArgumentParser(prog="qsched zoo", description="List the model zoo.").parse_args(argv)
+    zoo_table = resolve("qsched.zo.zoo:zoo_table")
+    print(zoo_table())  # type: ignore[call-arg]
+    return 0
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word such as fp32 or digits
+
+
+def _load_spec_data(path: Path | None, overrides: list[str]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if path is not None:
+        raw = path.read_bytes()
+        data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set wants KEY=VALUE, got {item!r}")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _parse_value(value)
+    return data
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    steps, evals = list(getattr(result, "steps", [])), list(getattr(result, "evals", []))
+    last = steps[-1] if steps else None
+    return {
+        "steps": len(steps),
+        "final_q": getattr(last, "q", None),
+        "final_train_loss": getattr(last, "train_loss", None),
+        "final_val_accuracy": getattr(evals[-1], "val_accuracy", None) if evals else None,
+        "forward_passes": getattr(result, "forward_passes", None),
+        "wall_s": round(float(getattr(result, "wall_s", 0.0)), 3),
+    }
+
+
+def _progress(record: Any, evaluation: Any) -> None:
+    if evaluation is not None:  # one line per validation: quiet enough for long runs
+        print(
+            f"step {evaluation.step:>6}  q {record.q:>3}  train loss {record.train_loss:.4f}  "
+            f"val acc {evaluation.val_accuracy:.4f}  forward passes {evaluation.forward_passes}",
+            file=sys.stderr,
+        )
+
+
+def train_main(argv: list[str]) -> int:
+    """``qsched train``: run a job spec in this process (the reference loop, no boards).
+
+    Args:
+        argv: ``[--spec FILE] [--set KEY=VALUE ...]``.
+
+    Returns:
+        0, or 2 when the spec is invalid.
+    """
+    parser = argparse.ArgumentParser(prog="qsched train", description=train_main.__doc__)
+    parser.add_argument("--spec", type=Path, help="job spec, JSON or TOML (default: the built-in defaults)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (JSON value)"
+    )
+    args = parser.parse_args(argv)
+    from pydantic import ValidationError
+
+    from qsched.zo.spec import JobSpec
+
+    try:
+        spec = JobSpec.model_validate(_load_spec_data(args.spec, args.set))
+    except (OSError, ValueError, ValidationError) as exc:
+        print(f"qsched train: invalid job spec: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    train_zo = resolve("qsched.zo.trainer:train_zo")
+    result = train_zo(spec, on_step=_progress)  # type: ignore[call-arg]
+    print(json.dumps(_summary(result), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Logging set-up: structlog, JSON lines for journald and files, colours on a terminal.
+
+Modules log with ``structlog.get_logger("qsched.<area>")`` and key-value fields; this
+module decides how records look. Standard-library loggers (aiomqtt, paho) go to the
+same stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+__all__ = ["LEVELS", "configure_logging"]
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _Stderr:
+    """Writes to whatever ``sys.stderr`` is at the time (tests and tools swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+def configure_logging(level: str = "info", *, json: bool | None = None, stream: TextIO | None = None) -> None:
+    """Configure structlog and the standard ``logging`` module.
+
+    Args:
+        level: ``debug``, ``info``, ``warning`` or ``error``.
+        json: JSON lines when True, a console renderer when False; by default JSON
+            unless ``stream`` is a terminal (journald and log files get JSON).
+        stream: where records go (standard error by default, so stdout stays free
+            for command output).
+    """
+    out: Any = stream if stream is not None else _Stderr()
+    if json is None:
+        json = not (hasattr(out, "isatty") and out.isatty())
+    numeric = LEVELS.get(level.lower())
+    if numeric is None:
+        raise ValueError(f"unknown log level {level!r}; choose one of {', '.join(LEVELS)}")
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if json:
+        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+    else:
+        processors += [structlog.dev.ConsoleRenderer(colors=False)]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+    # Libraries log through the standard module: same stream, one level quieter.
+    logging.basicConfig(
+        level=max(numeric, logging.INFO), stream=out, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
