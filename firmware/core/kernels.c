@@ -9,13 +9,12 @@ static int32_t offset4(qs_shape s, int32_t n, int32_t h, int32_t w, int32_t c)
 }
 
 static int8_t requant_out(int32_t acc, qs_requant rq, int32_t channel, int32_t output_offset,
-                          int32_t act_min, int32_t act_max)
+                          int32_t act_min, int32_t act_max, int32_t single_rounding)
 {
-    acc = qs_mbqm(acc, rq.multiplier[channel], rq.shift[channel]);
-    /* |acc| after requantisation is bounded by the int32 range; the output offset is
-     * in [-128, 127], and the clamp brings it to [act_min, act_max] within int8. Add
-     * in int64 so an extreme multiplier cannot overflow the sum. */
-    const int64_t shifted = (int64_t)acc + output_offset;
+    /* The requantised value fits int64 in both variants; the output offset is in
+     * [-128, 127]; the clamp brings the sum to [act_min, act_max] within int8. */
+    const int64_t scaled = qs_requantize(acc, rq.multiplier[channel], rq.shift[channel], single_rounding);
+    const int64_t shifted = scaled + output_offset;
     const int64_t lo = act_min, hi = act_max;
     return (int8_t)(shifted < lo ? lo : (shifted > hi ? hi : shifted));
 }
@@ -58,7 +57,7 @@ void qs_conv_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, const
                     /* Prepare bounds |bias| <= 2^31 - 1 - depth * QS_MAX_PRODUCT. */
                     acc += bias[oc];
                     output[offset4(out_shape, b, oy, ox, oc)] =
-                        requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max);
+                        requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max, p->single_rounding);
                 }
             }
         }
@@ -97,7 +96,7 @@ void qs_depthwise_s8(const qs_conv_params *p, qs_requant rq, qs_shape in_shape, 
                         }
                         acc += bias[oc];
                         output[offset4(out_shape, b, oy, ox, oc)] =
-                            requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max);
+                            requant_out(acc, rq, oc, p->output_offset, p->act_min, p->act_max, p->single_rounding);
                     }
                 }
             }
@@ -118,7 +117,8 @@ void qs_fc_s8(const qs_fc_params *p, qs_requant rq, int32_t batch, int32_t depth
                 acc += (int32_t)f[d] * ((int32_t)in[d] + p->input_offset);
             }
             acc += bias[u];
-            output[b * units + u] = requant_out(acc, rq, u, p->output_offset, p->act_min, p->act_max);
+            output[b * units + u] =
+                requant_out(acc, rq, u, p->output_offset, p->act_min, p->act_max, p->single_rounding);
         }
     }
 }
@@ -190,25 +190,28 @@ void qs_maxpool_s8(const qs_pool_params *p, qs_shape in_shape, const int8_t *inp
 
 void qs_add_s8(const qs_add_params *p, int32_t size, const int8_t *in1, const int8_t *in2, int8_t *output)
 {
+    const int sr = p->single_rounding;
     for (int32_t i = 0; i < size; ++i) {
-        /* |x + offset| <= 255 < 2^8, shifted by left_shift <= 20 (Prepare): < 2^28,
-         * and the sum of two scaled values stays below 2^29. */
+        /* |x + offset| <= 255 < 2^8, shifted by left_shift <= 20 (Prepare): < 2^28.
+         * Each input multiplier is below 1 (its scale over twice the larger one), so
+         * the scaled values stay below 2^28 and their sum below 2^29: fits int32. */
         const int32_t a = ((int32_t)in1[i] + p->input1_offset) * (1 << p->left_shift);
         const int32_t b = ((int32_t)in2[i] + p->input2_offset) * (1 << p->left_shift);
-        const int32_t sa = qs_mbqm_small(a, p->input1_multiplier, p->input1_shift);
-        const int32_t sb = qs_mbqm_small(b, p->input2_multiplier, p->input2_shift);
-        const int32_t raw = qs_mbqm_small(sa + sb, p->output_multiplier, p->output_shift) + p->output_offset;
-        output[i] = (int8_t)qs_clamp(raw, p->act_min, p->act_max);
+        const int64_t sa = qs_requantize(a, p->input1_multiplier, p->input1_shift, sr);
+        const int64_t sb = qs_requantize(b, p->input2_multiplier, p->input2_shift, sr);
+        const int64_t raw = qs_requantize((int32_t)(sa + sb), p->output_multiplier, p->output_shift, sr) +
+                            p->output_offset;
+        output[i] = (int8_t)(raw < p->act_min ? p->act_min : (raw > p->act_max ? p->act_max : raw));
     }
 }
 
 void qs_requant_s8(const qs_requant_params *p, int32_t size, const int8_t *input, int8_t *output)
 {
     for (int32_t i = 0; i < size; ++i) {
-        /* |x + offset| <= 255; after the multiplier (Prepare: shift <= 0 for ReLU
-         * rescaling of equal-range tensors) the sum with the output offset fits int32. */
-        const int32_t v = qs_mbqm((int32_t)input[i] + p->input_offset, p->multiplier, p->shift);
-        const int64_t o = (int64_t)v + p->output_offset;
+        /* |x + offset| <= 255; the requantised value and the offset sum in int64. */
+        const int64_t o =
+            qs_requantize((int32_t)input[i] + p->input_offset, p->multiplier, p->shift, p->single_rounding) +
+            p->output_offset;
         output[i] = (int8_t)(o < p->act_min ? p->act_min : (o > p->act_max ? p->act_max : o));
     }
 }

@@ -30,6 +30,7 @@ typedef struct {
     int32_t act_min, act_max;
     int32_t groups;           /* Conv2D: input channels split into groups */
     int32_t depth_multiplier; /* depthwise: output channels per input channel */
+    int32_t single_rounding;  /* requantise with TFLITE_SINGLE_ROUNDING arithmetic */
 } qs_conv_params;
 
 /* Per-output-channel requantisation, from Prepare. */
@@ -52,6 +53,7 @@ typedef struct {
     int32_t input_offset;
     int32_t output_offset;
     int32_t act_min, act_max;
+    int32_t single_rounding;
 } qs_fc_params;
 
 /* Fully connected: input (batch, depth), filter (units, depth), output (batch, units). */
@@ -80,6 +82,7 @@ typedef struct {
     int32_t input2_multiplier, input2_shift;
     int32_t output_multiplier, output_shift;
     int32_t act_min, act_max;
+    int32_t single_rounding;
 } qs_add_params;
 
 /* Element-wise add of two int8 tensors of one shape (TFLite Add int8). */
@@ -90,6 +93,7 @@ typedef struct {
     int32_t output_offset;
     int32_t multiplier, shift;
     int32_t act_min, act_max;
+    int32_t single_rounding;
 } qs_requant_params;
 
 /* Requantise element-wise with a clamp: TFLite's int8 ReLU/ReLU6 and rescaling. */

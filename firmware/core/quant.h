@@ -44,10 +44,27 @@ static inline int32_t qs_mbqm(int32_t x, int32_t multiplier, int32_t shift)
     return qs_rdbpot(qs_srdhm(shifted, multiplier), right);
 }
 
-/* TFLite's MultiplyByQuantizedMultiplierSmallerThanOneExp (shift <= 0), used by Add. */
-static inline int32_t qs_mbqm_small(int32_t x, int32_t multiplier, int32_t shift)
+/*
+ * The TFLITE_SINGLE_ROUNDING variant: round(x * multiplier / 2^(31 - shift)) in one
+ * step, shift clamped to <= 30 as TFLite does. |x * multiplier| <= 2^62 and the
+ * rounding term is at most 2^61, so the int64 sum cannot overflow. The result can
+ * exceed int32 only for multipliers far above 1; callers clamp in int64.
+ */
+static inline int64_t qs_mbqm_single(int32_t x, int32_t multiplier, int32_t shift)
 {
-    return qs_rdbpot(qs_srdhm(x, multiplier), -shift);
+    if (shift > 30) {
+        multiplier = INT32_MAX;
+        shift = 30;
+    }
+    const int32_t total = 31 - shift; /* in [1, 62]: Prepare keeps shift >= -31 */
+    const int64_t sum = (int64_t)x * multiplier + ((int64_t)1 << (total - 1));
+    return sum >> total; /* arithmetic shift: floor, as numpy's >> on int64 */
+}
+
+/* Either rounding variant, widened to int64. */
+static inline int64_t qs_requantize(int32_t x, int32_t multiplier, int32_t shift, int single_rounding)
+{
+    return single_rounding ? qs_mbqm_single(x, multiplier, shift) : (int64_t)qs_mbqm(x, multiplier, shift);
 }
 
 static inline int32_t qs_clamp(int32_t v, int32_t lo, int32_t hi)

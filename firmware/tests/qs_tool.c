@@ -15,6 +15,7 @@
  *   apply_f32 <seed> <step> <first> <n> (<k> <c bits>)*n <theta hex> -> hex
  *   apply_i8 <seed> <step> <first> <n> (<k> <c bits>)*n <w hex> <buf hex> -> "<w hex> <buf hex>"
  *   ilog2 <v>                                       -> decimal
+ *   forward <blob path> <inputs hex>                -> logits hex (samples back to back)
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -26,6 +27,7 @@
 #include "crc32.h"
 #include "fp16.h"
 #include "loss.h"
+#include "model.h"
 #include "prng.h"
 #include "update.h"
 #include "vectors.h"
@@ -217,6 +219,33 @@ static void cmd_cobs(int encode)
     putchar('\n');
 }
 
+/* Load a model blob from a file and run samples through it. */
+static void cmd_forward(void)
+{
+    static qs_model model;
+    static int8_t scratch[TOOL_BYTES_MAX] __attribute__((aligned(16)));
+    static uint32_t blob_words[TOOL_BYTES_MAX / 4u]; /* 4-aligned: int32 arrays read in place */
+    const char *path = tok();
+    FILE *fp = path ? fopen(path, "rb") : NULL;
+    if (fp == NULL) {
+        printf("err cannot open blob\n");
+        return;
+    }
+    const size_t len = fread(blob_words, 1, sizeof blob_words, fp);
+    fclose(fp);
+    const qs_status st = qs_model_prepare(&model, (uint8_t *)blob_words, len, scratch, sizeof scratch);
+    if (st != QS_OK) {
+        printf("err %s\n", qs_status_name(st));
+        return;
+    }
+    const size_t n = hex_in(g_a, sizeof g_a);
+    const uint32_t sample = model.tensors[model.input].size;
+    for (size_t off = 0; off + sample <= n; off += sample) {
+        hex_out(qs_model_forward(&model, (const int8_t *)g_a + off, 0), model.num_classes);
+    }
+    putchar('\n');
+}
+
 static void dispatch(const char *cmd)
 {
     if (strcmp(cmd, "vectors") == 0) {
@@ -253,6 +282,8 @@ static void dispatch(const char *cmd)
         cmd_perturb(cmd[8] == 'f');
     } else if (strcmp(cmd, "apply_f32") == 0 || strcmp(cmd, "apply_i8") == 0) {
         cmd_apply(cmd[6] == 'f');
+    } else if (strcmp(cmd, "forward") == 0) {
+        cmd_forward();
     } else if (strcmp(cmd, "ilog2") == 0) {
         printf("%" PRIu64 "\n", qs_ilog2_q24(num(10)));
     } else {
