@@ -1,0 +1,280 @@
+"""The virtual board agent in-process: session, bit-identical compute, typed errors."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from qsched.firmware.virtual_board import (
+    BoardAgent,
+    DatasetCatalog,
+    LatencyProfile,
+    blob_trainable_layers,
+    dataset_hash64,
+    model_hash64,
+)
+from qsched.protocol.codec import encode
+from qsched.protocol.messages import (
+    MAX_PAYLOAD,
+    ApplyUpdate,
+    DataMessage,
+    Error,
+    EvalRequest,
+    EvalResult,
+    Heartbeat,
+    Hello,
+    Loaded,
+    LoadModel,
+    Ping,
+    Reset,
+    SelectDataset,
+    SetWeights,
+    UpdateAck,
+    ValidateRequest,
+    ValidateResult,
+    job_config,
+)
+from qsched.zo.spec import JobSpec
+from qsched.zo.workload import TrainState, Workload
+
+CHUNK = 1000
+
+
+def chunks(blob: bytes, size: int = CHUNK) -> list[tuple[int, bytes]]:
+    """(offset, bytes) pieces of a blob."""
+    return [(off, blob[off : off + size]) for off in range(0, len(blob), size)]
+
+
+def load_messages(workload: Workload) -> list[DataMessage]:
+    """What a daemon sends a new board for a job: model, data set, job config."""
+    blob = workload.model_blob()
+    ds = workload.dataset
+    msgs: list[DataMessage] = [
+        LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part) for off, part in chunks(blob)
+    ]
+    msgs.append(SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds), train_size=len(ds.x_train),
+                              val_size=len(ds.x_val)))
+    msgs.append(job_config(workload.spec))
+    return msgs
+
+
+def weight_bytes(state: TrainState) -> bytes:
+    """The bytes SetWeights carries: params then buffer, little-endian (SPEC section 5)."""
+    parts = [state.params, *([] if state.buffer is None else [state.buffer])]
+    return b"".join(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes() for a in parts)
+
+
+def weight_messages(workload: Workload, state: TrainState) -> list[SetWeights]:
+    """SetWeights chunks of a state (params then buffer, as the checksum covers)."""
+    raw = weight_bytes(state)
+    cfg = job_config(workload.spec)
+    return [
+        SetWeights(total=len(raw), offset=off, job_id=cfg.job_id, step=state.step, checksum=state.checksum(), chunk=part)
+        for off, part in chunks(raw, 700)
+    ]
+
+
+async def send_all(agent: BoardAgent, msgs: Sequence[DataMessage]) -> list[DataMessage]:
+    """Hand messages to the agent in order; collect every answer."""
+    out: list[DataMessage] = []
+    for msg in msgs:
+        out += await agent.handle(msg)
+    return out
+
+
+def eval_request(workload: Workload, step: int, ks: Sequence[int]) -> EvalRequest:
+    """An EvalRequest of the job for ``ks`` at ``step``."""
+    cfg = job_config(workload.spec)
+    return EvalRequest(job_id=cfg.job_id, step=step, batch_size=cfg.batch_size, eps=cfg.eps,
+                       estimator=cfg.estimator, ks=tuple(ks))
+
+
+@pytest.fixture(scope="module")
+def int8_workload() -> Workload:
+    """The digits MLP in INT8, FP16 buffer (the demo's job)."""
+    return Workload.from_spec(JobSpec(numerics="int8", batch_size=32, seed=11))
+
+
+@pytest.fixture(scope="module")
+def fp32_workload() -> Workload:
+    """The digits MLP in FP32, one-sided, last layer trainable."""
+    return Workload.from_spec(
+        JobSpec(numerics="fp32", estimator="one_sided", eps=0.01, batch_size=16, seed=5, trainable="last:1")
+    )
+
+
+async def loaded_agent(workload: Workload, board_id: str = "vb-0", **options: object) -> BoardAgent:
+    """An agent that went through the load sequence."""
+    agent = BoardAgent(board_id, latency=LatencyProfile.off(), **options)  # type: ignore[arg-type]
+    answers = await send_all(agent, load_messages(workload))
+    assert [a.resource for a in answers if isinstance(a, Loaded)] == ["model", "dataset", "job_config"]
+    return agent
+
+
+async def test_agent_hello_reports_what_it_holds(int8_workload: Workload) -> None:
+    """Hello names the board and, after loading, the model and data set hashes."""
+    agent = BoardAgent("vb-7", latency=LatencyProfile.off())
+    empty = agent.hello()
+    assert (empty.board_id, empty.npu, empty.model_hash, empty.dataset_hash) == ("vb-7", "virtual", 0, 0)
+    assert empty.max_payload == MAX_PAYLOAD
+    await send_all(agent, load_messages(int8_workload))
+    full = agent.hello()
+    assert full.model_hash == model_hash64(int8_workload.model_blob())
+    assert full.dataset_hash == dataset_hash64(int8_workload.dataset)
+    assert agent.state == "ready"
+
+
+async def test_agent_eval_matches_workload_int8(int8_workload: Workload) -> None:
+    """Two-sided INT8 losses are the bits Workload.perturbed_losses computes."""
+    agent = await loaded_agent(int8_workload)
+    ks = (0, 1, 2, 5, 9)
+    (result,) = await agent.handle(eval_request(int8_workload, 0, ks))
+    expected = int8_workload.perturbed_losses(int8_workload.initial_state(), 0, ks)
+    assert isinstance(result, EvalResult)
+    assert result.ks == ks
+    assert list(result.loss_plus) == [expected.plus[k] for k in ks]
+    assert list(result.loss_minus) == [expected.minus[k] for k in ks]
+
+
+async def test_agent_eval_matches_workload_fp32_one_sided(fp32_workload: Workload) -> None:
+    """One-sided FP32 losses (frozen prefix) and L0 match the workload exactly."""
+    agent = await loaded_agent(fp32_workload)
+    ks = (3, 4, 5)
+    (result,) = await agent.handle(eval_request(fp32_workload, 0, ks))
+    expected = fp32_workload.perturbed_losses(fp32_workload.initial_state(), 0, ks)
+    assert isinstance(result, EvalResult)
+    assert list(result.loss_plus) == [expected.plus[k] for k in ks]
+    assert result.loss_zero == expected.base and result.loss_minus == ()
+
+
+async def test_agent_updates_equal_workload_checksums(int8_workload: Workload) -> None:
+    """Three updates: every UpdateAck checksum equals Workload.apply_update's."""
+    agent = await loaded_agent(int8_workload)
+    cfg = job_config(int8_workload.spec)
+    state = int8_workload.initial_state()
+    for step in range(3):
+        pairs = [(0, 0.75), (2, -1.5), (7, 0.25 * (step + 1))]
+        state = int8_workload.apply_update(state, step, pairs)
+        msg = ApplyUpdate(job_id=cfg.job_id, step=step, ks=tuple(k for k, _ in pairs),
+                          coefficients=tuple(c for _, c in pairs))
+        (ack,) = await agent.handle(msg)
+        assert ack == UpdateAck(job_id=cfg.job_id, step=step, checksum=state.checksum())
+        assert (await agent.handle(msg)) == [ack]  # a duplicate delivery gets the same ack
+    assert agent.train_state is not None and agent.train_state.step == 3
+    heartbeat = agent.heartbeat()
+    assert (heartbeat.step, heartbeat.job_id, heartbeat.state) == (3, cfg.job_id, "ready")
+
+
+async def test_agent_set_weights_resynchronises(int8_workload: Workload) -> None:
+    """SetWeights (chunked) installs a later state; evaluation then matches at its step."""
+    state = int8_workload.initial_state()
+    for step in range(2):
+        state = int8_workload.apply_update(state, step, [(1, 2.5), (3, -3.0)])
+    agent = await loaded_agent(int8_workload)
+    answers = await send_all(agent, weight_messages(int8_workload, state))
+    assert answers == [Loaded(resource="weights", job_id=job_config(int8_workload.spec).job_id,
+                              crc32=state.checksum(), size=len(weight_bytes(state)))]
+    assert agent.train_state is not None and agent.train_state.checksum() == state.checksum()
+    (result,) = await agent.handle(eval_request(int8_workload, 2, (4, 6)))
+    expected = int8_workload.perturbed_losses(state, 2, (4, 6))
+    assert isinstance(result, EvalResult) and list(result.loss_plus) == [expected.plus[4], expected.plus[6]]
+
+
+async def test_agent_validate_matches_workload(int8_workload: Workload) -> None:
+    """ValidateRequest returns the workload's loss sum and accuracy on the slice."""
+    agent = await loaded_agent(int8_workload)
+    cfg = job_config(int8_workload.spec)
+    (result,) = await agent.handle(ValidateRequest(job_id=cfg.job_id, step=0, start=10, count=100))
+    loss_sum, correct, count = int8_workload.validate(int8_workload.initial_state(), 10, 100)
+    assert isinstance(result, ValidateResult)
+    assert (result.loss_sum, result.correct, result.count) == (loss_sum, correct, count)
+
+
+async def test_agent_ping_and_reset(int8_workload: Workload) -> None:
+    """Ping gets a Heartbeat echoing the nonce; Reset drops the job and says Hello again."""
+    agent = await loaded_agent(int8_workload)
+    (beat,) = await agent.handle(Ping(nonce=1234))
+    assert isinstance(beat, Heartbeat) and beat.nonce == 1234
+    (hello,) = await agent.handle(Reset(scope="soft"))
+    assert isinstance(hello, Hello) and hello.model_hash == 0
+    assert hello.dataset_hash == dataset_hash64(int8_workload.dataset)  # soft keeps the data set
+    assert agent.state == "idle"
+    (hello,) = await agent.handle(Reset(scope="hard"))
+    assert isinstance(hello, Hello) and hello.dataset_hash == 0
+
+
+def error_of(answers: list[DataMessage]) -> Error:
+    """The single Error among the answers."""
+    assert len(answers) == 1 and isinstance(answers[0], Error), answers
+    return answers[0]
+
+
+async def test_agent_bad_bytes_get_typed_errors() -> None:
+    """Garbage, a future version and an unknown type code are refused by kind."""
+    agent = BoardAgent("vb-0", latency=LatencyProfile.off())
+    assert error_of(await agent.handle_bytes(b"\x00\x01garbage")).code == "malformed"
+    good = encode(Ping(nonce=1))
+    assert error_of(await agent.handle_bytes(good[:2] + b"\x09" + good[3:])).code == "unsupported_version"
+    assert error_of(await agent.handle_bytes(good[:3] + b"\x60" + good[4:])).code == "unknown_type"
+    assert error_of(await agent.handle_bytes(good + b"\x00")).code == "malformed"
+    (beat,) = await agent.handle_bytes(good)  # still serving
+    assert isinstance(beat, Heartbeat)
+
+
+async def test_agent_refuses_wrong_job_step_and_order(int8_workload: Workload) -> None:
+    """not_ready before loading, unknown_job, stale_step, and a board message sent to a board."""
+    fresh = BoardAgent("vb-0", latency=LatencyProfile.off())
+    assert error_of(await fresh.handle(eval_request(int8_workload, 0, (0,)))).code == "not_ready"
+    agent = await loaded_agent(int8_workload)
+    request = eval_request(int8_workload, 0, (0,))
+    wrong_job = request.model_copy(update={"job_id": request.job_id ^ 1})
+    assert error_of(await agent.handle(wrong_job)).code == "unknown_job"
+    stale = error_of(await agent.handle(request.model_copy(update={"step": 4})))
+    assert (stale.code, stale.step, stale.ref_type) == ("stale_step", 4, 0x45)
+    assert error_of(await agent.handle(request.model_copy(update={"batch_size": 3}))).code == "malformed"
+    assert error_of(await agent.handle(agent.hello())).code == "unknown_type"
+    assert await agent.handle(Error(code="internal", detail="daemon confused")) == []
+    assert isinstance((await agent.handle(request))[0], EvalResult)
+
+
+async def test_agent_refuses_bad_model_and_data(int8_workload: Workload) -> None:
+    """A model with a wrong CRC, an unknown data set and a wrong hash get typed errors."""
+    agent = BoardAgent("vb-0", latency=LatencyProfile.off(), datasets=DatasetCatalog(builtins=False))
+    blob = int8_workload.model_blob()
+    bad = LoadModel(total=len(blob), offset=0, crc32=zlib.crc32(blob) ^ 1, chunk=blob[:CHUNK])
+    answers = await agent.handle(bad)
+    assert answers == []  # an intermediate chunk
+    answers = await send_all(agent, [bad.model_copy(update={"offset": off, "chunk": part})
+                                     for off, part in chunks(blob)[1:]])
+    assert error_of(answers).code == "crc_mismatch"
+    select = load_messages(int8_workload)[-2]
+    assert error_of(await agent.handle(select)).code == "dataset_missing"
+    held = BoardAgent("vb-1", latency=LatencyProfile.off())
+    assert isinstance(select, SelectDataset)
+    wrong = select.model_copy(update={"dataset_hash": select.dataset_hash ^ 1})
+    assert error_of(await held.handle(wrong)).code == "dataset_missing"
+    corrupt = blob[:100] + bytes([blob[100] ^ 0xFF]) + blob[101:]
+    whole = LoadModel(total=len(corrupt), offset=0, crc32=zlib.crc32(corrupt), chunk=corrupt[:8192])
+    assert error_of(await held.handle(whole)).code == "model_invalid"
+
+
+async def test_agent_refuses_bad_weights(int8_workload: Workload) -> None:
+    """SetWeights with a wrong checksum or a wrong size is refused; the old state stays."""
+    agent = await loaded_agent(int8_workload)
+    state = int8_workload.initial_state()
+    msgs = weight_messages(int8_workload, state)
+    bad_crc = [m.model_copy(update={"checksum": m.checksum ^ 1}) for m in msgs]
+    assert error_of(await send_all(agent, bad_crc)).code == "crc_mismatch"
+    short = b"\x01" * 10
+    cfg = job_config(int8_workload.spec)
+    msg = SetWeights(total=10, offset=0, job_id=cfg.job_id, step=0, checksum=zlib.crc32(short), chunk=short)
+    assert error_of(await agent.handle(msg)).code == "malformed"
+    assert agent.train_state is not None and agent.train_state.checksum() == state.checksum()
+
+
+def test_blob_trainable_layers_follow_the_spec(fp32_workload: Workload) -> None:
+    """The blob's trainable flags name the spec's trainable layers."""
+    assert blob_trainable_layers(fp32_workload.model_blob()) == fp32_workload.trainable_layers
