@@ -403,3 +403,26 @@ async def test_serial_glob_finds_new_ports(tmp_path: Path) -> None:
     finally:
         for pty in ptys:
             pty.close()
+
+
+async def test_mqtt_daemon_state_retained(mqtt_broker: MosquittoBroker) -> None:
+    """The daemon's retained state says online (with its job) while up and offline after."""
+    import aiomqtt
+
+    from qsched.protocol.control import DaemonPresence
+
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+
+    async def retained_state() -> DaemonPresence:
+        async with aiomqtt.Client("127.0.0.1", mqtt_broker.port) as client:
+            await client.subscribe(topics.daemon_state(), qos=1)
+            message = await asyncio.wait_for(anext(aiter(client.messages)), 5)
+            assert message.retain
+            return DaemonPresence.model_validate_json(message.payload)  # type: ignore[arg-type]
+
+    async with MqttTransport(cfg, topics, version="0.1.0") as transport:
+        await transport.wait_connected(5)
+        await transport.publish_state("job-7")
+        state = await retained_state()
+        assert state.online and state.job == "job-7" and state.version == "0.1.0"
+    assert not (await retained_state()).online

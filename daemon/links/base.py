@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 __all__ = [
     "EVENT_QUEUE_SIZE",
@@ -144,8 +144,8 @@ _END = object()
 
 
 async def iterate_queue(
-    queue: asyncio.Queue[object], is_end: Callable[[object], bool] | None = None
-) -> AsyncIterator[object]:
+    queue: asyncio.Queue[Any], is_end: Callable[[Any], bool] | None = None
+) -> AsyncIterator[Any]:
     """Yield items from ``queue`` until the end marker arrives.
 
     Args:
@@ -162,7 +162,7 @@ async def iterate_queue(
         yield item
 
 
-def close_queue(queue: asyncio.Queue[object]) -> None:
+def close_queue(queue: asyncio.Queue[Any]) -> None:
     """Put the end marker on ``queue``, dropping the oldest item if it is full.
 
     The end marker must get through even when the consumer is slow: dropping a
@@ -194,7 +194,7 @@ class MultiTransport:
     async def __aenter__(self) -> Self:
         await self._stack.__aenter__()
         for transport in self.transports:
-            await self._stack.enter_async_context(transport)  # type: ignore[arg-type]
+            await self._stack.enter_async_context(transport)
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         for transport in self.transports:
             name = f"transport[{transport.name}].events"
@@ -216,5 +216,5 @@ class MultiTransport:
     async def events(self) -> AsyncIterator[LinkEvent]:
         """Events of all transports, interleaved as they happen."""
         async for event in iterate_queue(self._queue):
-            yield event  # type: ignore[misc]
+            yield event
 

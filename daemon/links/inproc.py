@@ -87,7 +87,7 @@ class InProcLink:
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the other end until the link closes."""
         async for item in iterate_queue(self._inbox):
-            yield item  # type: ignore[misc]
+            yield item
 
     async def close(self, reason: str = "closed") -> None:
         """Close both ends; the transport reports ``BoardGone(reason)``."""
@@ -156,4 +156,4 @@ class InProcTransport:
     async def events(self) -> AsyncIterator[LinkEvent]:
         """``BoardAppeared`` on attach, ``BoardGone`` on detach or close."""
         async for event in iterate_queue(self._events):
-            yield event  # type: ignore[misc]
+            yield event

@@ -84,7 +84,8 @@ def backoff_delays(minimum: float, maximum: float) -> Callable[[int], float]:
     """
 
     def delay(attempt: int) -> float:
-        return min(maximum, minimum * 2 ** min(attempt, 32)) * random.uniform(0.5, 1.0)
+        cap: float = min(maximum, minimum * 2.0 ** min(attempt, 32))
+        return cap * random.uniform(0.5, 1.0)
 
     return delay
 
@@ -308,7 +309,7 @@ class MqttBoardLink:
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the board's out topic until the board is gone."""
         async for item in iterate_queue(self._inbox):
-            yield item  # type: ignore[misc]
+            yield item
 
     def _mark_closed(self, reason: str) -> bool:
         if self._closed:
@@ -347,6 +348,7 @@ class MqttTransport:
     ) -> None:
         self.topics = topics
         self._version = version
+        self._job: str | None = None
         self._queue_size = queue_size
         self._events: asyncio.Queue[object] = asyncio.Queue(EVENT_QUEUE_SIZE)
         self._links: dict[str, MqttBoardLink] = {}
@@ -362,11 +364,24 @@ class MqttTransport:
         self._tasks: asyncio.TaskGroup | None = None
 
     def _presence(self, online: bool) -> bytes:
-        return DaemonPresence(online=online, version=self._version).model_dump_json().encode()
+        presence = DaemonPresence(online=online, version=self._version, job=self._job)
+        text: str = presence.model_dump_json()
+        return text.encode()
 
     async def _birth(self, client: aiomqtt.Client) -> None:
         rule = self.topics.rule("daemon_state")
         await client.publish(self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain)
+
+    async def publish_state(self, job: str | None) -> None:
+        """Update the daemon's retained state (``DaemonPresence``) with the current job.
+
+        Args:
+            job: the running job's name, or None when idle. Kept for the birth
+                message after a reconnect.
+        """
+        self._job = job
+        rule = self.topics.rule("daemon_state")
+        await self.connection.publish(self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain)
 
     async def send_to_board(self, board_id: str, payload: bytes) -> None:
         """Publish a data-plane message on the board's in topic, by the topic rule.
@@ -405,7 +420,7 @@ class MqttTransport:
     async def events(self) -> AsyncIterator[LinkEvent]:
         """``BoardAppeared`` on birth (or first message), ``BoardGone`` on Will or close."""
         async for event in iterate_queue(self._events):
-            yield event  # type: ignore[misc]
+            yield event
 
     async def _on_presence(self, message: aiomqtt.Message) -> None:
         parsed = self.topics.parse_board_topic(message.topic.value)
@@ -467,7 +482,7 @@ def _presence_online(payload: Any, board_id: str) -> bool | None:
     if presence.board_id != board_id:
         _log.warning("presence board id does not match its topic", board=board_id)
         return None
-    return presence.online
+    return bool(presence.online)
 
 
 async def _leave(conn: MqttConnection, topic: str, payload: bytes, kind: TopicKind, topics: TopicMap) -> None:
@@ -520,7 +535,8 @@ class MqttEndpoint:
 
     def _presence(self, online: bool) -> bytes:
         presence = BoardPresence(board_id=self.board_id, online=online, protocol_version=self._protocol_version)
-        return presence.model_dump_json().encode()
+        text: str = presence.model_dump_json()
+        return text.encode()
 
     async def _birth(self, client: aiomqtt.Client) -> None:
         rule = self.topics.rule("board_presence")
@@ -569,7 +585,7 @@ class MqttEndpoint:
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the daemon until the endpoint is closed."""
         async for item in iterate_queue(self._inbox):
-            yield item  # type: ignore[misc]
+            yield item
 
     async def close(self) -> None:
         """Say offline (retained), disconnect, end ``incoming`` (idempotent)."""

@@ -28,7 +28,7 @@ import contextlib
 import errno
 import glob
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -131,13 +131,18 @@ class FdStream:
             except BlockingIOError:
                 await self._wait(loop.add_writer, loop.remove_writer)
 
-    async def _wait(self, add: object, remove: object) -> None:
-        ready = asyncio.get_running_loop().create_future()
-        add(self._fd, lambda: ready.done() or ready.set_result(None))  # type: ignore[operator]
+    async def _wait(self, add: Callable[..., None], remove: Callable[[int], object]) -> None:
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        add(self._fd, wake)
         try:
             await ready
         finally:
-            remove(self._fd)  # type: ignore[operator]
+            remove(self._fd)
 
     async def close(self) -> None:
         """Close the descriptor."""
@@ -314,7 +319,7 @@ class SerialLink:
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the peer, in order; ends when the link is gone."""
         async for item in iterate_queue(self._inbox):
-            yield item  # type: ignore[misc]
+            yield item
 
     async def _read_loop(self) -> None:
         reader = FrameReader()
@@ -475,7 +480,7 @@ class SerialTransport:
     async def events(self) -> AsyncIterator[LinkEvent]:
         """``BoardAppeared`` when a port opens, ``BoardGone("unplugged")`` when it drops."""
         async for event in iterate_queue(self._events):
-            yield event  # type: ignore[misc]
+            yield event
 
     async def _watch(self, device: str) -> None:
         board_id = f"serial:{device}"
