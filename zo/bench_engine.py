@@ -1,0 +1,239 @@
+"""``qsched bench engine``: perturbed INT8 forward passes per second, engine vs LiteRT.
+
+One ZO step evaluates the same batch under ``2q`` perturbed weight sets. Both sides get
+the same quantised model, batch and ``2q`` weight sets (``w ± eps z_k``, saturating to
+``[-127, 127]``, ``z_k`` from the job PRNG), built before timing:
+
+- the engine evaluates all ``2q`` sets in one ``run_int8_perturbed`` call (TFLite
+  reference-kernel semantics in numpy);
+- LiteRT runs the model exported with its weights as graph inputs, with the default
+  (optimised) op resolver: per perturbation, ``set_tensor`` of every weight, ``invoke``
+  and a copy of the logits. A constant-weight model would need a new interpreter per
+  weight set, which is slower still, so this is the fair comparison.
+
+Wall time is the best of a few repetitions, both measured in one run. The floor the
+engine must meet is a ratio engine/LiteRT of at least 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from qsched.zo import prng
+from qsched.zo.engine import run_int8_perturbed
+from qsched.zo.graph import QuantModel
+from qsched.zo.quantize import quantize_input, quantize_model
+from qsched.zo.tflite_io import export_tflite, weight_tensor_name
+from qsched.zo.zoo import build_model, model_summary
+
+__all__ = ["BenchResult", "bench_model", "main"]
+
+I8 = npt.NDArray[np.int8]
+# name -> (zoo model, input shape, options): the small CNN and a MobileNetV2-style net.
+MODELS: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {
+    "cnn": ("cnn", (8, 8, 1), {}),
+    "mobilenetv2": ("mobilenetv2", (32, 32, 3), {"stages": 4, "max_repeats": 2,
+                                                   "last_channels": 128}),
+}
+FLOOR = 1.0
+# Stop repeating once one side has spent this long (keeps the command under 2 minutes).
+_SIDE_BUDGET_S = 20.0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One model's measurement; rates are perturbed forward passes (of ``batch`` samples) per second."""
+
+    model: str
+    trainable: str
+    params: int
+    macs: int
+    q: int
+    batch: int
+    engine_s: float
+    litert_s: float
+    engine_rate: float
+    litert_rate: float
+    ratio: float
+    max_abs_diff: int
+
+
+def _weight_sets(qm: QuantModel, names: list[str], q: int, eps: int, seed: int) -> dict[str, I8]:
+    """``2q`` perturbed copies (+z_k, -z_k for k < q) of the named int8 weights, stacked."""
+    sizes = [qm.layers[n].weight.size for n in names]
+    flat = np.concatenate([qm.layers[n].weight.ravel() for n in names]).astype(np.int16)
+    copies = []
+    for k in range(q):
+        z = prng.rademacher(seed, 0, k, flat.size).astype(np.int16)
+        copies += [flat + eps * z, flat - eps * z]
+    stacked = np.clip(np.stack(copies), -127, 127).astype(np.int8)
+    out, start = {}, 0
+    for name, size in zip(names, sizes, strict=True):
+        shape = qm.layers[name].weight.shape
+        out[name] = np.ascontiguousarray(stacked[:, start:start + size].reshape(-1, *shape))
+        start += size
+    return out
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Best wall time of ``repeats`` calls (fewer when one call exceeds the budget)."""
+    best, result, spent = float("inf"), None, 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - t0
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent + elapsed > _SIDE_BUDGET_S:
+            break
+    return best, result
+
+
+def _litert_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int) -> Callable[[], I8]:
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    data = export_tflite(qm, batch=x.shape[0], weights_as_inputs=True)
+    it = Interpreter(model_content=data, num_threads=threads,
+                     experimental_op_resolver_type=OpResolverType.AUTO)
+    it.allocate_tensors()
+    index = {d["name"]: d["index"] for d in it.get_input_details()}
+    it.set_tensor(index[qm.model.input_name], x)
+    for name, layer in qm.layers.items():  # frozen layers: set once
+        it.set_tensor(index[weight_tensor_name(name)], layer.weight)
+    feeds = [(index[weight_tensor_name(n)], w) for n, w in sets.items()]
+    out = it.get_output_details()[0]["index"]
+    count = next(iter(sets.values())).shape[0]
+
+    def run() -> I8:
+        logits = []
+        for p in range(count):
+            for i, w in feeds:
+                it.set_tensor(i, w[p])
+            it.invoke()
+            logits.append(it.get_tensor(out).copy())
+        return np.stack(logits)
+
+    return run
+
+
+def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, threads: int = 1,
+                seed: int = 0, trainable: str = "all") -> BenchResult:
+    """Time one model's ``2q`` perturbed passes on the engine and on LiteRT.
+
+    Args:
+        key: a key of ``MODELS``.
+        q: perturbations per step (``2q`` forward passes).
+        batch: samples per forward pass.
+        repeats: timing repetitions per side (the best counts).
+        threads: LiteRT interpreter threads.
+        seed: seeds the calibration data, the batch and the perturbations.
+        trainable: ``"all"`` layers perturbed, or ``"head"`` (the last layer only, the
+            transfer-learning setting, where the engine runs the frozen prefix once).
+
+    Returns:
+        The measurement.
+    """
+    name, shape, options = MODELS[key]
+    model = build_model(name, input_shape=shape, seed=seed, **options)
+    rng = np.random.default_rng(seed)
+    qm = quantize_model(model, rng.normal(size=(64, *shape)).astype(np.float32))
+    x = quantize_input(qm, rng.normal(size=(batch, *shape)).astype(np.float32))
+    names = [n.name for n in model.param_nodes()]
+    sets = _weight_sets(qm, names if trainable == "all" else names[-1:], q, eps=1, seed=seed)
+    engine_s, ours = _best(lambda: run_int8_perturbed(qm, x, sets), repeats)
+    litert_s, theirs = _best(_litert_runner(qm, x, sets, threads), repeats)
+    params, macs = model_summary(model)
+    passes = 2 * q
+    return BenchResult(
+        model=key, trainable=trainable, params=params, macs=macs, q=q, batch=batch, engine_s=engine_s,
+        litert_s=litert_s, engine_rate=passes / engine_s, litert_rate=passes / litert_s,
+        ratio=litert_s / engine_s,
+        max_abs_diff=int(np.abs(ours.astype(np.int16) - theirs.astype(np.int16)).max()))
+
+
+def _table(results: Sequence[BenchResult]) -> str:
+    head = ("model", "perturbed", "params", "MACs/sample", "engine pass/s", "LiteRT pass/s",
+            "engine step ms", "LiteRT step ms", "ratio", "max|diff|")
+    rows = [head] + [
+        (r.model, r.trainable, f"{r.params:,}", f"{r.macs:,}", f"{r.engine_rate:.1f}", f"{r.litert_rate:.1f}",
+         f"{1e3 * r.engine_s:.1f}", f"{1e3 * r.litert_s:.1f}", f"{r.ratio:.2f}",
+         str(r.max_abs_diff))
+        for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qsched bench engine", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated, from {sorted(MODELS)} (default: all)")
+    p.add_argument("--q", type=int, default=16, help="perturbations per step; 2q passes")
+    p.add_argument("--batch", type=int, default=32, help="samples per forward pass")
+    p.add_argument("--repeats", type=int, default=3, help="timing repetitions (best counts)")
+    p.add_argument("--threads", type=int, default=1, help="LiteRT interpreter threads")
+    p.add_argument("--trainable", default="all,head",
+                   help="comma-separated: all (every layer perturbed), head (last layer only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--check", action="store_true",
+                   help=f"exit with status 1 when a ratio is below the floor ({FLOOR})")
+    return p
+
+
+def _header(args: argparse.Namespace) -> str:
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    return "\n".join([
+        f"INT8 perturbed forward passes: q={args.q} ({2 * args.q} passes per step), "
+        f"batch {args.batch}, best of {args.repeats}",
+        "engine: qsched run_int8_perturbed, TFLite reference-kernel semantics "
+        f"(numpy {np.__version__}, BLAS threads: {blas})",
+        f"LiteRT: ai-edge-litert {metadata.version('ai-edge-litert')} Interpreter, default "
+        f"(optimised) op resolver, {args.threads} thread(s), weights as graph inputs, "
+        "set_tensor per perturbation",
+        "ratio = engine pass/s / LiteRT pass/s; max|diff| = logits, engine vs optimised "
+        "LiteRT (only the reference resolver is bit-exact)",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print a table.
+
+    Args:
+        argv: command-line arguments after ``qsched bench engine``.
+
+    Returns:
+        0, or 1 with ``--check`` when the engine is slower than LiteRT on a model; 2 on
+        bad arguments.
+    """
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    keys = [k.strip() for k in args.models.split(",") if k.strip()]
+    modes = [m.strip() for m in args.trainable.split(",") if m.strip()]
+    unknown = [k for k in keys if k not in MODELS] + [m for m in modes if m not in ("all", "head")]
+    if unknown or args.q < 1 or args.batch < 1 or args.repeats < 1 or args.threads < 1:
+        print(f"bad arguments: unknown models or modes {unknown}" if unknown else
+              "bad arguments: q, batch, repeats and threads must be positive", file=sys.stderr)
+        return 2
+    print(_header(args), flush=True)
+    results = [bench_model(k, args.q, args.batch, args.repeats, args.threads, args.seed, m)
+               for k in keys for m in modes]
+    print(_table(results))
+    below = [f"{r.model}/{r.trainable}" for r in results if r.ratio < FLOOR]
+    print(f"floor (ratio >= {FLOOR}): " + ("met" if not below else f"NOT met for {below}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 1 if args.check and below else 0
