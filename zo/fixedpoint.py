@@ -90,24 +90,31 @@ def quantize_multiplier(real: npt.ArrayLike) -> tuple[I64, I64]:
 
 
 def saturating_rounding_doubling_high_mul(a: IntLike, b: IntLike) -> I64:
-    """gemmlowp's SaturatingRoundingDoublingHighMul: round(a * b / 2^31), saturated.
+    """gemmlowp's SaturatingRoundingDoublingHighMul: ``a * b / 2^31`` rounded, saturated.
 
-    The only overflow, INT32_MIN * INT32_MIN, saturates to INT32_MAX. The division
-    truncates toward zero after a nudge of +-2^30, as the C code does.
+    The C code adds a nudge (``2^30``, or ``1 - 2^30`` for a negative product) and
+    divides truncating toward zero. For a negative product ``v = ab + 1 - 2^30`` is
+    negative and ``trunc(v / 2^31) = floor((v + 2^31 - 1) / 2^31)``, which is
+    ``floor((ab + 2^30) / 2^31)`` — the same expression as for a non-negative product.
+    So one add and one arithmetic shift do it. The only overflow, INT32_MIN * INT32_MIN,
+    is the only case above INT32_MAX, and saturates there.
     """
-    a64 = np.asarray(a, dtype=np.int64)
     b64 = np.asarray(b, dtype=np.int64)
-    ab = a64 * b64  # |ab| <= 2^62
-    nudge = np.where(ab >= 0, 1 << 30, 1 - (1 << 30))
-    v = ab + nudge
-    # C integer division truncates toward zero; >> floors, so negate around it.
-    high = np.where(v >= 0, v >> 31, -((-v) >> 31))
-    overflow = (a64 == INT32_MIN) & (b64 == INT32_MIN)
-    return np.where(overflow, INT32_MAX, high).astype(np.int64)
+    ab = np.asarray(a, dtype=np.int64) * b64  # |ab| <= 2^62
+    ab += 1 << 30
+    ab >>= 31
+    if np.any(b64 == INT32_MIN):
+        ab = np.minimum(ab, INT32_MAX)
+    return np.asarray(ab, dtype=np.int64)
 
 
 def rounding_divide_by_pot(x: IntLike, exponent: IntLike) -> I64:
     """gemmlowp's RoundingDivideByPOT: x / 2^exponent, rounding half away from zero.
+
+    The C form is ``(x >> e) + (remainder > threshold)`` with ``threshold = half - 1``
+    for negative x. Equivalently ``(x + half - [x < 0]) >> e`` for ``e >= 1`` (halves
+    of negative values land on ``-half - 1`` and floor away from zero), where
+    ``-[x < 0]`` is the sign word ``x >> 63``; ``e = 0`` is the identity.
 
     Args:
         x: int32 values.
@@ -117,10 +124,15 @@ def rounding_divide_by_pot(x: IntLike, exponent: IntLike) -> I64:
     e = np.asarray(exponent, dtype=np.int64)
     if np.any(e < 0) or np.any(e > 31):
         raise ValueError("rounding_divide_by_pot exponent must be in [0, 31]")
-    mask = (np.int64(1) << e) - 1
-    remainder = x64 & mask
-    threshold = (mask >> 1) + (x64 < 0)
-    return (x64 >> e) + (remainder > threshold)
+    if np.all(e == 0):
+        return x64.copy()
+    out = x64 >> 63
+    if not np.all(e > 0):
+        out *= e > 0  # no correction where the shift is 0
+    out += x64
+    out += (np.int64(1) << e) >> 1
+    out >>= e
+    return out
 
 
 def multiply_by_quantized_multiplier(
@@ -149,8 +161,8 @@ def multiply_by_quantized_multiplier(
         total = 31 - s
         rounded = (x64 * m + (np.int64(1) << (total - 1))) >> total
         return np.asarray(rounded, dtype=np.int64)
-    left = np.maximum(s, 0)
     right = np.maximum(-s, 0)
-    # The C code shifts in int32; a left shift only happens for multipliers > 1.
-    shifted = wrap_int32(x64 << left)
-    return rounding_divide_by_pot(saturating_rounding_doubling_high_mul(shifted, m), right)
+    if np.any(s > 0):
+        # The C code shifts in int32; a left shift only happens for multipliers > 1.
+        x64 = wrap_int32(x64 << np.maximum(s, 0))
+    return rounding_divide_by_pot(saturating_rounding_doubling_high_mul(x64, m), right)
