@@ -257,3 +257,11 @@ def test_tflite_export_missing_qparams() -> None:
     del qm.layers["fc1"]
     with pytest.raises(TFLiteError, match=r"'fc1'.*quantise"):
         export_tflite(qm)
+
+
+def test_tflite_export_pool_requires_same_qparams() -> None:
+    """A pool or reshape whose output quantisation differs from its input's is refused."""
+    qm = _quantise_randomly(_every_op_model(), seed=13)
+    qm.tensors["maxpool"] = TensorQuant(qm.tensors["relu6"].scale * 2, 0)
+    with pytest.raises(TFLiteError, match="'maxpool'"):
+        export_tflite(qm)

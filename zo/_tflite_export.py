@@ -143,6 +143,20 @@ def _layer(qm: QuantModel, node: str) -> QuantizedLayer:
         raise TFLiteError(f"layer {node!r}: no int8 weights (quantise the model first)") from None
 
 
+def _same_qparams(qm: QuantModel, node: Node) -> TensorQuant:
+    """Output qparams of an op that moves int8 values without rescaling them.
+
+    TFLite's int8 pooling and RESHAPE kernels read the input's scale and zero point and
+    ignore the output's; a file with different ones would not mean what the graph means.
+    """
+    a, b = _qparams(qm, node.inputs[0], node.name), _qparams(qm, node.output, node.name)
+    if np.float32(a.scale) != np.float32(b.scale) or a.zero_point != b.zero_point:
+        raise TFLiteError(f"layer {node.name!r}: int8 {type(node).__name__} needs its input's "
+                          f"quantisation on its output ({a.scale}, {a.zero_point}) != "
+                          f"({b.scale}, {b.zero_point})")
+    return b
+
+
 def _input_shape(w: _Writer, node: Node, rank: int) -> Shape:
     name = node.inputs[0]
     if name not in w.shapes:
@@ -259,7 +273,7 @@ def _pool(w: _Writer, qm: QuantModel, node: AvgPool | MaxPool) -> None:
     n, h, wd, c = _input_shape(w, node, 4)
     (ph, pw), (sh, sw) = node.pool, node.stride
     shape = (n, _out_size(h, ph, sh, node.padding), _out_size(wd, pw, sw, node.padding), c)
-    oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
+    oi = w.activation(node.output, shape, _same_qparams(qm, node))
     code = _OP.AVERAGE_POOL_2D if isinstance(node, AvgPool) else _OP.MAX_POOL_2D
     _pool_op(w, code, node.inputs[0], oi, node.pool, node.stride, node.padding)
 
@@ -275,7 +289,7 @@ def _reshape_op(w: _Writer, node: str, src: str, out: int, shape: Shape) -> None
 
 def _global_pool(w: _Writer, qm: QuantModel, node: GlobalAvgPool) -> None:
     n, h, wd, c = _input_shape(w, node, 4)
-    tq = _qparams(qm, node.output, node.name)
+    tq = _same_qparams(qm, node)
     pooled = f"{node.name}/pool"
     pi = w.activation(pooled, (n, 1, 1, c), tq)
     _pool_op(w, _OP.AVERAGE_POOL_2D, node.inputs[0], pi, (h, wd), (1, 1), "valid")
@@ -287,7 +301,7 @@ def _reshape(w: _Writer, qm: QuantModel, node: Reshape) -> None:
     src = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     if int(np.prod(src[1:])) != int(np.prod(node.shape)):
         raise TFLiteError(f"layer {node.name!r}: cannot reshape {src[1:]} to {node.shape}")
-    oi = w.activation(node.output, (src[0], *node.shape), _qparams(qm, node.output, node.name))
+    oi = w.activation(node.output, (src[0], *node.shape), _same_qparams(qm, node))
     _reshape_op(w, node.name, node.inputs[0], oi, node.shape)
 
 
