@@ -48,6 +48,7 @@ from qsched.zo.graph import (
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "ROUNDING_BY_OP",
     "SINGLE_ROUNDING",
     "Activations",
     "bench_engine",
@@ -62,14 +63,16 @@ __all__ = [
 
 # Requantisation rounding per kernel (``fixedpoint.multiply_by_quantized_multiplier``),
 # measured against LiteRT's interpreter with the reference op resolver (ai-edge-litert
-# 2.3, per-op isolation on random models): CONV_2D and DEPTHWISE_CONV_2D use the
-# reference double rounding, FULLY_CONNECTED (per-channel int8) rounds once,
-# ``(x * m + 2^(30 - s)) >> (31 - s)``. ADD and RELU gave the same bits under both on
-# every case tried; they keep the reference's double rounding.
-SINGLE_ROUNDING: Final[dict[str, bool]] = {
+# 2.3, per-op isolation on random models and on hand-made tie cases): CONV_2D,
+# DEPTHWISE_CONV_2D and ADD use the reference double rounding; FULLY_CONNECTED
+# (per-channel int8) rounds once, ``(x * m + 2^(30 - s)) >> (31 - s)``. RELU cannot tell
+# the two apart (its ties fall below the clamp) and keeps the double rounding.
+# ``SINGLE_ROUNDING`` is what the model blob's flag carries: FULLY_CONNECTED's variant.
+SINGLE_ROUNDING: Final = True
+ROUNDING_BY_OP: Final[dict[str, bool]] = {
     "conv2d": False,
     "depthwise_conv2d": False,
-    "dense": True,
+    "dense": SINGLE_ROUNDING,
     "add": False,
     "relu": False,
 }
@@ -290,7 +293,7 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
     x = env[node.inputs[0]]
     assert ctx.stages is not None
     stage = ctx.stages.get(node.name)
-    sr = SINGLE_ROUNDING
+    sr = ROUNDING_BY_OP
     y: Array
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
