@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["JobSpec", "PolicySpec"]
+__all__ = ["FP32_DEFAULTS", "JobSpec", "PolicySpec"]
+
+# Defaults of an FP32 job for the fields whose unit depends on the numerics.
+FP32_DEFAULTS: dict[str, float] = {"lr": 0.01, "eps": 0.001}
 
 _LAST_N = re.compile(r"^last:([1-9][0-9]*)$")
 
@@ -40,16 +43,21 @@ class JobSpec(_Frozen):
     )
     estimator: Literal["two_sided", "one_sided"] = "two_sided"
     seed: int = Field(default=0, ge=0, lt=2**64)
-    steps: int = Field(default=600, gt=0, lt=2**32)
+    steps: int = Field(default=1000, gt=0, lt=2**32)
     batch_size: int = Field(default=64, ge=1, le=4096)
-    lr: float = Field(default=0.5, gt=0, description="learning rate; INT8: in int8 steps per unit gradient")
-    eps: float = Field(default=1.0, gt=0, description="perturbation size; INT8: whole int8 steps")
+    lr: float = Field(
+        default=3000.0, gt=0,
+        description="learning rate; INT8: in int8 steps per unit gradient (default 3000; FP32 default 0.01)",
+    )
+    eps: float = Field(
+        default=1.0, gt=0, description="perturbation size; INT8: whole int8 steps (default 1; FP32 default 0.001)"
+    )
     trainable: Literal["all"] | str | list[str] = Field(
         default="all", description="'all', 'last:N' (last N parametrised layers) or a list of layer names"
     )
     backbone: str | None = Field(default=None, description="pretrained model file to start from (.tflite or .npz)")
     policy: PolicySpec = Field(default_factory=PolicySpec)
-    eval_every: int = Field(default=25, gt=0)
+    eval_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
 
     @field_validator("trainable")
@@ -62,6 +70,15 @@ class JobSpec(_Frozen):
         if value != "all" and not _LAST_N.match(value):
             raise ValueError(f"trainable must be 'all', 'last:N' or a list of layer names, got {value!r}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numerics_defaults(cls, data: Any) -> Any:
+        # lr and eps are in int8 steps in INT8 mode and in real units in FP32 mode, so
+        # an FP32 job that leaves them out gets FP32-sized defaults.
+        if isinstance(data, dict) and data.get("numerics") == "fp32":
+            data = {**FP32_DEFAULTS, **data}
+        return data
 
     @model_validator(mode="after")
     def _check_int8_eps(self) -> JobSpec:

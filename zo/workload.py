@@ -26,7 +26,7 @@ import numpy.typing as npt
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
 from qsched.zo.graph import Model, QuantizedLayer, QuantModel
-from qsched.zo.quantize import dequantize_weights, quantize_input, quantize_model
+from qsched.zo.quantize import asymmetric_params, dequantize_weights, quantize_input, quantize_model
 from qsched.zo.spec import JobSpec
 from qsched.zo.spsa import LossPairs
 from qsched.zo.zoo import build_model
@@ -34,16 +34,21 @@ from qsched.zo.zoo import build_model
 __all__ = [
     "CALIBRATION_SAMPLES",
     "DOMAIN_CALIBRATION",
+    "LOGIT_RANGE",
     "StateError",
     "TrainState",
     "Workload",
     "WorkloadError",
+    "calibration_indices",
     "resolve_trainable",
+    "widen_logits",
 ]
 
 # Philox domain (counter word 3) of the PTQ calibration subset; 0 and 1 are the protocol's.
 DOMAIN_CALIBRATION: Final = 2
 CALIBRATION_SAMPLES: Final = 512
+# Smallest real half-range of the int8 logits (see widen_logits).
+LOGIT_RANGE: Final = 8.0
 # Perturbed weight sets evaluated per engine call are capped so that sets x parameters
 # stays near this many elements (memory), whatever q and the model are.
 _MAX_SET_ELEMENTS: Final = 1 << 24
@@ -262,7 +267,8 @@ class Workload:
             if isinstance(backbone, QuantModel):
                 qmodel = backbone
             else:
-                qmodel = quantize_model(model, dataset.x_train[calibration_indices(spec.seed, len(dataset.x_train))])
+                calibration = dataset.x_train[calibration_indices(spec.seed, len(dataset.x_train))]
+                qmodel = widen_logits(quantize_model(model, calibration))
         return cls(spec, model, qmodel, dataset, resolve_trainable(model, spec.trainable))
 
     def _layout(self) -> list[_Segment]:
@@ -339,10 +345,10 @@ class Workload:
         if len(set(keys)) != len(keys):
             raise ValueError(f"repeated perturbation index in {keys}")
         eps = self.spec.eps
+        signs = (1, -1) if self.spec.estimator == "two_sided" else (1,)
         sets: list[npt.NDArray[np.float32] | npt.NDArray[np.int8]] = []
         for k in keys:
-            for sign in (1, -1) if self.spec.estimator == "two_sided" else (1,):
-                sets.append(self._perturb(state.params, step, k, eps, sign))
+            sets.extend(self._perturb(state.params, step, k, eps, signs))
         if self.spec.estimator == "one_sided":
             sets.append(state.params)
         idx = self.batch(step)
@@ -367,11 +373,28 @@ class Workload:
         return self._train_prefix.take(idx)
 
     def _perturb(
-        self, params: npt.NDArray[np.float32] | npt.NDArray[np.int8], step: int, k: int, eps: float, sign: int
-    ) -> npt.NDArray[np.float32] | npt.NDArray[np.int8]:
+        self,
+        params: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        step: int,
+        k: int,
+        eps: float,
+        signs: Sequence[int],
+    ) -> list[npt.NDArray[np.float32] | npt.NDArray[np.int8]]:
+        """params + sign * eps * z_k for each sign, z_k drawn once (as update.perturb_*)."""
+        negative = prng.rademacher_bits(self.spec.seed, step, k, self.num_params)
+        out: list[npt.NDArray[np.float32] | npt.NDArray[np.int8]] = []
         if self.int8:
-            return update.perturb_int8(params.astype(np.int8), self.spec.seed, step, k, int(eps), sign)
-        return update.perturb_fp32(params.astype(np.float32), self.spec.seed, step, k, eps, sign)
+            wide = params.astype(np.int32)
+            z = np.where(negative, -int(eps), int(eps)).astype(np.int32)
+            for sign in signs:
+                moved = wide + z if sign > 0 else wide - z
+                out.append(np.clip(moved, -update.INT8_WEIGHT_MAX, update.INT8_WEIGHT_MAX).astype(np.int8))
+            return out
+        theta = params.astype(np.float32)
+        for sign in signs:
+            step_size = np.float32(eps) * np.float32(sign)
+            out.append((theta + np.where(negative, -step_size, step_size)).astype(np.float32))
+        return out
 
     def apply_update(self, state: TrainState, step: int, pairs: Sequence[tuple[int, float]]) -> TrainState:
         """Apply the step's update pairs (SPEC section 4); returns a new state at step + 1.
@@ -522,6 +545,30 @@ class Workload:
         from qsched.zo.blob import encode_blob
 
         return encode_blob(self)
+
+
+def widen_logits(qmodel: QuantModel, logit_range: float = LOGIT_RANGE) -> QuantModel:
+    """Widen the output tensor's range to at least [-logit_range, logit_range].
+
+    Scales stay fixed while training, and a randomly initialised model's logits span a
+    small range; calibrated as they are, the int8 logits would saturate as soon as
+    training grows the class margins. The output's parameters enter no bias (a bias
+    scale is input scale x weight scale), so only the last requantisation changes.
+
+    Args:
+        qmodel: a freshly quantised model.
+        logit_range: the smallest half-range of the logits, in real units.
+
+    Returns:
+        A QuantModel sharing the layers, with the output's TensorQuant replaced.
+    """
+    name = qmodel.model.output_name
+    old = qmodel.tensors[name]
+    lo = min(old.scale * (-128 - old.zero_point), -logit_range)
+    hi = max(old.scale * (127 - old.zero_point), logit_range)
+    tensors = dict(qmodel.tensors)
+    tensors[name] = asymmetric_params(lo, hi)
+    return QuantModel(model=qmodel.model, tensors=tensors, layers=qmodel.layers)
 
 
 def calibration_indices(seed: int, dataset_size: int, count: int = CALIBRATION_SAMPLES) -> npt.NDArray[np.int64]:

@@ -1,0 +1,154 @@
+"""Single-process ZO training: the fleet's step, run in one process.
+
+Each step is exactly what the daemon and its boards do together (``workload.py``): the
+policy's q, the step's minibatch, the losses of perturbations k = 0..q-1, the SPSA
+coefficients, the update, and every ``eval_every`` steps a validation. Used by the
+experiment runner, by tests, and as the reference a fleet run must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
+from qsched.zo.spec import JobSpec
+from qsched.zo.spsa import LossPairs, coefficients, forward_passes, projected_gradients
+from qsched.zo.workload import TrainState, Workload
+
+__all__ = ["EvalRecord", "StepRecord", "TrainResult", "policy_context", "train_loss", "train_zo"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step: its q, training loss and the cumulative forward passes."""
+
+    step: int
+    q: int
+    train_loss: float
+    forward_passes: int
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One validation, after step ``step``."""
+
+    step: int
+    val_loss: float
+    val_accuracy: float
+    forward_passes: int
+
+
+@dataclass
+class TrainResult:
+    """Where a run stands: the state, the policy's saved state and the history.
+
+    Pass it back as ``train_zo(..., resume=result)`` to continue the run.
+    """
+
+    spec: JobSpec
+    state: TrainState
+    policy_state: dict[str, Any]
+    steps: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalRecord] = field(default_factory=list)
+    forward_passes: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def final_accuracy(self) -> float:
+        """Validation accuracy of the last validation (NaN if none ran)."""
+        return self.evals[-1].val_accuracy if self.evals else float("nan")
+
+    @property
+    def done(self) -> bool:
+        """True once all the spec's steps ran."""
+        return self.state.step >= self.spec.steps
+
+
+def policy_context(spec: JobSpec, workload: Workload) -> PolicyContext:
+    """The facts a q policy is given about a job."""
+    return PolicyContext(
+        total_steps=spec.steps,
+        steps_per_epoch=len(workload.dataset.x_train) / spec.batch_size,
+        eval_every=spec.eval_every,
+    )
+
+
+def train_loss(losses: LossPairs) -> float:
+    """The step's training loss: mean over k of (L+ + L-) / 2, or L0 one-sided."""
+    if losses.base is not None:
+        return float(losses.base)
+    ks = losses.ks
+    return float(sum((losses.plus[k] + losses.minus[k]) / 2.0 for k in ks) / len(ks))
+
+
+def train_zo(
+    spec: JobSpec,
+    policy: QPolicy | None = None,
+    on_step: Callable[[StepRecord, EvalRecord | None], None] | None = None,
+    *,
+    workload: Workload | None = None,
+    resume: TrainResult | None = None,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Train with ZO steps in this process.
+
+    Args:
+        spec: the job.
+        policy: the q policy (default: built from ``spec.policy``); with ``resume`` its
+            state is restored from the result.
+        on_step: called after every step with its record and the validation that
+            followed it (or None).
+        workload: a prebuilt workload for ``spec`` (saves the construction).
+        resume: a previous result of the same spec to continue from.
+        stop_at: stop before this step (default: ``spec.steps``).
+
+    Returns:
+        The result: final state, policy state, per-step and per-validation history.
+    """
+    wl = workload if workload is not None else Workload.from_spec(spec)
+    qpolicy = policy if policy is not None else create_policy(spec.policy, policy_context(spec, wl))
+    if resume is not None:
+        if resume.spec != spec:
+            raise ValueError("resume: the result belongs to another job spec")
+        qpolicy.load_state_dict(resume.policy_state)
+        result = TrainResult(
+            spec, resume.state.copy(), dict(resume.policy_state), list(resume.steps), list(resume.evals),
+            resume.forward_passes, resume.wall_s,
+        )
+    else:
+        result = TrainResult(spec, wl.initial_state(), qpolicy.state_dict())
+    end = spec.steps if stop_at is None else min(stop_at, spec.steps)
+    started = time.perf_counter()
+    while result.state.step < end:
+        record, evaluation = _one_step(wl, qpolicy, result)
+        if on_step is not None:
+            on_step(record, evaluation)
+    result.policy_state = qpolicy.state_dict()
+    result.wall_s += time.perf_counter() - started
+    return result
+
+
+def _one_step(wl: Workload, policy: QPolicy, result: TrainResult) -> tuple[StepRecord, EvalRecord | None]:
+    spec, step, q = wl.spec, result.state.step, policy.q
+    ks = range(q)
+    losses = wl.perturbed_losses(result.state, step, ks)
+    pairs = coefficients(losses, spec.lr, spec.eps, q, spec.estimator)
+    grads = projected_gradients(losses, spec.eps, spec.estimator)
+    result.state = wl.apply_update(result.state, step, pairs)
+    result.forward_passes += forward_passes(q, spec.estimator)
+    loss = train_loss(losses)
+    record = StepRecord(step, q, loss, result.forward_passes)
+    result.steps.append(record)
+    policy.on_step(StepReport(step, q, loss, np.array([grads[k] for k in ks]), result.forward_passes))
+    evaluation = None
+    if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
+        loss_sum, correct, n = wl.validate(result.state)
+        evaluation = EvalRecord(step, loss_sum / n, correct / n, result.forward_passes)
+        result.evals.append(evaluation)
+        policy.on_eval(EvalReport(step, evaluation.val_loss, evaluation.val_accuracy))
+    return record, evaluation
