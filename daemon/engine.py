@@ -1,0 +1,909 @@
+"""The step engine: one job's ZO steps, sharded across the fleet.
+
+One step ``t`` (DESIGN.md, "One training step, as data"):
+
+1. the policy says ``q``; boards that joined, reconnected or failed are brought to step
+   ``t`` first (job config, data set, model, then ``SetWeights``);
+2. the keys ``0..q-1`` are split across ready boards in proportion to their measured
+   throughput (``planner.plan_shards``), one ``EvalRequest`` each; with two or more boards
+   one key of every shard is also evaluated by the next board (an audit);
+3. answers later than the deadline, lost with their board, or refused are reassigned to
+   other boards; two answers for the same key must agree bit for bit — when they do not,
+   the daemon evaluates the key itself and every board that disagrees with it is marked
+   faulty, its answers of this step dropped and its keys reassigned;
+4. the SPSA coefficients are computed once, the daemon applies the update to its own
+   copy and sends ``ApplyUpdate`` to every board at step ``t``; a board whose checksum
+   differs is resynchronised (full weights) before it gets work again;
+5. every ``eval_every`` steps validation runs data-parallel on the boards
+   (``ValidateRequest`` slices) or, with no board, in the daemon; the policy hears about
+   the step and the validation; metrics, events and checkpoints follow.
+
+The engine computes exactly what ``qsched.zo.trainer.train_zo`` computes, so a fleet run
+ends with the same weights as the single-process reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final, Literal
+
+import numpy as np
+import structlog
+
+from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet, FleetEvent
+from qsched.daemon.planner import plan_shards, split_proportional
+from qsched.daemon.state import Checkpoint, JobDir
+from qsched.policies import EvalReport, StepReport, create_policy
+from qsched.protocol.control import Event, EventKind
+from qsched.protocol.messages import (
+    MAX_CHUNK,
+    ApplyUpdate,
+    EvalRequest,
+    EvalResult,
+    LoadModel,
+    SelectDataset,
+    SetWeights,
+    UpdateAck,
+    ValidateRequest,
+    ValidateResult,
+    job_config,
+    job_id_of,
+)
+from qsched.protocol.states import JobState, check_job_transition
+from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.zo.spsa import LossError, LossPairs, coefficients, forward_passes, projected_gradients
+from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult, policy_context, train_loss
+from qsched.zo.workload import TrainState, Workload
+
+__all__ = [
+    "EngineConfig",
+    "JobError",
+    "JobResult",
+    "StepEngine",
+    "checkpoint_of",
+    "dataset_hash64",
+    "fleet_event",
+    "model_hash64",
+    "restore_checkpoint",
+    "run_job_inprocess",
+]
+
+_log = structlog.get_logger("qsched.engine")
+
+_WAIT_POLL_S: Final = 1.0
+
+
+class JobError(Exception):
+    """The job cannot go on (``reason``: ``numeric``, ``no_workload``, ``internal`` ...)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Timing and checking knobs of the step engine (limits on everything).
+
+    Args:
+        step_deadline_s: the shortest time a board gets for its shard before the shard
+            is reassigned.
+        deadline_factor: a shard's deadline is this many times its expected time (from
+            the board's throughput), when that is longer.
+        reply_timeout_s: how long update acks, loads and validations may take.
+        load_timeout_s: how long loading a model or weights onto one board may take.
+        resync_backoff_s: wait this long before retrying a board whose resync failed.
+        audit: evaluate one key of every shard on a second board (needs two boards).
+        validate_on: ``boards`` (data-parallel slices) or ``daemon`` (local).
+        checkpoint_every: steps between checkpoints (default: the spec's).
+    """
+
+    step_deadline_s: float = 5.0
+    deadline_factor: float = 4.0
+    reply_timeout_s: float = 10.0
+    load_timeout_s: float = 60.0
+    resync_backoff_s: float = 2.0
+    audit: bool = True
+    validate_on: Literal["boards", "daemon"] = "boards"
+    checkpoint_every: int | None = None
+
+
+@dataclass
+class JobResult:
+    """How a job ended: its status and the training result (state, policy, history)."""
+
+    status: JobState
+    train: TrainResult
+    faults: int = 0
+    reassigned: int = 0
+    policy: PolicySpec | None = None
+    work: dict[str, int] = field(default_factory=dict)  # keys evaluated per board id
+
+    @property
+    def state(self) -> TrainState:
+        """The final weights."""
+        return self.train.state
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """Per-step history."""
+        return self.train.steps
+
+    @property
+    def evals(self) -> list[EvalRecord]:
+        """Per-validation history."""
+        return self.train.evals
+
+
+def _hash64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little")
+
+
+def model_hash64(blob: bytes) -> int:
+    """A model blob's identity in ``Hello``: SHA-256, first 8 bytes, little-endian."""
+    return _hash64(hashlib.sha256(blob).digest())
+
+
+def dataset_hash64(content_hash: str) -> int:
+    """A data set's identity in ``SelectDataset``: its content hash's first 8 bytes, LE."""
+    return _hash64(bytes.fromhex(content_hash))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_of(result: TrainResult, policy: PolicySpec) -> Checkpoint:
+    """A checkpoint holding everything a bit-identical resume needs.
+
+    Args:
+        result: the run so far (state, policy state, history).
+        policy: the policy in use (it may differ from the spec's after change_policy).
+
+    Returns:
+        The checkpoint.
+    """
+    return Checkpoint(
+        step=result.state.step,
+        train_state=result.state.to_bytes(),
+        policy_state=result.policy_state,
+        metrics=[asdict(r) for r in result.steps],
+        extra={
+            "evals": [asdict(e) for e in result.evals],
+            "forward_passes": result.forward_passes,
+            "wall_s": result.wall_s,
+            "policy": policy.model_dump(mode="json"),
+        },
+    )
+
+
+def restore_checkpoint(spec: JobSpec, checkpoint: Checkpoint) -> tuple[TrainResult, PolicySpec]:
+    """The run and policy a checkpoint holds.
+
+    Args:
+        spec: the job's spec.
+        checkpoint: its newest checkpoint.
+
+    Returns:
+        (result so far, the policy in use).
+    """
+    extra = checkpoint.extra
+    result = TrainResult(
+        spec=spec,
+        state=TrainState.from_bytes(checkpoint.train_state),
+        policy_state=dict(checkpoint.policy_state),
+        steps=[StepRecord(**r) for r in checkpoint.metrics],
+        evals=[EvalRecord(**e) for e in extra.get("evals", [])],
+        forward_passes=int(extra.get("forward_passes", 0)),
+        wall_s=float(extra.get("wall_s", 0.0)),
+    )
+    policy = PolicySpec.model_validate(extra["policy"]) if "policy" in extra else spec.policy
+    return result, policy
+
+
+# --------------------------------------------------------------------------- per-step bookkeeping
+
+
+@dataclass
+class _Flight:
+    """One outstanding EvalRequest."""
+
+    session: BoardSession
+    ks: tuple[int, ...]
+    sent: float
+    deadline: float
+    late: bool = False
+
+
+@dataclass
+class _Collected:
+    """Losses of one step gathered so far and who said what."""
+
+    values: dict[int, tuple[float, float | None]] = field(default_factory=dict)
+    sources: dict[int, set[str]] = field(default_factory=dict)  # k -> addresses
+    base: float | None = None
+    excluded: set[str] = field(default_factory=set)  # addresses out of this step
+
+
+class StepEngine:
+    """Runs one job on a fleet (see the module docstring).
+
+    Args:
+        spec: the job.
+        fleet: the boards (an entered ``Fleet``).
+        config: timing and checking knobs.
+        workload: a prebuilt workload for ``spec``.
+        resume: a checkpoint to continue from.
+        job_dir: the job's folder (metrics log, checkpoints); None keeps nothing on disk.
+        on_event: called with every control-plane event (step, validation, ...).
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        fleet: Fleet,
+        *,
+        config: EngineConfig | None = None,
+        workload: Workload | None = None,
+        resume: Checkpoint | None = None,
+        job_dir: JobDir | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.fleet = fleet
+        self.config = config or EngineConfig()
+        self.workload = workload if workload is not None else Workload.from_spec(spec)
+        self.job_dir = job_dir
+        self.job_id = job_id_of(spec)
+        self._on_event = on_event
+        self._context = policy_context(spec, self.workload)
+        if resume is not None:
+            self.result, self.policy_spec = restore_checkpoint(spec, resume)
+            self.policy = create_policy(self.policy_spec, self._context)
+            self.policy.load_state_dict(self.result.policy_state)
+        else:
+            self.policy_spec = spec.policy
+            self.policy = create_policy(spec.policy, self._context)
+            self.result = TrainResult(spec, self.workload.initial_state(), self.policy.state_dict())
+        self.job_state: JobState = "pending"
+        self.status_line = "pending"
+        self.faults = 0
+        self.reassigned = 0
+        self.work: dict[str, int] = {}
+        self._blob = self.workload.model_blob()
+        self._blob_hash = model_hash64(self._blob)
+        self._stop = asyncio.Event()
+        self._shutdown = False
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._checkpoint_waiters: list[asyncio.Future[str]] = []
+        self._new_policy: PolicySpec | None = None
+        self.last_checkpoint: str | None = None
+
+    # ------------------------------------------------------------------ control
+
+    @property
+    def state(self) -> TrainState:
+        """The daemon's copy of the weights (at the next step to run)."""
+        return self.result.state
+
+    @property
+    def step(self) -> int:
+        """The next step to run."""
+        return self.result.state.step
+
+    def pause(self) -> None:
+        """Pause after the current step."""
+        self._set_job_state("paused")
+        self._resume.clear()
+        self.status_line = "paused"
+
+    def resume(self) -> None:
+        """Resume a paused job."""
+        self._set_job_state("running")
+        self._resume.set()
+
+    def stop(self, *, shutdown: bool = False) -> None:
+        """Stop after the current step with a checkpoint.
+
+        Args:
+            shutdown: the daemon is going down: the job stays ``running`` on disk and
+                resumes on the next start, instead of ending as ``stopped``.
+        """
+        self._shutdown = self._shutdown or shutdown
+        self._stop.set()
+        self._resume.set()
+
+    def change_policy(self, policy: PolicySpec) -> None:
+        """Switch the q policy from the next step on (validated here, applied between steps)."""
+        create_policy(policy, self._context)  # raises PolicyError when invalid
+        self._new_policy = policy
+
+    def request_checkpoint(self) -> asyncio.Future[str]:
+        """A checkpoint after the current step; the future gives its path."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._checkpoint_waiters.append(future)
+        return future
+
+    def _set_job_state(self, new: JobState) -> None:
+        if new != self.job_state:
+            check_job_transition(self.job_state, new)
+            self.job_state = new
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> JobResult:
+        """Run steps until the step budget, a stop, or a fatal error.
+
+        Returns:
+            The result (status ``completed``, ``stopped``, or ``running`` after a
+            shutdown stop, which resumes on the next start).
+
+        Raises:
+            JobError: the job failed (status ``failed`` is recorded first).
+        """
+        self._set_job_state("running")
+        self._emit("job_started" if not self.result.steps else "job_resumed", message=f"at step {self.step}")
+        started = time.perf_counter()
+        try:
+            while self.step < self.spec.steps and not self._stop.is_set():
+                await self._between_steps()
+                if self._stop.is_set():
+                    break
+                await self._step()
+                self._after_step()
+        except JobError as exc:
+            self._finish_failed(exc, started)
+            raise
+        except Exception as exc:
+            self._finish_failed(JobError("internal", f"{type(exc).__name__}: {exc}"), started)
+            raise JobError("internal", f"{type(exc).__name__}: {exc}") from exc
+        self.result.wall_s += time.perf_counter() - started
+        return self._finish()
+
+    def _finish(self) -> JobResult:
+        self.result.policy_state = self.policy.state_dict()
+        self._write_checkpoint()
+        if self.step >= self.spec.steps:
+            self._set_job_state("completed")
+            self._emit("job_completed", message=f"{self.step} steps")
+        elif not self._shutdown:
+            self._set_job_state("stopped")
+            self._emit("job_stopped", message=f"at step {self.step}")
+        self.status_line = self.job_state
+        self._settle_checkpoints()
+        return JobResult(self.job_state, self.result, self.faults, self.reassigned, self.policy_spec, dict(self.work))
+
+    def _finish_failed(self, exc: JobError, started: float) -> None:
+        self.result.wall_s += time.perf_counter() - started
+        _log.error("job failed", job=self.spec.name, reason=exc.reason, detail=exc.detail)
+        self._set_job_state("failed")
+        self.status_line = f"failed: {exc}"
+        self._emit("job_failed", message=str(exc))
+        for future in self._checkpoint_waiters:
+            if not future.done():
+                future.set_exception(exc)
+        self._checkpoint_waiters.clear()
+
+    async def _between_steps(self) -> None:
+        if not self._resume.is_set():
+            self._emit("job_paused", message=f"at step {self.step}")
+            await self._resume.wait()
+            if not self._stop.is_set():
+                self._emit("job_resumed", message=f"at step {self.step}")
+        if self._new_policy is not None:
+            self._switch_policy(self._new_policy)
+        if self._checkpoint_waiters:
+            self._write_checkpoint()
+            self._settle_checkpoints()
+
+    def _switch_policy(self, policy: PolicySpec) -> None:
+        self._new_policy = None
+        self.policy_spec = policy
+        self.policy = create_policy(policy, self._context)
+        self.result.policy_state = self.policy.state_dict()
+        self._emit("policy_changed", message=f"{policy.name} from step {self.step}")
+
+    def _after_step(self) -> None:
+        every = self.config.checkpoint_every or self.spec.checkpoint_every
+        if self.step % every == 0 or self._checkpoint_waiters:
+            self._write_checkpoint()
+            self._settle_checkpoints()
+
+    def _write_checkpoint(self) -> None:
+        if self.job_dir is None:
+            return
+        self.result.policy_state = self.policy.state_dict()
+        path = self.job_dir.save_checkpoint(checkpoint_of(self.result, self.policy_spec))
+        self.last_checkpoint = str(path)
+        self._emit("checkpoint", message=str(path))
+
+    def _settle_checkpoints(self) -> None:
+        for future in self._checkpoint_waiters:
+            if not future.done():
+                if self.last_checkpoint is None:
+                    future.set_exception(JobError("no_state_dir", "this job keeps no checkpoints"))
+                else:
+                    future.set_result(self.last_checkpoint)
+        self._checkpoint_waiters.clear()
+
+    # ------------------------------------------------------------------ one step
+
+    async def _step(self) -> None:
+        t, q = self.step, self.policy.q
+        self.status_line = f"step {t}/{self.spec.steps} q={q}"
+        await self._sync_boards()
+        losses = await self._collect(t, q)
+        spec = self.spec
+        try:
+            pairs = coefficients(losses, spec.lr, spec.eps, q, spec.estimator)
+            grads = projected_gradients(losses, spec.eps, spec.estimator)
+        except LossError as exc:
+            raise JobError("numeric", str(exc)) from exc
+        new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
+        await self._broadcast_update(t, pairs, new_state.checksum())
+        self.result.state = new_state
+        self.result.forward_passes += forward_passes(q, spec.estimator)
+        record = StepRecord(t, q, train_loss(losses), self.result.forward_passes)
+        self.result.steps.append(record)
+        self.policy.on_step(StepReport(t, q, record.train_loss, np.array([grads[k] for k in range(q)]), record.forward_passes))
+        self._log_step(record)
+        if (t + 1) % spec.eval_every == 0 or t + 1 == spec.steps:
+            evaluation = await self._validate(t)
+            self.result.evals.append(evaluation)
+            self.policy.on_eval(EvalReport(t, evaluation.val_loss, evaluation.val_accuracy))
+            self._log_eval(evaluation)
+
+    def _log_step(self, record: StepRecord) -> None:
+        metrics = {"q": float(record.q), "train_loss": record.train_loss, "forward_passes": float(record.forward_passes)}
+        if self.job_dir is not None:
+            self.job_dir.append_metrics({"kind": "step", "time": time.time(), **asdict(record)})
+        self._emit("step", step=record.step, metrics=metrics)
+
+    def _log_eval(self, evaluation: EvalRecord) -> None:
+        metrics = {"val_loss": evaluation.val_loss, "val_accuracy": evaluation.val_accuracy}
+        if self.job_dir is not None:
+            self.job_dir.append_metrics({"kind": "validation", "time": time.time(), **asdict(evaluation)})
+        self._emit("validation", step=evaluation.step, metrics=metrics)
+
+    # ------------------------------------------------------------------ boards
+
+    def workers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[BoardSession]:
+        """Boards that may get work now: ready at this step, not draining, not excluded."""
+        return [
+            s for s in self.fleet.boards()
+            if s.alive and s.state == "ready" and s.job_id == self.job_id and s.step == self.step
+            and not s.draining and s.address not in exclude
+        ]
+
+    async def _sync_boards(self) -> None:
+        """Bring every board that needs it to the current step (concurrently)."""
+        now = asyncio.get_running_loop().time()
+        todo = [s for s in self.fleet.boards() if self._needs_sync(s) and s.retry_at <= now]
+        if todo:
+            await asyncio.gather(*(self._prepare(s) for s in todo))
+
+    def _needs_sync(self, session: BoardSession) -> bool:
+        if not session.alive or session.state in ("unknown", "loading", "resync", "busy"):
+            return False
+        if session.state in ("hello", "faulty"):
+            return session.hello is not None and session.hello.protocol_version >= 1 and not _refused(session)
+        return session.job_id != self.job_id or session.step != self.step
+
+    async def _prepare(self, session: BoardSession) -> None:
+        t = self.step
+        was_faulty = session.state == "faulty"
+        try:
+            fresh_model = await self._load_job(session)
+            if t > 0 or not fresh_model:
+                await self._send_weights(session, t)
+        except BoardFaultError as exc:
+            session.retry_at = asyncio.get_running_loop().time() + self.config.resync_backoff_s
+            if session.state in ("loading", "resync", "hello"):
+                self._fault(session, f"resync failed: {exc}")
+            return
+        session.job_id, session.step = self.job_id, t
+        session.set_state("ready", "synchronised")
+        if was_faulty:
+            self.fleet.emit("board_resynced", session, f"at step {t}")
+        await self.fleet.notify_changed()
+
+    async def _load_job(self, session: BoardSession) -> bool:
+        """Job config, data set and (if the board lacks it) model; returns whether the model was sent."""
+        if session.job_id == self.job_id:
+            session.set_state("resync", "weights")
+            return False
+        session.set_state("loading" if session.state == "hello" else "resync", "job")
+        timeout = self.config.reply_timeout_s
+        await session.request(job_config(self.spec), timeout)
+        data = self.workload.dataset
+        await session.request(
+            SelectDataset(
+                name=data.name, dataset_hash=dataset_hash64(data.content_hash),
+                train_size=len(data.x_train), val_size=len(data.x_val),
+            ),
+            timeout,
+        )
+        if session.model_hash == self._blob_hash:
+            return False
+        await self._send_chunks(session, self._blob, lambda off, chunk: LoadModel(
+            total=len(self._blob), offset=off, chunk=chunk, crc32=_crc32(self._blob)))
+        session.model_hash = self._blob_hash
+        return True
+
+    async def _send_weights(self, session: BoardSession, step: int) -> None:
+        if session.state not in ("loading", "resync"):
+            session.set_state("resync", "weights")
+        raw = _weight_bytes(self.state)
+        checksum = self.state.checksum()
+        await self._send_chunks(session, raw, lambda off, chunk: SetWeights(
+            total=len(raw), offset=off, chunk=chunk, job_id=self.job_id, step=step, checksum=checksum))
+
+    async def _send_chunks(self, session: BoardSession, data: bytes, make: Callable[[int, bytes], Any]) -> None:
+        offsets = list(range(0, len(data), MAX_CHUNK)) or [0]
+        for offset in offsets[:-1]:
+            await session.send(make(offset, data[offset : offset + MAX_CHUNK]))
+        last = offsets[-1]
+        await session.request(make(last, data[last : last + MAX_CHUNK]), self.config.load_timeout_s)
+
+    def _fault(self, session: BoardSession, reason: str) -> None:
+        self.faults += 1
+        self.fleet.mark_faulty(session, reason)
+
+    async def _wait_for_workers(self) -> list[BoardSession]:
+        """Sync boards until one can work; says so in the status while none can."""
+        announced = False
+        while True:
+            await self._sync_boards()
+            workers = self.workers()
+            if workers or self._stop.is_set():
+                if announced:
+                    _log.info("boards available again", job=self.spec.name, boards=len(workers))
+                return workers
+            if not announced:
+                _log.warning("no board available; waiting", job=self.spec.name, step=self.step)
+                announced = True
+            self.status_line = f"waiting for boards (step {self.step}/{self.spec.steps})"
+            await self.fleet.wait_changed(_WAIT_POLL_S)
+
+    # ------------------------------------------------------------------ evaluation requests
+
+    def _deadline(self, session: BoardSession, count: int, now: float) -> float:
+        expected = count / max(session.throughput.rate, 1e-6)
+        return now + max(self.config.step_deadline_s, self.config.deadline_factor * expected)
+
+    def _request(self, t: int, ks: Sequence[int]) -> EvalRequest:
+        spec = self.spec
+        return EvalRequest(
+            job_id=self.job_id, step=t, batch_size=spec.batch_size, eps=spec.eps,
+            estimator=spec.estimator, ks=tuple(sorted(ks)),
+        )
+
+    def _plan(self, missing: Sequence[int], workers: list[BoardSession], audit: bool) -> dict[str, list[int]]:
+        rates = {s.address: s.throughput.rate for s in workers}
+        plan = plan_shards(list(missing), rates)
+        if audit and self.config.audit and len(plan) >= 2:
+            order = sorted(plan)
+            extra = {b: plan[order[(i - 1) % len(order)]][0] for i, b in enumerate(order)}
+            plan = {b: sorted({*plan[b], extra[b]}) for b in order}
+        return plan
+
+    async def _collect(self, t: int, q: int) -> LossPairs:
+        """Gather verified losses for keys 0..q-1 of step t."""
+        got = _Collected()
+        flights: dict[asyncio.Task[EvalResult], _Flight] = {}
+        first = True
+        try:
+            while True:
+                missing = [k for k in range(q) if k not in got.values]
+                covered = {k for f in flights.values() if not f.late for k in f.ks}
+                uncovered = [k for k in missing if k not in covered]
+                if not missing and not any(not f.late for f in flights.values()):
+                    return self._losses(got, q)
+                if uncovered:
+                    await self._dispatch(t, uncovered, got, flights, audit=first)
+                    first = False
+                if not flights:
+                    continue
+                await self._await_some(t, got, flights)
+        finally:
+            for task, flight in flights.items():
+                task.cancel()
+                if flight.session.state == "busy":
+                    # Still computing a shard nobody waits for: resynchronise it before new work.
+                    self._fault(flight.session, f"step {t}: no answer before the deadline")
+
+    async def _dispatch(
+        self, t: int, keys: list[int], got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight], audit: bool
+    ) -> None:
+        busy = {f.session.address for f in flights.values()}
+        workers = self.workers(got.excluded | busy)
+        if not workers:
+            if any(not f.late for f in flights.values()):
+                return  # someone is still working: wait for them first
+            workers = [w for w in await self._wait_for_workers() if w.address not in got.excluded | busy]
+            if not workers:
+                got.excluded.clear()  # everyone failed once this step: give all another chance
+                return
+        if not audit:
+            self.reassigned += len(keys)
+        now = asyncio.get_running_loop().time()
+        by_address = {w.address: w for w in workers}
+        for address, ks in self._plan(keys, workers, audit).items():
+            session = by_address[address]
+            request = self._request(t, ks)
+            flight = _Flight(session, request.ks, now, self._deadline(session, len(ks), now))
+            remaining = flight.deadline - now
+            task = asyncio.create_task(
+                session.request(request, remaining + self.config.step_deadline_s * 4), name=f"fleet[{address}].eval[{t}]"
+            )
+            flights[task] = flight  # type: ignore[assignment]
+            session.set_state("busy", "eval")
+
+    async def _await_some(self, t: int, got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight]) -> None:
+        loop = asyncio.get_running_loop()
+        pending_deadlines = [f.deadline for f in flights.values() if not f.late]
+        timeout = max(0.0, min(pending_deadlines) - loop.time()) if pending_deadlines else None
+        done, _ = await asyncio.wait(flights, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        now = loop.time()
+        for task in done:
+            flight = flights.pop(task)
+            await self._on_answer(t, task, flight, got, now)
+        for flight in flights.values():
+            if not flight.late and now >= flight.deadline:
+                flight.late = True
+                got.excluded.add(flight.session.address)
+                flight.session.throughput.observe(len(flight.ks), now - flight.sent)
+                _log.warning("shard late; reassigning", board=flight.session.board_id, step=t, ks=len(flight.ks))
+
+    async def _on_answer(
+        self, t: int, task: asyncio.Task[EvalResult], flight: _Flight, got: _Collected, now: float
+    ) -> None:
+        session = flight.session
+        if session.state == "busy":
+            session.set_state("ready", "answered")
+        try:
+            result = task.result()
+            self._check_result(result, t, flight)
+        except BoardFaultError as exc:
+            got.excluded.add(session.address)
+            self._fault(session, f"step {t}: {exc.reason} {exc.detail}".strip())
+            return
+        self.work[session.board_id] = self.work.get(session.board_id, 0) + len(result.ks)
+        if not flight.late:  # a late answer still counts (and is checked), its time does not
+            session.throughput.observe(len(flight.ks), max(now - flight.sent, 1e-6))
+        await self._accept(t, session, result, got)
+
+    def _check_result(self, result: EvalResult, t: int, flight: _Flight) -> None:
+        if not isinstance(result, EvalResult) or result.step != t or result.job_id != self.job_id:
+            raise BoardFaultError(flight.session.board_id, "wrong_answer", "result for another job or step")
+        if tuple(result.ks) != flight.ks or result.estimator != self.spec.estimator:
+            raise BoardFaultError(flight.session.board_id, "wrong_answer", "result for other keys")
+
+    async def _accept(self, t: int, session: BoardSession, result: EvalResult, got: _Collected) -> None:
+        two_sided = result.estimator == "two_sided"
+        conflicts: list[int] = []
+        for i, k in enumerate(result.ks):
+            value = (result.loss_plus[i], result.loss_minus[i] if two_sided else None)
+            if k in got.values and got.values[k] != value:
+                conflicts.append(k)
+                continue
+            got.values.setdefault(k, value)
+            got.sources.setdefault(k, set()).add(session.address)
+        if not two_sided and result.loss_zero is not None:
+            if got.base is not None and got.base != result.loss_zero:
+                conflicts.append(result.ks[0])
+            got.base = result.loss_zero if got.base is None else got.base
+        if conflicts:
+            await self._arbitrate(t, conflicts, session, result, got)
+
+    async def _arbitrate(
+        self, t: int, keys: list[int], session: BoardSession, result: EvalResult, got: _Collected
+    ) -> None:
+        """Two boards disagree: the daemon evaluates the keys and the wrong side is faulty."""
+        truth = await asyncio.to_thread(self.workload.perturbed_losses, self.state, t, keys)
+        two_sided = self.spec.estimator == "two_sided"
+        liars: set[str] = set()
+        index = {k: i for i, k in enumerate(result.ks)}
+        for k in keys:
+            true_value = (truth.plus[k], truth.minus[k] if two_sided else None)
+            theirs = (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None)
+            if theirs != true_value:
+                liars.add(session.address)
+            if got.values[k] != true_value:
+                liars |= got.sources.get(k, set())
+            got.values[k] = true_value
+            got.sources[k] = set()
+        if not two_sided and truth.base is not None:
+            got.base = truth.base
+        for address in liars:
+            self._drop_board_values(address, got, keep=set(keys))
+            liar = self.fleet.sessions.get(address)
+            if liar is not None:
+                self._fault(liar, f"step {t}: losses disagree with the daemon's")
+
+    def _drop_board_values(self, address: str, got: _Collected, keep: set[int]) -> None:
+        got.excluded.add(address)
+        for k, sources in list(got.sources.items()):
+            if address in sources:
+                sources.discard(address)
+                if not sources and k not in keep:
+                    del got.values[k]
+                    del got.sources[k]
+
+    def _losses(self, got: _Collected, q: int) -> LossPairs:
+        plus = {k: got.values[k][0] for k in range(q)}
+        if self.spec.estimator == "two_sided":
+            minus = {k: got.values[k][1] for k in range(q)}
+            return LossPairs(plus=plus, minus=minus)  # type: ignore[arg-type]
+        return LossPairs(plus=plus, minus={}, base=got.base)
+
+    # ------------------------------------------------------------------ the update
+
+    async def _broadcast_update(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
+        ks = tuple(k for k, _ in pairs)
+        message = ApplyUpdate(job_id=self.job_id, step=t, ks=ks, coefficients=tuple(c for _, c in pairs))
+        targets = [
+            s for s in self.fleet.boards()
+            if s.alive and s.state in ("ready", "busy") and s.job_id == self.job_id and s.step == t
+        ]
+        answers = await asyncio.gather(
+            *(s.request(message, self.config.reply_timeout_s) for s in targets), return_exceptions=True
+        )
+        for session, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, UpdateAck) and answer.checksum == expected and answer.step == t:
+                session.step = t + 1
+                if session.state == "busy":
+                    session.set_state("ready", "updated")
+            elif isinstance(answer, UpdateAck):
+                self._fault(session, f"step {t}: checksum {answer.checksum:08x}, expected {expected:08x}")
+            elif isinstance(answer, BoardFaultError):
+                self._fault(session, f"step {t} update: {answer.reason} {answer.detail}".strip())
+            elif isinstance(answer, BaseException):
+                raise answer
+
+    # ------------------------------------------------------------------ validation
+
+    async def _validate(self, t: int) -> EvalRecord:
+        n_val = len(self.workload.dataset.x_val)
+        workers = self.workers() if self.config.validate_on == "boards" else []
+        slices = self._val_slices(n_val, workers)
+        results = await asyncio.gather(*(self._val_slice(t, s, start, count) for s, start, count in slices))
+        loss_sum = sum(r[0] for r in results)
+        correct = sum(r[1] for r in results)
+        return EvalRecord(t, loss_sum / n_val, correct / n_val, self.result.forward_passes)
+
+    def _val_slices(self, n_val: int, workers: list[BoardSession]) -> list[tuple[BoardSession | None, int, int]]:
+        if not workers:
+            return [(None, 0, n_val)]
+        shares = split_proportional(n_val, [w.throughput.rate for w in workers])
+        out: list[tuple[BoardSession | None, int, int]] = []
+        start = 0
+        for worker, share in zip(workers, shares, strict=True):
+            if share:
+                out.append((worker, start, share))
+            start += share
+        return out
+
+    async def _val_slice(self, t: int, session: BoardSession | None, start: int, count: int) -> tuple[float, int]:
+        if session is not None:
+            request = ValidateRequest(job_id=self.job_id, step=t + 1, start=start, count=count)
+            try:
+                answer = await session.request(request, self.config.reply_timeout_s + self.config.step_deadline_s)
+                if isinstance(answer, ValidateResult) and answer.count == count:
+                    return answer.loss_sum, answer.correct
+                raise BoardFaultError(session.board_id, "wrong_answer", "validation slice mismatch")
+            except BoardFaultError as exc:
+                self._fault(session, f"validation: {exc.reason} {exc.detail}".strip())
+        loss_sum, correct, _ = await asyncio.to_thread(self.workload.validate, self.state, start, count)
+        return loss_sum, correct
+
+    # ------------------------------------------------------------------ events
+
+    def _emit(self, kind: EventKind, *, step: int | None = None, message: str = "", metrics: dict[str, float] | None = None) -> None:
+        if self._on_event is None:
+            return
+        event = Event(kind=kind, time=time.time(), job=self.spec.name, step=step, message=message, metrics=metrics or {})
+        try:
+            self._on_event(event)
+        except Exception:  # a consumer's bug must not stop training
+            _log.exception("event handler failed", kind=kind)
+
+
+
+def fleet_event(event: FleetEvent, job: str | None = None) -> Event:
+    """The control-plane event of a membership change.
+
+    Args:
+        event: the fleet's news.
+        job: the current job's name, if any.
+
+    Returns:
+        The event.
+    """
+    return Event(kind=event.kind, time=time.time(), job=job, board_id=event.board_id, message=event.message)  # type: ignore[arg-type]
+
+
+def _refused(session: BoardSession) -> bool:
+    return session.hello is not None and session.hello.protocol_version < 1
+
+
+def _crc32(data: bytes) -> int:
+    return zlib.crc32(data)
+
+
+def _le_bytes(array: np.ndarray[Any, Any]) -> bytes:
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+
+
+def _weight_bytes(state: TrainState) -> bytes:
+    """The SetWeights payload: exactly the bytes the checksum covers (SPEC section 5)."""
+    raw = _le_bytes(state.params)
+    return raw if state.buffer is None else raw + _le_bytes(state.buffer)
+
+
+# --------------------------------------------------------------------------- in-process fleets
+
+
+async def run_job_inprocess(
+    spec: JobSpec,
+    boards: int = 4,
+    *,
+    config: EngineConfig | None = None,
+    latency: Any = None,
+    faults: Sequence[str] = (),
+    fault_boards: Sequence[str] | None = None,
+    speeds: Sequence[float] | None = None,
+    job_dir: JobDir | None = None,
+    on_event: Callable[[Event], None] | None = None,
+) -> JobResult:
+    """Train ``spec`` on ``boards`` virtual boards in this event loop (experiments, demo, tests).
+
+    Args:
+        spec: the job.
+        boards: how many virtual boards (ids ``vb-00``, ``vb-01``, ...).
+        config: engine knobs.
+        latency: a ``LatencyProfile`` for every board (default: none, as fast as the CPU).
+        faults: fault specs (``qsched board --fault`` syntax) for the boards in ``fault_boards``.
+        fault_boards: which boards get ``faults`` (default: all).
+        speeds: per-board speed multipliers of the latency model (heterogeneous fleets).
+        job_dir: where metrics and checkpoints go (None: nowhere).
+        on_event: control-plane events.
+
+    Returns:
+        The job's result.
+    """
+    from qsched.daemon.links.inproc import InProcTransport
+    from qsched.firmware.faults import FaultPlan
+    from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+
+    plan = FaultPlan.parse(list(faults), seed=spec.seed)
+    no_faults = FaultPlan.parse([])
+    base = latency if latency is not None else LatencyProfile.off()
+    def membership(event: FleetEvent) -> None:
+        if on_event is not None:
+            on_event(fleet_event(event, spec.name))
+
+    async with InProcTransport() as transport, Fleet(transport, on_event=membership) as fleet:
+        endpoints = []
+        async with asyncio.TaskGroup() as tasks:
+            for i in range(boards):
+                board_id = f"vb-{i:02d}"
+                speed = speeds[i] if speeds is not None else base.speed
+                profile = LatencyProfile(base.macs_per_forward, speed, base.baud, base.enabled, base.npu)
+                chosen = fault_boards is None or board_id in fault_boards
+                agent = BoardAgent(board_id, latency=profile, faults=(plan if chosen else no_faults).for_board(board_id))
+                endpoint = transport.attach(board_id)
+                endpoints.append(endpoint)
+                tasks.create_task(serve_link(agent, endpoint), name=f"board[{board_id}].serve")
+            engine = StepEngine(spec, fleet, config=config, job_dir=job_dir, on_event=on_event)
+            try:
+                return await engine.run()
+            finally:
+                for endpoint in endpoints:
+                    await endpoint.close()

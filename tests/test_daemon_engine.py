@@ -1,0 +1,163 @@
+"""Step engine on in-process fleets of virtual boards: the reference weights, sharding,
+reassignment, faulty boards, waiting for boards, resume."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from qsched.daemon.engine import EngineConfig, StepEngine, run_job_inprocess
+from qsched.daemon.fleet import Fleet
+from qsched.daemon.links.inproc import InProcTransport
+from qsched.daemon.state import StateStore
+from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.control import Event
+from qsched.protocol.messages import Error, EvalRequest
+from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.zo.trainer import train_zo
+
+FIXED8 = PolicySpec(name="fixed", config={"q": 8})
+
+
+def _spec(**over: object) -> JobSpec:
+    base: dict[str, object] = {"name": "t", "steps": 10, "eval_every": 4, "policy": FIXED8, "checkpoint_every": 3}
+    base.update(over)
+    return JobSpec.model_validate(base)
+
+
+async def test_engine_inprocess_matches_trainer() -> None:
+    """Four in-process boards train an INT8 job to the single-process trainer's exact weights."""
+    spec = _spec()
+    reference = train_zo(spec)
+    result = await run_job_inprocess(spec, boards=4)
+    assert result.status == "completed"
+    assert result.state.checksum() == reference.state.checksum()
+    assert result.steps == reference.steps
+    assert result.evals == reference.evals
+    assert result.faults == 0
+
+
+async def test_engine_qscheduler_trajectory_matches_trainer() -> None:
+    """With the default adaptive policy the fleet's q trajectory equals the reference's."""
+    spec = JobSpec(name="qs", steps=30, eval_every=5, batch_size=32)
+    reference = train_zo(spec)
+    result = await run_job_inprocess(spec, boards=2)
+    assert [s.q for s in result.steps] == [s.q for s in reference.steps]
+    assert result.state.checksum() == reference.state.checksum()
+
+
+async def test_engine_shards_follow_throughput() -> None:
+    """A board modelled four times faster is given more keys than a slow one."""
+    spec = _spec(steps=6, policy=PolicySpec(name="fixed", config={"q": 16}), batch_size=16)
+    latency = LatencyProfile(macs_per_forward=400_000)
+    result = await run_job_inprocess(spec, boards=2, latency=latency, speeds=[1.0, 4.0], config=EngineConfig(audit=False))
+    assert result.work["vb-01"] > 2 * result.work["vb-00"]
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+async def test_engine_late_board_reassigned() -> None:
+    """A board that answers step 2 late has its keys reassigned; the weights are unchanged."""
+    spec = _spec(steps=5)
+    events: list[Event] = []
+    config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0)
+    result = await run_job_inprocess(
+        spec, boards=3, config=config, faults=["delay:step=2:1.5"], fault_boards=["vb-01"], on_event=events.append
+    )
+    assert result.reassigned > 0
+    assert any(e.kind == "board_faulty" and e.board_id == "vb-01" for e in events)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+async def test_engine_lying_board_faulty_and_resynced() -> None:
+    """A board that lies about losses is caught by the audit, marked faulty, resynchronised."""
+    spec = _spec(steps=6)
+    collected: list[Event] = []
+    result = await run_job_inprocess(
+        spec, boards=3, faults=["lie:step=2"], fault_boards=["vb-02"], on_event=collected.append
+    )
+    faulty = [e for e in collected if e.kind == "board_faulty"]
+    assert [e.board_id for e in faulty] == ["vb-02"]
+    assert any(e.kind == "board_resynced" and e.board_id == "vb-02" for e in collected)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+class _NumericBoard(BoardAgent):
+    """A board whose losses are not finite: it refuses every evaluation with ``numeric``."""
+
+    async def handle(self, msg):  # type: ignore[no-untyped-def]
+        if isinstance(msg, EvalRequest):
+            return [Error(code="numeric", ref_type=0x45, job_id=msg.job_id, step=msg.step, detail="loss is nan")]
+        return await super().handle(msg)
+
+
+async def _fleet_job(spec: JobSpec, agents: list[BoardAgent], **engine_options: object) -> tuple[StepEngine, object]:
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        endpoints = [transport.attach(a.board_id) for a in agents]
+        async with asyncio.TaskGroup() as tasks:
+            for agent, endpoint in zip(agents, endpoints, strict=True):
+                tasks.create_task(serve_link(agent, endpoint))
+            engine = StepEngine(spec, fleet, **engine_options)  # type: ignore[arg-type]
+            try:
+                result = await engine.run()
+            finally:
+                for endpoint in endpoints:
+                    await endpoint.close()
+    return engine, result
+
+
+async def test_engine_numeric_error_marks_board_faulty() -> None:
+    """A board answering Error(numeric) is faulty, its keys go elsewhere, nothing is lost."""
+    spec = _spec(steps=4)
+    agents = [BoardAgent("good", latency=LatencyProfile.off()), _NumericBoard("nan", latency=LatencyProfile.off())]
+    engine, result = await _fleet_job(spec, agents)
+    assert engine.faults >= 1
+    assert result.state.checksum() == train_zo(spec).state.checksum()  # type: ignore[attr-defined]
+
+
+async def test_engine_no_boards_waits_and_says_so() -> None:
+    """Without boards the job waits with a status saying so, then runs when a board arrives."""
+    spec = _spec(steps=3)
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        engine = StepEngine(spec, fleet)
+        job = asyncio.create_task(engine.run())
+        await asyncio.sleep(0.5)
+        assert not job.done()
+        assert "waiting for boards" in engine.status_line
+        endpoint = transport.attach("late-board")
+        board = asyncio.create_task(serve_link(BoardAgent("late-board", latency=LatencyProfile.off()), endpoint))
+        result = await asyncio.wait_for(job, 60)
+        await endpoint.close()
+        await board
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFactory) -> None:
+    """A job stopped mid-run and resumed from its checkpoint ends at the reference weights."""
+    spec = _spec(steps=9, policy=PolicySpec(name="qscheduler"))
+    store = StateStore(tmp_path)  # type: ignore[arg-type]
+    job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
+
+    def stop_at_five(event: Event) -> None:
+        if event.kind == "step" and event.step == 4:
+            engine_box[0].stop(shutdown=True)
+
+    engine_box: list[StepEngine] = []
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        endpoint = transport.attach("b0")
+        board = asyncio.create_task(serve_link(BoardAgent("b0", latency=LatencyProfile.off()), endpoint))
+        engine = StepEngine(spec, fleet, job_dir=job_dir, on_event=stop_at_five)
+        engine_box.append(engine)
+        first = await engine.run()
+        assert first.state.step == 5
+        checkpoint = job_dir.load_checkpoint()
+        assert checkpoint is not None and checkpoint.step == 5
+        second = StepEngine(spec, fleet, job_dir=job_dir, resume=checkpoint)
+        result = await second.run()
+        await endpoint.close()
+        await board
+    reference = train_zo(spec)
+    assert result.status == "completed"
+    assert result.state.checksum() == reference.state.checksum()
+    assert result.steps == reference.steps
