@@ -123,6 +123,7 @@ class MosquittoBroker:
             "log_type error",
             "log_type warning",
             "max_queued_messages 10000",
+            "set_tcp_nodelay true",
         ]
         if self._users:
             passwd = folder / "passwd"

@@ -68,6 +68,7 @@ __all__ = [
     "SerialLink",
     "SerialPortStream",
     "SerialTransport",
+    "write_fd",
 ]
 
 NAME = "serial"
@@ -93,6 +94,39 @@ class ByteStream(Protocol):
         ...
 
 
+async def _wait_fd(fd: int, add: Callable[..., None], remove: Callable[[int], object]) -> None:
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add(fd, wake)
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+async def write_fd(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a non-blocking descriptor without blocking the loop.
+
+    Args:
+        fd: the descriptor (``O_NONBLOCK`` set).
+        data: the bytes.
+
+    Raises:
+        OSError: the write failed (EIO when the port is gone).
+    """
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            await _wait_fd(fd, loop.add_writer, loop.remove_writer)
+
+
 class FdStream:
     """A ``ByteStream`` over a file descriptor (a pty master, an opened tty).
 
@@ -112,7 +146,7 @@ class FdStream:
             try:
                 return os.read(self._fd, READ_SIZE)
             except BlockingIOError:
-                await self._wait(loop.add_reader, loop.remove_reader)
+                await _wait_fd(self._fd, loop.add_reader, loop.remove_reader)
             except OSError as exc:
                 if exc.errno in (errno.EIO, errno.EBADF, errno.ENXIO):
                     return b""  # Linux reports a closed pty peer as EIO
@@ -121,28 +155,9 @@ class FdStream:
 
     async def write(self, data: bytes) -> None:
         """Write everything, waiting while the kernel buffer is full."""
-        loop = asyncio.get_running_loop()
-        view = memoryview(data)
-        while view:
-            if self._closed:
-                raise OSError(errno.EBADF, "stream closed")
-            try:
-                view = view[os.write(self._fd, view) :]
-            except BlockingIOError:
-                await self._wait(loop.add_writer, loop.remove_writer)
-
-    async def _wait(self, add: Callable[..., None], remove: Callable[[int], object]) -> None:
-        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        add(self._fd, wake)
-        try:
-            await ready
-        finally:
-            remove(self._fd)
+        if self._closed:
+            raise OSError(errno.EBADF, "stream closed")
+        await write_fd(self._fd, data)
 
     async def close(self) -> None:
         """Close the descriptor."""
@@ -152,7 +167,14 @@ class FdStream:
 
 
 class SerialPortStream:
-    """A ``ByteStream`` over a serial port opened with pyserial-asyncio-fast."""
+    """A ``ByteStream`` over a serial port opened with pyserial-asyncio-fast.
+
+    The library opens and configures the port and reads from it. Writes go straight to
+    the port's non-blocking descriptor instead of through its transport: in 0.16 a
+    write the kernel takes only in part leaves the transport's writer registered for
+    ever (an AssertionError on every loop turn), and a write that exactly fills the
+    kernel buffer can block the event loop (upstream pull request 36).
+    """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
@@ -185,11 +207,11 @@ class SerialPortStream:
             return b""
 
     async def write(self, data: bytes) -> None:
-        """Queue ``data`` on the port and wait for the buffer to drain."""
-        if self._writer.is_closing():
+        """Write all of ``data`` to the port (see the class docstring for why directly)."""
+        port = self._writer.transport.get_extra_info("serial")
+        if self._writer.is_closing() or port is None or port.fd is None:
             raise OSError(errno.EBADF, "serial port closed")
-        self._writer.write(data)
-        await self._writer.drain()
+        await write_fd(port.fd, data)
 
     async def close(self) -> None:
         """Close the port."""
@@ -288,6 +310,7 @@ class SerialLink:
                 await self._send_until_acked(seq, wire, ack)
             finally:
                 self._acks.pop(seq, None)
+                _settle(ack)
             self.stats.sent += 1
 
     async def _send_until_acked(self, seq: int, wire: bytes, ack: asyncio.Future[None]) -> None:
@@ -379,6 +402,15 @@ class SerialLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._stream.close()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    # A sender cancelled while the link closed leaves an exception nobody awaits;
+    # fetch it so asyncio does not report "exception was never retrieved".
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
 
 
 class SerialEndpoint:
