@@ -18,6 +18,7 @@ from typing import Final, Literal
 __all__ = [
     "BUILD_DIR",
     "FIRMWARE_DIR",
+    "BoardClient",
     "FirmwareBuildError",
     "ToolProcess",
     "board_executable",
@@ -152,3 +153,98 @@ class ToolProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BoardClient:
+    """The daemon side of one serial link, synchronous: for tests and bring-up.
+
+    Speaks the framing of ``qsched.protocol.framing`` over a file descriptor (a pty
+    master): data frames are acknowledged, the board's retransmissions dropped, and
+    ``send`` waits for the board's ACK. Heartbeats are kept apart from other messages.
+
+    Args:
+        fd: the file descriptor of the link (owned by the caller).
+    """
+
+    def __init__(self, fd: int) -> None:
+        from qsched.protocol.framing import FrameEncoder, FrameReader, ReceiveFilter
+
+        self._fd = fd
+        self._encoder = FrameEncoder()
+        self._reader = FrameReader()
+        self._filter = ReceiveFilter()
+        self._acks: set[int] = set()
+        self._inbox: list[bytes] = []
+
+    def _pump(self, timeout: float) -> None:
+        import os
+        import select
+
+        from qsched.protocol.framing import Frame
+
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return
+        data = os.read(self._fd, 65536)
+        if not data:
+            raise FirmwareBuildError("the board closed the link")
+        for item in self._reader.feed(data):
+            if not isinstance(item, Frame):
+                continue
+            if item.is_ack:
+                self._acks.add(item.seq)
+                continue
+            os.write(self._fd, self._encoder.ack(item.seq))
+            if self._filter.accept(item):
+                self._inbox.append(item.payload)
+
+    def send_payload(self, payload: bytes, timeout: float = 5.0) -> None:
+        """Send raw message bytes in one data frame and wait for the board's ACK."""
+        import os
+        import time
+
+        seq, wire = self._encoder.data(payload)
+        deadline = time.monotonic() + timeout
+        next_send = 0.0
+        while seq not in self._acks:
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"no ACK for frame {seq}")
+            if now >= next_send:
+                os.write(self._fd, wire)
+                next_send = now + 0.5
+            self._pump(0.05)
+        self._acks.discard(seq)
+
+    def send(self, msg: object, timeout: float = 5.0) -> None:
+        """Encode and send one data-plane message."""
+        from qsched.protocol.codec import encode
+
+        self.send_payload(encode(msg), timeout)  # type: ignore[arg-type]
+
+    def recv(self, timeout: float = 30.0, *, heartbeats: bool = False) -> object:
+        """The next message from the board (unsolicited Heartbeats skipped unless asked).
+
+        Raises:
+            TimeoutError: nothing arrived in time.
+        """
+        import time
+
+        from qsched.protocol.codec import decode
+        from qsched.protocol.messages import Heartbeat
+
+        deadline = time.monotonic() + timeout
+        while True:
+            while self._inbox:
+                msg = decode(self._inbox.pop(0))
+                if heartbeats or not (isinstance(msg, Heartbeat) and msg.nonce == 0):
+                    return msg
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no message from the board")
+            self._pump(min(remaining, 0.1))
+
+    def request(self, msg: object, timeout: float = 60.0) -> object:
+        """Send a message and return the board's next answer."""
+        self.send(msg)
+        return self.recv(timeout)

@@ -53,8 +53,7 @@ def test_core_philox_matches_python(tool: ToolProcess) -> None:
     """Philox4x32-10 gives the same words in C and numpy on random counters and keys."""
     rng = np.random.default_rng(1)
     words = rng.integers(0, 2**32, size=(40, 6), dtype=np.uint64)
-    expected = philox4x32(words[:, :4].astype(np.uint32), (0, 0))
-    for row, want in zip(words, expected, strict=True):
+    for row in words:
         key = (int(row[4]), int(row[5]))
         want = philox4x32(row[None, :4].astype(np.uint32), key)[0]
         got = tool.ask("philox " + " ".join(str(int(v)) for v in row))
@@ -86,7 +85,7 @@ def test_core_fp16_rounding_matches_numpy(tool: ToolProcess) -> None:
 
 def test_core_fp16_to_f32_is_exact(tool: ToolProcess) -> None:
     """binary16 -> float32 is exact for all finite values, subnormals included."""
-    for half in list(range(0, 0x7C00, 37)) + [0x0001, 0x03FF, 0x0400, 0x7BFF, 0x8001, 0xFBFF]:
+    for half in [*range(0, 0x7C00, 37), 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x8001, 0xFBFF]:
         want = np.array([half], dtype=np.uint16).view(np.float16).astype(np.float32)[0]
         got = tool.ask(f"f32 {half:04x}")
         assert got == _f32_bits(float(want))

@@ -113,7 +113,7 @@ static qs_status prepare_requant(qs_op *op, const op_record *o, const data_secti
     op->rq.multiplier = (const int32_t *)data_array(d, o->mult_off, o->channels, 4);
     op->rq.shift = (const int32_t *)data_array(d, o->shift_off, o->channels, 4);
     op->bias = (const int32_t *)data_array(d, o->bias_off, o->channels, 4);
-    op->weight = (int8_t *)data_array(d, o->weight_off, o->weight_count, 1);
+    op->weight = (const int8_t *)data_array(d, o->weight_off, o->weight_count, 1);
     if (op->rq.multiplier == NULL || op->rq.shift == NULL || op->bias == NULL || op->weight == NULL) {
         return QS_ERR_FORMAT;
     }
@@ -446,21 +446,14 @@ qs_status qs_model_prepare(qs_model *m, uint8_t *blob, size_t len, int8_t *scrat
         m->tensors[i].arena_offset = (uint32_t)arena;
         arena += (m->tensors[i].size + 3u) & ~3u;
     }
-    const size_t work = (m->num_params + 15u) & ~(size_t)15u;
-    if (work + arena > scratch_size) {
+    if (arena > scratch_size) {
         return QS_ERR_TOO_LARGE;
     }
     m->blob = blob;
     m->blob_len = len;
-    m->work = scratch;
-    m->arena = scratch + work;
+    m->arena = scratch;
     m->arena_size = arena;
     return QS_OK;
-}
-
-size_t qs_model_scratch_needed(const qs_model *m)
-{
-    return ((m->num_params + 15u) & ~(size_t)15u) + m->arena_size;
 }
 
 static int8_t *slot(qs_model *m, uint32_t tensor)
@@ -468,11 +461,11 @@ static int8_t *slot(qs_model *m, uint32_t tensor)
     return m->arena + m->tensors[tensor].arena_offset;
 }
 
-static void run_op(qs_model *m, qs_op *op, int perturbed)
+static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
 {
     const int8_t *in = slot(m, op->in0);
     int8_t *out = slot(m, op->out);
-    const int8_t *w = (perturbed && op->trainable) ? m->work + op->param_offset : op->weight;
+    const int8_t *w = (flat != NULL && op->trainable) ? flat + op->param_offset : op->weight;
     switch (op->opcode) {
     case QS_OP_CONV:
         qs_conv_s8(&op->conv, op->rq, op->in_shape, in, op->filter_shape, w, op->bias, op->out_shape, out);
@@ -494,11 +487,11 @@ static void run_op(qs_model *m, qs_op *op, int perturbed)
     }
 }
 
-const int8_t *qs_model_forward(qs_model *m, const int8_t *input, int perturbed)
+const int8_t *qs_model_forward(qs_model *m, const int8_t *input, const int8_t *flat)
 {
     memcpy(slot(m, m->input), input, m->tensors[m->input].size);
     for (uint32_t i = 0; i < m->n_ops; ++i) {
-        run_op(m, &m->ops[i], perturbed);
+        run_op(m, &m->ops[i], flat);
     }
     return slot(m, m->output);
 }
@@ -509,16 +502,6 @@ void qs_model_get_flat(const qs_model *m, int8_t *flat)
         const qs_op *op = &m->ops[i];
         if (op->trainable) {
             memcpy(flat + op->param_offset, op->weight, op->weight_count);
-        }
-    }
-}
-
-void qs_model_set_flat(qs_model *m, const int8_t *flat)
-{
-    for (uint32_t i = 0; i < m->n_ops; ++i) {
-        qs_op *op = &m->ops[i];
-        if (op->trainable) {
-            memcpy(op->weight, flat + op->param_offset, op->weight_count);
         }
     }
 }

@@ -3,9 +3,10 @@
  * validates every record once (Prepare), then runs forward passes with the reference
  * kernels (Eval: integer-only, no allocation, cannot fail).
  *
- * Memory: the blob stays where it was received (its weights are the board's master
- * weights, updated in place); the caller hands Prepare one scratch region for the
- * perturbed weight copy and the activation arena.
+ * Memory: the blob stays where it was received and is never written; the trainable
+ * weights a forward pass uses come from a flat vector the caller owns (the master
+ * weights or a perturbed copy). Prepare places the activation arena in the scratch
+ * region it is given.
  */
 #ifndef QS_MODEL_H
 #define QS_MODEL_H
@@ -46,7 +47,7 @@ typedef struct {
     uint32_t trainable;
     uint32_t param_offset; /* flat index of the weights (trainable ops) */
     uint32_t weight_count;
-    int8_t *weight;        /* master weights, inside the blob */
+    const int8_t *weight;  /* the blob's weights (initial values of trainable ones) */
     const int32_t *bias;
     qs_requant rq;
     qs_conv_params conv;
@@ -68,28 +69,24 @@ typedef struct {
     qs_loss_params loss;
     qs_tensor tensors[QS_MODEL_MAX_TENSORS];
     qs_op ops[QS_MODEL_MAX_OPS];
-    int8_t *work;  /* num_params bytes: the perturbed copy of the trainable weights */
     int8_t *arena; /* activations of one sample */
     size_t arena_size;
 } qs_model;
 
 /*
- * Validate the blob (untrusted) and prepare every op. scratch receives the perturbed
- * weight copy and the activation arena. Returns QS_ERR_FORMAT / QS_ERR_ARG for a bad
+ * Validate the blob (untrusted) and prepare every op. scratch receives the activation
+ * arena. Returns QS_ERR_FORMAT / QS_ERR_ARG for a bad
  * blob, QS_ERR_UNSUPPORTED for FP32 blobs or unknown ops, QS_ERR_TOO_LARGE when the
  * scratch region is too small.
  */
 qs_status qs_model_prepare(qs_model *m, uint8_t *blob, size_t len, int8_t *scratch, size_t scratch_size);
 
-/* Bytes of scratch a blob needs (after a successful prepare: the amount used). */
-size_t qs_model_scratch_needed(const qs_model *m);
+/* Forward one sample (input: the input tensor's size in int8). The trainable ops take
+ * their weights from flat (num_params int8: the master weights or a perturbed copy);
+ * NULL uses the blob's own weights. Returns the logits (num_classes int8 values). */
+const int8_t *qs_model_forward(qs_model *m, const int8_t *input, const int8_t *flat);
 
-/* Forward one sample (input: the input tensor's size in int8). perturbed selects the
- * work copy for trainable weights. Returns the logits (num_classes int8 values). */
-const int8_t *qs_model_forward(qs_model *m, const int8_t *input, int perturbed);
-
-/* Copy the trainable weights into / out of a flat vector (num_params int8). */
+/* Copy the blob's trainable weights into a flat vector (num_params int8). */
 void qs_model_get_flat(const qs_model *m, int8_t *flat);
-void qs_model_set_flat(qs_model *m, const int8_t *flat);
 
 #endif

@@ -13,11 +13,12 @@
 
 #include "qs_status.h"
 
-/* Identity a board reports in its Hello (strings end with NUL, at most 31 chars). */
+/* Identity a board reports in its Hello. */
 typedef struct {
-    const char *board_id;
-    const char *firmware; /* firmware name and version */
-    const char *npu;      /* "none", "neural-art", ... as protocol NpuKind */
+    const char *board_id; /* [A-Za-z0-9_.-]{1,32} */
+    const char *firmware; /* printable ASCII, at most 24 characters */
+    uint8_t npu;          /* QS_NPU_NONE, QS_NPU_NEURAL_ART (codec.h) */
+    uint32_t ram_kib;
 } qs_port_info;
 
 /* Bring up the serial link and the clock. argc/argv are the host's; boards pass 0/NULL. */
@@ -43,6 +44,13 @@ uint64_t qs_port_now_us(void);
  * AN547 SRAM/DDR; on the host a static array. Returns its base and size.
  */
 void *qs_port_model_region(size_t *size);
+
+/* The data set blob this board holds ("QZDS", qsched.zo.blob), or NULL: a file on the
+ * host, a blob QEMU loads into DDR, a flash region on the N6. */
+const uint8_t *qs_port_dataset(size_t *len);
+
+/* A few bits that differ between boots (the first frame's sequence number). */
+uint32_t qs_port_entropy(void);
 
 /* Diagnostic text for a human (host stderr, semihosting or nothing); may be a no-op. */
 void qs_port_log(const char *text);

@@ -1,0 +1,655 @@
+#include "agent.h"
+
+#include <string.h>
+
+#include "crc32.h"
+#include "loss.h"
+#include "port.h"
+#include "prng.h"
+#include "sha256.h"
+#include "update.h"
+
+/* ------------------------------------------------------------------ link layer */
+
+static void queue_frame(qs_agent *a, const qs_frame *fr)
+{
+    size_t n = 0;
+    /* An ACK of our own is written at once; the peer's next frame waits for it. */
+    if (qs_frame_encode(fr->seq, QS_FLAG_ACK, NULL, 0, a->wire, sizeof a->wire, &n) == QS_OK &&
+        qs_port_serial_write(a->wire, n) != QS_OK) {
+        a->link_gone = 1;
+    }
+}
+
+/* A good data frame arrived: acknowledge, drop a retransmission, queue the payload. */
+static void on_data_frame(qs_agent *a, const qs_frame *fr)
+{
+    const int syn = (fr->flags & QS_FLAG_SYN) != 0u;
+    if (a->have_last_rx && a->last_rx_seq == fr->seq && a->last_rx_syn == syn) {
+        queue_frame(a, fr); /* our ACK was lost: acknowledge again */
+        return;
+    }
+    if (a->queue_count == QS_RX_QUEUE) {
+        return; /* no ACK: the peer sends it again later */
+    }
+    qs_rx_slot *slot = &a->queue[(a->queue_head + a->queue_count) % QS_RX_QUEUE];
+    memcpy(slot->payload, fr->payload, fr->len);
+    slot->len = fr->len;
+    ++a->queue_count;
+    a->have_last_rx = 1;
+    a->last_rx_seq = fr->seq;
+    a->last_rx_syn = syn;
+    queue_frame(a, fr);
+}
+
+/* Read what the link has (waiting up to timeout_us for the first byte) and act on
+ * every completed frame. Bad frames are skipped: the sender retransmits. */
+static void poll_link(qs_agent *a, uint32_t timeout_us)
+{
+    size_t got = 0;
+    if (a->link_gone || qs_port_serial_read(a->rx_bytes, sizeof a->rx_bytes, &got, timeout_us) != QS_OK) {
+        a->link_gone = 1;
+        return;
+    }
+    for (size_t i = 0; i < got; ++i) {
+        qs_frame fr;
+        int done = 0;
+        if (qs_frame_reader_push(&a->reader, a->rx_bytes[i], &fr, &done) != QS_OK || !done) {
+            continue;
+        }
+        if (fr.flags & QS_FLAG_ACK) {
+            a->ack_seen = 1;
+            a->ack_seq = fr.seq;
+        } else {
+            on_data_frame(a, &fr);
+        }
+    }
+}
+
+/* Send one message and wait for its ACK, retransmitting (stop-and-wait). After the last
+ * retry the message is dropped and the next frame carries SYN (the peer resyncs). */
+static void send_msg(qs_agent *a, const qs_msg *msg)
+{
+    size_t len = 0, n = 0;
+    if (qs_encode(msg, a->tx_payload, sizeof a->tx_payload, &len) != QS_OK ||
+        qs_frame_encode(a->tx_seq, a->tx_syn ? QS_FLAG_SYN : 0u, a->tx_payload, len, a->wire, sizeof a->wire,
+                        &n) != QS_OK) {
+        return;
+    }
+    const uint16_t seq = a->tx_seq++;
+    static uint8_t frame[QS_MAX_WIRE_FRAME]; /* a->wire is reused by the ACKs we send */
+    memcpy(frame, a->wire, n);
+    for (uint32_t attempt = 0; attempt <= QS_MAX_RETRIES && !a->link_gone; ++attempt) {
+        a->ack_seen = 0;
+        if (qs_port_serial_write(frame, n) != QS_OK) {
+            a->link_gone = 1;
+            return;
+        }
+        const uint64_t start = qs_port_now_us();
+        while (!a->link_gone && qs_port_now_us() - start < QS_ACK_TIMEOUT_US) {
+            poll_link(a, QS_ACK_TIMEOUT_US / 10u);
+            if (a->ack_seen && a->ack_seq == seq) {
+                a->tx_syn = 0;
+                return;
+            }
+        }
+    }
+    a->tx_syn = 1;
+}
+
+/* ------------------------------------------------------------------ replies */
+
+static void reply_error(qs_agent *a, uint8_t code, uint8_t ref_type, uint32_t job_id, uint32_t step,
+                        const char *detail)
+{
+    qs_msg_init(&a->tx, QS_MSG_ERROR);
+    a->tx.code = code;
+    a->tx.ref_type = ref_type;
+    a->tx.job_id = job_id;
+    a->tx.step = step;
+    strncpy(a->tx.text_a, detail, QS_TEXT_MAX);
+    a->tx.text_a[QS_TEXT_MAX] = '\0';
+    send_msg(a, &a->tx);
+}
+
+static void reply_loaded(qs_agent *a, uint8_t resource, uint32_t job_id, uint32_t crc, uint32_t size)
+{
+    qs_msg_init(&a->tx, QS_MSG_LOADED);
+    a->tx.resource = resource;
+    a->tx.job_id = job_id;
+    a->tx.crc32 = crc;
+    a->tx.size = size;
+    send_msg(a, &a->tx);
+}
+
+static uint8_t reported_state(const qs_agent *a)
+{
+    if (a->model_rx.active || a->weights_rx.active) {
+        return QS_STATE_LOADING;
+    }
+    return a->state_ok ? QS_STATE_READY : QS_STATE_IDLE;
+}
+
+static void send_heartbeat(qs_agent *a, uint32_t nonce)
+{
+    qs_msg_init(&a->tx, QS_MSG_HEARTBEAT);
+    a->tx.nonce = nonce;
+    a->tx.uptime_ms = (uint32_t)((qs_port_now_us() - a->boot_us) / 1000u);
+    a->tx.state = reported_state(a);
+    a->tx.job_id = a->config_ok ? a->config.job_id : 0u;
+    a->tx.step = a->state_ok ? a->step : 0u;
+    a->last_heartbeat_us = qs_port_now_us();
+    send_msg(a, &a->tx);
+}
+
+static void send_hello(qs_agent *a)
+{
+    qs_port_info info;
+    qs_port_info_get(&info);
+    qs_msg_init(&a->tx, QS_MSG_HELLO);
+    a->tx.npu = info.npu;
+    a->tx.ram_kib = info.ram_kib;
+    a->tx.max_batch = (uint16_t)QS_MAX_BATCH;
+    a->tx.model_hash = a->model_ok ? a->model_hash : 0u;
+    a->tx.dataset_hash = a->dataset_selected ? a->dataset.hash64 : 0u;
+    strncpy(a->tx.text_a, info.board_id, QS_TEXT_MAX);
+    strncpy(a->tx.text_b, info.firmware, QS_TEXT_MAX);
+    send_msg(a, &a->tx);
+}
+
+/* ------------------------------------------------------------------ state */
+
+static void drop_state(qs_agent *a)
+{
+    a->state_ok = 0;
+    a->have_last_update = 0;
+}
+
+static void clear(qs_agent *a, int dataset)
+{
+    a->model_ok = 0;
+    a->config_ok = 0;
+    a->model_rx.active = 0;
+    a->weights_rx.active = 0;
+    drop_state(a);
+    if (dataset) {
+        a->dataset_selected = 0;
+    }
+}
+
+/* Build the initial state once model, data set and job config are all there
+ * (virtual_board's _rebuild). Returns 0 and replies with an Error on a mismatch. */
+static void rebuild(qs_agent *a)
+{
+    if (a->state_ok || !a->model_ok || !a->dataset_selected || !a->config_ok) {
+        return;
+    }
+    const qs_tensor *in = &a->model.tensors[a->model.input];
+    int shape_ok = in->rank == a->dataset.rank && a->model.num_classes == a->dataset.classes;
+    for (uint32_t i = 0; shape_ok && i < in->rank; ++i) {
+        shape_ok = in->dims[i] == a->dataset.dims[i];
+    }
+    if (!shape_ok) {
+        reply_error(a, QS_BERR_MODEL_INVALID, QS_MSG_JOB_CONFIG, a->config.job_id, 0,
+                    "model input/classes differ from the data set");
+        return;
+    }
+    qs_model_get_flat(&a->model, a->weights);
+    memset(a->buffer, 0, 2u * (size_t)a->model.num_params);
+    a->step = 0;
+    a->state_ok = 1;
+    a->have_last_update = 0;
+}
+
+static uint32_t le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Lay out the region after the blob for P parameters and prepare the model. */
+static qs_status install_model(qs_agent *a, uint32_t len)
+{
+    if (len < 24u) {
+        return QS_ERR_FORMAT;
+    }
+    const uint64_t params = le32(a->region + 20); /* untrusted until prepare: bounded here */
+    const uint64_t after_blob = ((uint64_t)a->blob_cap + 15u) & ~(uint64_t)15u;
+    const uint64_t need = after_blob + 7u * params + 64u;
+    if (need > a->region_size) {
+        return QS_ERR_TOO_LARGE;
+    }
+    uint8_t *p = a->region + after_blob;
+    a->weights = (int8_t *)p;
+    p += (params + 15u) & ~(uint64_t)15u;
+    a->buffer = (uint16_t *)(void *)p;
+    p += (2u * params + 15u) & ~(uint64_t)15u;
+    a->work = (int8_t *)p;
+    p += (params + 15u) & ~(uint64_t)15u;
+    a->staging = p;
+    p += (3u * params + 15u) & ~(uint64_t)15u;
+    if (p > a->region + a->region_size) {
+        return QS_ERR_TOO_LARGE;
+    }
+    const qs_status st = qs_model_prepare(&a->model, a->region, len, (int8_t *)p,
+                                          (size_t)(a->region + a->region_size - p));
+    if (st == QS_OK && a->model.num_params == 0u) {
+        return QS_ERR_ARG; /* the blob marks no layer trainable */
+    }
+    return st;
+}
+
+/* ------------------------------------------------------------------ loading */
+
+/* Chunks arrive in order (stop-and-wait); a repeat of a received range is ignored. */
+static int transfer_add(qs_agent *a, qs_transfer *t, uint8_t *dst, const qs_msg *m, uint32_t job_id)
+{
+    if (m->offset + m->chunk_len <= t->received && m->chunk_len != 0u) {
+        return 0; /* a duplicate delivery */
+    }
+    if (m->offset != t->received) {
+        t->active = 0;
+        reply_error(a, QS_BERR_MALFORMED, m->type, job_id, m->step, "chunks must arrive in order");
+        return -1;
+    }
+    memcpy(dst + m->offset, m->chunk, m->chunk_len);
+    t->received += m->chunk_len;
+    return t->received == t->total ? 1 : 0;
+}
+
+static void on_load_model(qs_agent *a, const qs_msg *m)
+{
+    if (m->total > a->blob_cap) {
+        reply_error(a, QS_BERR_TOO_LARGE, m->type, 0, 0, "model blob larger than this board's memory");
+        return;
+    }
+    qs_transfer *t = &a->model_rx;
+    if (!t->active || t->total != m->total || t->crc != m->crc32) {
+        if (m->offset != 0u) {
+            reply_error(a, QS_BERR_MALFORMED, m->type, 0, 0, "model transfer must start at offset 0");
+            return;
+        }
+        memset(t, 0, sizeof *t);
+        t->active = 1;
+        t->total = m->total;
+        t->crc = m->crc32;
+        a->model_ok = 0; /* the blob area is being overwritten */
+    }
+    const int done = transfer_add(a, t, a->region, m, 0);
+    if (done <= 0) {
+        return;
+    }
+    t->active = 0;
+    const uint64_t hash = qs_sha256_id(a->region, m->total);
+    if (qs_crc32_update(0, a->region, m->total) != m->crc32) {
+        reply_error(a, QS_BERR_CRC_MISMATCH, m->type, 0, 0, "model CRC differs");
+        return;
+    }
+    const int same = a->model_crc == m->crc32 && a->model_len == m->total && a->model_hash == hash;
+    const qs_status st = install_model(a, m->total);
+    if (st != QS_OK) {
+        drop_state(a);
+        reply_error(a, st == QS_ERR_TOO_LARGE ? QS_BERR_NO_MEMORY : QS_BERR_MODEL_INVALID, m->type, 0, 0,
+                    qs_status_name(st));
+        return;
+    }
+    a->model_ok = 1;
+    if (!same) { /* the same blob again keeps the weights and step */
+        drop_state(a);
+    }
+    a->model_hash = hash;
+    a->model_crc = m->crc32;
+    a->model_len = m->total;
+    reply_loaded(a, QS_RES_MODEL, 0, m->crc32, m->total);
+    rebuild(a);
+}
+
+static void on_select_dataset(qs_agent *a, const qs_msg *m)
+{
+    if (!a->dataset_ok || a->dataset.hash64 != m->dataset_hash || a->dataset.n_train != m->train_size ||
+        a->dataset.n_val != m->val_size) {
+        reply_error(a, QS_BERR_DATASET_MISSING, m->type, 0, 0, "this board does not hold that data set");
+        return;
+    }
+    if (!a->dataset_selected) {
+        a->dataset_selected = 1;
+        drop_state(a);
+    }
+    reply_loaded(a, QS_RES_DATASET, 0, (uint32_t)m->dataset_hash, m->train_size + m->val_size);
+    rebuild(a);
+}
+
+static int same_config(const qs_msg *x, const qs_msg *y)
+{
+    return x->job_id == y->job_id && x->seed == y->seed && x->numerics == y->numerics &&
+           x->estimator == y->estimator && x->accumulator == y->accumulator && x->batch_size == y->batch_size &&
+           memcmp(&x->eps, &y->eps, sizeof x->eps) == 0;
+}
+
+static void on_job_config(qs_agent *a, const qs_msg *m, const uint8_t *raw, size_t raw_len)
+{
+    if (m->batch_size == 0u || m->batch_size > QS_MAX_BATCH) {
+        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, 0, "batch size outside [1, 4096]");
+        return;
+    }
+    if (!a->config_ok || !same_config(&a->config, m)) {
+        a->config = *m;
+        a->config_ok = 1;
+        drop_state(a);
+    }
+    reply_loaded(a, QS_RES_JOB_CONFIG, m->job_id, qs_crc32_update(0, raw, raw_len), (uint32_t)raw_len);
+    /* This firmware computes INT8 with the FP16 buffer; eps is a whole number of steps. */
+    if (m->numerics != QS_NUM_INT8 || m->accumulator != QS_ACC_FP16 || !(m->eps >= 1.0f && m->eps <= 127.0f) ||
+        (float)(int32_t)m->eps != m->eps) {
+        a->config_ok = 0;
+        reply_error(a, QS_BERR_MODEL_INVALID, m->type, m->job_id, 0,
+                    "this firmware runs int8 jobs with an fp16 buffer and whole eps");
+        return;
+    }
+    rebuild(a);
+}
+
+/* Is the board ready for job_id? Replies with the Error when not. */
+static int ready(qs_agent *a, const qs_msg *m)
+{
+    if (!a->config_ok) {
+        reply_error(a, QS_BERR_NOT_READY, m->type, m->job_id, 0, "no job config");
+        return 0;
+    }
+    if (m->job_id != a->config.job_id) {
+        reply_error(a, QS_BERR_UNKNOWN_JOB, m->type, m->job_id, 0, "another job is configured");
+        return 0;
+    }
+    if (!a->state_ok) {
+        reply_error(a, QS_BERR_NOT_READY, m->type, m->job_id, 0, "missing model or dataset");
+        return 0;
+    }
+    return 1;
+}
+
+static int step_ok(qs_agent *a, const qs_msg *m)
+{
+    if (m->step != a->step) {
+        reply_error(a, QS_BERR_STALE_STEP, m->type, m->job_id, m->step, "request is not for the board's step");
+        return 0;
+    }
+    return 1;
+}
+
+static void on_set_weights(qs_agent *a, const qs_msg *m)
+{
+    if (!ready(a, m)) {
+        return;
+    }
+    const uint32_t params = a->model.num_params;
+    qs_transfer *t = &a->weights_rx;
+    if (!t->active || t->total != m->total || t->crc != m->checksum || t->job_id != m->job_id ||
+        t->step != m->step) {
+        if (m->total != 3u * params) {
+            reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "weights size differs from the job's");
+            return;
+        }
+        memset(t, 0, sizeof *t);
+        t->active = 1;
+        t->total = m->total;
+        t->crc = m->checksum;
+        t->job_id = m->job_id;
+        t->step = m->step;
+    }
+    const int done = transfer_add(a, t, a->staging, m, m->job_id);
+    if (done <= 0) {
+        return;
+    }
+    t->active = 0;
+    if (qs_crc32_update(0, a->staging, m->total) != m->checksum) {
+        reply_error(a, QS_BERR_CRC_MISMATCH, m->type, m->job_id, m->step, "weights CRC differs");
+        return;
+    }
+    memcpy(a->weights, a->staging, params);
+    for (uint32_t i = 0; i < params; ++i) { /* little-endian binary16 */
+        a->buffer[i] = (uint16_t)(a->staging[params + 2u * i] | (a->staging[params + 2u * i + 1u] << 8));
+    }
+    a->step = m->step;
+    a->have_last_update = 0;
+    reply_loaded(a, QS_RES_WEIGHTS, m->job_id, m->checksum, m->total);
+}
+
+/* ------------------------------------------------------------------ one step */
+
+/* Mean Q16 loss of the step's batch under the flat weights, as float32 (exact below 256). */
+static float batch_loss(qs_agent *a, const int8_t *flat, uint32_t batch)
+{
+    int64_t sum = 0;
+    for (uint32_t j = 0; j < batch; ++j) {
+        const uint32_t idx = a->batch[j];
+        const int8_t *logits = qs_model_forward(&a->model, a->dataset.x_train + (size_t)idx * a->dataset.sample, flat);
+        sum += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_train[idx], &a->model.loss);
+        if ((j & 7u) == 7u) {
+            poll_link(a, 0); /* keep acknowledging frames during a long evaluation */
+        }
+    }
+    /* Losses are non-negative: C's truncating division is the floor the SPEC asks for. */
+    return (float)((double)(sum / (int64_t)batch) / 65536.0);
+}
+
+static float perturbed_loss(qs_agent *a, uint32_t k, int32_t eps, int32_t sign, uint32_t batch)
+{
+    const qs_stream s = {a->config.seed, a->step};
+    (void)qs_perturb_int8(a->weights, a->work, a->model.num_params, 0, s, k, eps, sign);
+    return batch_loss(a, a->work, batch);
+}
+
+static void on_eval(qs_agent *a, const qs_msg *m)
+{
+    if (!ready(a, m) || !step_ok(a, m)) {
+        return;
+    }
+    if (m->batch_size != a->config.batch_size || memcmp(&m->eps, &a->config.eps, sizeof m->eps) != 0 ||
+        m->estimator != a->config.estimator) {
+        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "batch/eps/estimator differ from the job's");
+        return;
+    }
+    const uint64_t start = qs_port_now_us();
+    (void)qs_batch_indices(a->config.seed, m->step, m->batch_size, a->dataset.n_train, a->batch);
+    const int32_t eps = (int32_t)m->eps;
+    const int two_sided = m->estimator == QS_EST_TWO_SIDED;
+    qs_msg_init(&a->tx, QS_MSG_EVAL_RESULT);
+    for (uint16_t i = 0; i < m->nks; ++i) {
+        a->tx.seq_a[i] = perturbed_loss(a, m->ks[i], eps, 1, m->batch_size);
+        if (two_sided) {
+            a->tx.seq_b[i] = perturbed_loss(a, m->ks[i], eps, -1, m->batch_size);
+        }
+    }
+    if (!two_sided) {
+        a->tx.loss_zero = batch_loss(a, a->weights, m->batch_size);
+        a->tx.has_loss_zero = 1;
+    }
+    a->tx.type = QS_MSG_EVAL_RESULT;
+    a->tx.job_id = m->job_id;
+    a->tx.step = m->step;
+    a->tx.estimator = m->estimator;
+    a->tx.nks = m->nks;
+    memcpy(a->tx.ks, m->ks, sizeof(uint16_t) * m->nks);
+    const uint64_t us = qs_port_now_us() - start;
+    a->tx.compute_us = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+    send_msg(a, &a->tx);
+}
+
+static uint32_t update_key(const qs_msg *m)
+{
+    uint32_t crc = qs_crc32_update(0, m->ks, sizeof(uint16_t) * m->nks);
+    return qs_crc32_update(crc, m->seq_a, sizeof(float) * m->nks);
+}
+
+static void send_update_ack(qs_agent *a, uint32_t job_id, uint32_t step, uint32_t checksum)
+{
+    qs_msg_init(&a->tx, QS_MSG_UPDATE_ACK);
+    a->tx.job_id = job_id;
+    a->tx.step = step;
+    a->tx.checksum = checksum;
+    send_msg(a, &a->tx);
+}
+
+static void on_apply_update(qs_agent *a, const qs_msg *m)
+{
+    static qs_pair pairs[QS_MAX_KS];
+    if (!ready(a, m)) {
+        return;
+    }
+    const uint32_t key = update_key(m);
+    if (a->have_last_update && a->last_update_job == m->job_id && a->last_update_step == m->step &&
+        a->last_update_crc == key) {
+        send_update_ack(a, m->job_id, m->step, a->last_update_checksum); /* a duplicate delivery */
+        return;
+    }
+    if (!step_ok(a, m)) {
+        return;
+    }
+    for (uint16_t i = 0; i < m->nks; ++i) {
+        pairs[i].k = m->ks[i];
+        pairs[i].c = m->seq_a[i];
+    }
+    const qs_stream s = {a->config.seed, m->step};
+    if (qs_apply_int8_fp16(a->weights, a->buffer, a->model.num_params, 0, s, pairs, m->nks) != QS_OK) {
+        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "update pairs not ascending");
+        return;
+    }
+    a->step = m->step + 1u;
+    const uint32_t crc = qs_crc32_update(0, a->weights, a->model.num_params);
+    const uint32_t checksum = qs_crc32_fp16(crc, a->buffer, a->model.num_params);
+    a->have_last_update = 1;
+    a->last_update_job = m->job_id;
+    a->last_update_step = m->step;
+    a->last_update_crc = key;
+    a->last_update_checksum = checksum;
+    send_update_ack(a, m->job_id, m->step, checksum);
+}
+
+/* Index of the largest logit, the first one on ties (numpy's argmax). */
+static uint32_t argmax(const int8_t *logits, uint32_t n)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; ++i) {
+        if (logits[i] > logits[best]) {
+            best = i;
+        }
+    }
+    return best;
+}
+
+static void on_validate(qs_agent *a, const qs_msg *m)
+{
+    if (!ready(a, m) || !step_ok(a, m)) {
+        return;
+    }
+    const uint32_t n_val = a->dataset.n_val;
+    if (m->start >= n_val) {
+        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "validation start beyond the data set");
+        return;
+    }
+    const uint64_t start = qs_port_now_us();
+    const uint32_t stop = m->count > n_val - m->start ? n_val : m->start + m->count;
+    double loss_sum = 0.0;
+    uint32_t correct = 0;
+    for (uint32_t lo = m->start; lo < stop; lo += QS_VALIDATION_CHUNK) {
+        const uint32_t hi = stop - lo > QS_VALIDATION_CHUNK ? lo + QS_VALIDATION_CHUNK : stop;
+        int64_t chunk = 0;
+        for (uint32_t i = lo; i < hi; ++i) {
+            const int8_t *logits =
+                qs_model_forward(&a->model, a->dataset.x_val + (size_t)i * a->dataset.sample, a->weights);
+            chunk += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_val[i], &a->model.loss);
+            correct += argmax(logits, a->model.num_classes) == a->dataset.y_val[i];
+            if ((i & 7u) == 7u) {
+                poll_link(a, 0);
+            }
+        }
+        loss_sum += (double)chunk / 65536.0;
+    }
+    qs_msg_init(&a->tx, QS_MSG_VALIDATE_RESULT);
+    a->tx.job_id = m->job_id;
+    a->tx.step = m->step;
+    a->tx.start = m->start;
+    a->tx.count = stop - m->start;
+    a->tx.loss_sum = loss_sum;
+    a->tx.correct = correct;
+    const uint64_t us = qs_port_now_us() - start;
+    a->tx.compute_us = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+    send_msg(a, &a->tx);
+}
+
+/* ------------------------------------------------------------------ dispatch */
+
+static uint8_t decode_error_code(qs_decode_error err)
+{
+    switch (err) {
+    case QS_DEC_UNSUPPORTED_VERSION: return QS_BERR_UNSUPPORTED_VERSION;
+    case QS_DEC_UNKNOWN_TYPE: return QS_BERR_UNKNOWN_TYPE;
+    case QS_DEC_OVERSIZED: return QS_BERR_TOO_LARGE;
+    default: return QS_BERR_MALFORMED;
+    }
+}
+
+static void handle_payload(qs_agent *a, const uint8_t *payload, size_t len)
+{
+    qs_decode_error err;
+    const char *detail = NULL;
+    if (qs_decode(payload, len, &a->rx, &err, &detail) != QS_OK) {
+        const uint8_t ref = (len >= QS_HEADER_SIZE && err != QS_DEC_BAD_MAGIC) ? payload[3] : 0u;
+        reply_error(a, decode_error_code(err), ref, 0, 0, detail != NULL ? detail : qs_decode_error_name(err));
+        return;
+    }
+    const qs_msg *m = &a->rx;
+    switch (m->type) {
+    case QS_MSG_LOAD_MODEL: on_load_model(a, m); break;
+    case QS_MSG_SET_WEIGHTS: on_set_weights(a, m); break;
+    case QS_MSG_SELECT_DATASET: on_select_dataset(a, m); break;
+    case QS_MSG_JOB_CONFIG: on_job_config(a, m, payload, len); break;
+    case QS_MSG_EVAL_REQUEST: on_eval(a, m); break;
+    case QS_MSG_APPLY_UPDATE: on_apply_update(a, m); break;
+    case QS_MSG_VALIDATE_REQUEST: on_validate(a, m); break;
+    case QS_MSG_PING: send_heartbeat(a, m->nonce); break;
+    case QS_MSG_RESET:
+        clear(a, m->scope == 1u);
+        if (m->scope == 1u) {
+            a->boot_us = qs_port_now_us();
+        }
+        send_hello(a);
+        break;
+    case QS_MSG_ERROR: break; /* never answer an Error with an Error */
+    default:
+        reply_error(a, QS_BERR_UNKNOWN_TYPE, m->type, 0, 0, "not a daemon-to-board message");
+        break;
+    }
+}
+
+void qs_agent_init(qs_agent *a, uint8_t *region, size_t region_size, const uint8_t *dataset, size_t dataset_len)
+{
+    memset(a, 0, sizeof *a);
+    qs_frame_reader_init(&a->reader);
+    a->region = region;
+    a->region_size = region_size;
+    a->blob_cap = region_size / 2u;
+    a->tx_seq = (uint16_t)qs_port_entropy();
+    a->tx_syn = 1;
+    a->boot_us = qs_port_now_us();
+    a->dataset_ok = dataset != NULL && qs_dataset_parse(dataset, dataset_len, &a->dataset) == QS_OK;
+}
+
+qs_status qs_agent_run(qs_agent *a)
+{
+    send_hello(a);
+    a->last_heartbeat_us = qs_port_now_us();
+    while (!a->link_gone) {
+        if (a->queue_count > 0u) {
+            qs_rx_slot *slot = &a->queue[a->queue_head];
+            a->queue_head = (a->queue_head + 1u) % QS_RX_QUEUE;
+            --a->queue_count;
+            handle_payload(a, slot->payload, slot->len);
+            continue;
+        }
+        poll_link(a, QS_POLL_US);
+        if (qs_port_now_us() - a->last_heartbeat_us >= QS_HEARTBEAT_INTERVAL_US) {
+            send_heartbeat(a, 0);
+        }
+    }
+    return QS_ERR_IO;
+}

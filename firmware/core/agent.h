@@ -1,0 +1,99 @@
+/*
+ * The board agent: the board side of the protocol over a serial link (COBS frames,
+ * acks, retransmission), and the state machine of qsched.firmware.virtual_board in C:
+ * LoadModel / SelectDataset / JobConfig make the board ready, SetWeights resynchronises
+ * it, EvalRequest / ApplyUpdate / ValidateRequest run the training steps.
+ *
+ * No heap: the agent is one static object; the model, the weights, the accumulation
+ * buffer and the activations live in the port's model region, split as
+ *
+ *   [ blob (<= half the region) | weights P | FP16 buffer 2P | staging 3P | arena ]
+ *
+ * where P is the length of the flat trainable vector.
+ */
+#ifndef QS_AGENT_H
+#define QS_AGENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "codec.h"
+#include "dataset.h"
+#include "frame.h"
+#include "model.h"
+#include "qs_status.h"
+
+#define QS_MAX_BATCH 4096u
+#define QS_RX_QUEUE 4u                      /* data frames acknowledged but not yet handled */
+#define QS_ACK_TIMEOUT_US 500000u           /* protocol.framing.ACK_TIMEOUT_S */
+#define QS_MAX_RETRIES 4u                   /* protocol.framing.MAX_RETRIES */
+#define QS_HEARTBEAT_INTERVAL_US 5000000u   /* unsolicited Heartbeat period */
+#define QS_POLL_US 100000u                  /* idle wait for input */
+#define QS_VALIDATION_CHUNK 1024u           /* loss sums are added per chunk, as Workload.validate */
+
+typedef struct {
+    uint8_t payload[QS_MAX_PAYLOAD];
+    size_t len;
+} qs_rx_slot;
+
+/* A chunked transfer (LoadModel, SetWeights) being reassembled in order. */
+typedef struct {
+    int active;
+    uint32_t total, crc, job_id, step;
+    uint32_t received;
+} qs_transfer;
+
+typedef struct {
+    /* link */
+    qs_frame_reader reader;
+    uint16_t tx_seq;
+    int tx_syn;
+    int have_last_rx;
+    uint16_t last_rx_seq;
+    int last_rx_syn;
+    int ack_seen;
+    uint16_t ack_seq;
+    qs_rx_slot queue[QS_RX_QUEUE];
+    uint32_t queue_head, queue_count;
+    uint8_t wire[QS_MAX_WIRE_FRAME];
+    uint8_t tx_payload[QS_MAX_PAYLOAD];
+    uint8_t rx_bytes[256];
+    qs_msg rx, tx;
+    int link_gone;
+    uint64_t last_heartbeat_us;
+    uint64_t boot_us;
+
+    /* memory */
+    uint8_t *region;
+    size_t region_size;
+    size_t blob_cap;
+
+    /* what the board holds */
+    qs_dataset dataset;
+    int dataset_ok;      /* the port's data set parsed */
+    int dataset_selected;
+    int model_ok;
+    uint64_t model_hash;
+    uint32_t model_crc, model_len;
+    qs_model model;
+    int config_ok;
+    qs_msg config; /* the JobConfig */
+    int state_ok;  /* weights, buffer and step are valid */
+    uint32_t step;
+    int8_t *weights;
+    uint16_t *buffer;
+    int8_t *work;
+    uint8_t *staging;
+    qs_transfer model_rx, weights_rx;
+    int have_last_update;
+    uint32_t last_update_job, last_update_step, last_update_crc, last_update_checksum;
+    uint32_t batch[QS_MAX_BATCH];
+} qs_agent;
+
+/* Set up an agent on the port's model region and data set (NULL if none). */
+void qs_agent_init(qs_agent *a, uint8_t *region, size_t region_size, const uint8_t *dataset, size_t dataset_len);
+
+/* Serve the link until it is gone (returns QS_ERR_IO) — never returns on a board. */
+qs_status qs_agent_run(qs_agent *a);
+
+#endif

@@ -1,0 +1,52 @@
+/*
+ * qs_board: the C board agent on a POSIX host, serving the protocol on a serial device
+ * (a pseudo-terminal in tests). The daemon cannot tell it from an STM32N6 board.
+ *
+ *   qs_board <serial device> [--dataset FILE.qzds] [--board-id ID]
+ *
+ * Exit status: 0 when the link closed (the other side went away), 2 on bad usage or
+ * set-up failure.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "agent.h"
+#include "port.h"
+#include "port_host.h"
+
+static qs_agent g_agent;
+
+static int usage(void)
+{
+    fprintf(stderr, "usage: qs_board <serial device> [--dataset FILE.qzds] [--board-id ID]\n");
+    return 2;
+}
+
+int main(int argc, char **argv)
+{
+    const char *device = NULL, *dataset = NULL, *board_id = NULL;
+    for (int i = 1; i < argc; ++i) {
+        if (strcmp(argv[i], "--dataset") == 0 && i + 1 < argc) {
+            dataset = argv[++i];
+        } else if (strcmp(argv[i], "--board-id") == 0 && i + 1 < argc) {
+            board_id = argv[++i];
+        } else if (argv[i][0] != '-' && device == NULL) {
+            device = argv[i];
+        } else {
+            return usage();
+        }
+    }
+    if (device == NULL || !qs_host_configure(device, dataset, board_id) || qs_port_init(argc, argv) != QS_OK) {
+        return device == NULL ? usage() : 2;
+    }
+    size_t region_size = 0, dataset_len = 0;
+    uint8_t *region = qs_port_model_region(&region_size);
+    const uint8_t *data = qs_port_dataset(&dataset_len);
+    qs_agent_init(&g_agent, region, region_size, data, dataset_len);
+    if (data != NULL && !g_agent.dataset_ok) {
+        fprintf(stderr, "qs_board: %s is not a valid data set blob\n", dataset);
+        return 2;
+    }
+    qs_agent_run(&g_agent);
+    return 0;
+}

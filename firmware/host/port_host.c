@@ -1,0 +1,176 @@
+/*
+ * Port layer for a POSIX host: the serial link is a file descriptor (a pseudo-terminal
+ * or a USB serial device), time is CLOCK_MONOTONIC, the model region a static array.
+ */
+#include "port_host.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "codec.h"
+#include "port.h"
+
+#define HOST_MODEL_REGION_BYTES (64u << 20)
+#define HOST_DATASET_MAX_BYTES (256u << 20)
+
+static uint8_t g_region[HOST_MODEL_REGION_BYTES] __attribute__((aligned(16)));
+static int g_fd = -1;
+static uint64_t g_start_ns;
+static uint8_t *g_dataset;
+static size_t g_dataset_len;
+static char g_board_id[33] = "c-host";
+
+static uint64_t monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Raw 8-bit mode: no echo, no line editing, no CR/LF translation. */
+static void make_raw(int fd)
+{
+    struct termios t;
+    if (tcgetattr(fd, &t) != 0) {
+        return; /* not a terminal (a pipe or socket in tests): nothing to configure */
+    }
+    t.c_iflag &= ~(tcflag_t)(IGNBRK | BRKINT | PARMRK | ISTRIP | INLCR | IGNCR | ICRNL | IXON | IXOFF);
+    t.c_oflag &= ~(tcflag_t)OPOST;
+    t.c_lflag &= ~(tcflag_t)(ECHO | ECHONL | ICANON | ISIG | IEXTEN);
+    t.c_cflag &= ~(tcflag_t)(CSIZE | PARENB);
+    t.c_cflag |= CS8 | CREAD | CLOCAL;
+    t.c_cc[VMIN] = 1;
+    t.c_cc[VTIME] = 0;
+    tcsetattr(fd, TCSANOW, &t);
+}
+
+static int load_file(const char *path, uint8_t **data, size_t *len)
+{
+    FILE *fp = fopen(path, "rb");
+    if (fp == NULL) {
+        return 0;
+    }
+    uint8_t *buf = malloc(HOST_DATASET_MAX_BYTES); /* once at start-up, before the agent runs */
+    const size_t n = buf ? fread(buf, 1, HOST_DATASET_MAX_BYTES, fp) : 0u;
+    const int ok = buf != NULL && ferror(fp) == 0 && feof(fp);
+    fclose(fp);
+    if (!ok) {
+        free(buf);
+        return 0;
+    }
+    *data = buf;
+    *len = n;
+    return 1;
+}
+
+int qs_host_configure(const char *device, const char *dataset_path, const char *board_id)
+{
+    g_fd = open(device, O_RDWR | O_NOCTTY);
+    if (g_fd < 0) {
+        fprintf(stderr, "qs_board: cannot open %s: %s\n", device, strerror(errno));
+        return 0;
+    }
+    make_raw(g_fd);
+    if (dataset_path != NULL && !load_file(dataset_path, &g_dataset, &g_dataset_len)) {
+        fprintf(stderr, "qs_board: cannot read data set %s\n", dataset_path);
+        return 0;
+    }
+    if (board_id != NULL) {
+        strncpy(g_board_id, board_id, sizeof g_board_id - 1u);
+    }
+    return 1;
+}
+
+qs_status qs_port_init(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    g_start_ns = monotonic_ns();
+    return g_fd >= 0 ? QS_OK : QS_ERR_IO;
+}
+
+void qs_port_info_get(qs_port_info *info)
+{
+    info->board_id = g_board_id;
+    info->firmware = "qsched-fw-host/0.1";
+    info->npu = QS_NPU_NONE;
+    info->ram_kib = HOST_MODEL_REGION_BYTES / 1024u;
+}
+
+qs_status qs_port_serial_write(const uint8_t *data, size_t len)
+{
+    while (len > 0u) {
+        const ssize_t n = write(g_fd, data, len);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            return QS_ERR_IO;
+        }
+        data += n;
+        len -= (size_t)n;
+    }
+    return QS_OK;
+}
+
+qs_status qs_port_serial_read(uint8_t *buf, size_t cap, size_t *got, uint32_t timeout_us)
+{
+    *got = 0;
+    struct pollfd p = {g_fd, POLLIN, 0};
+    const int ready = poll(&p, 1, (int)((timeout_us + 999u) / 1000u));
+    if (ready < 0) {
+        return errno == EINTR ? QS_OK : QS_ERR_IO;
+    }
+    if (ready == 0) {
+        return QS_OK;
+    }
+    const ssize_t n = read(g_fd, buf, cap);
+    if (n <= 0) {
+        /* No data after poll said readable: the other side is gone (unplugged). */
+        return (n < 0 && (errno == EINTR || errno == EAGAIN)) ? QS_OK : QS_ERR_IO;
+    }
+    *got = (size_t)n;
+    return QS_OK;
+}
+
+uint64_t qs_port_now_us(void)
+{
+    return (monotonic_ns() - g_start_ns) / 1000u;
+}
+
+void *qs_port_model_region(size_t *size)
+{
+    *size = sizeof g_region;
+    return g_region;
+}
+
+const uint8_t *qs_port_dataset(size_t *len)
+{
+    *len = g_dataset_len;
+    return g_dataset;
+}
+
+uint32_t qs_port_entropy(void)
+{
+    return (uint32_t)monotonic_ns() ^ ((uint32_t)getpid() << 16);
+}
+
+void qs_port_log(const char *text)
+{
+    fprintf(stderr, "qs_board: %s\n", text);
+}
+
+#ifndef NDEBUG
+void qs_assert_failed(const char *file, int line, const char *cond)
+{
+    fprintf(stderr, "qs_board: assertion failed at %s:%d: %s\n", file, line, cond);
+    abort();
+}
+#endif

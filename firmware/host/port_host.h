@@ -1,0 +1,9 @@
+/* Host-only set-up of the POSIX port layer, called by main before qs_port_init. */
+#ifndef QS_PORT_HOST_H
+#define QS_PORT_HOST_H
+
+/* Open the serial device, read the data set blob (may be NULL), set the board id (may be
+ * NULL). Returns 0 and prints why on failure. */
+int qs_host_configure(const char *device, const char *dataset_path, const char *board_id);
+
+#endif

@@ -1,0 +1,204 @@
+"""The C board executable on a pseudo-terminal: protocol session and bit-exact training vs Python."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qsched.firmware.native import BoardClient, board_executable
+from qsched.firmware.virtual_board import dataset_hash64, model_hash64
+from qsched.protocol.codec import encode
+from qsched.protocol.messages import (
+    MAX_CHUNK,
+    ApplyUpdate,
+    Error,
+    EvalRequest,
+    EvalResult,
+    Heartbeat,
+    Hello,
+    JobConfig,
+    Loaded,
+    LoadModel,
+    Ping,
+    Reset,
+    SelectDataset,
+    SetWeights,
+    UpdateAck,
+    ValidateRequest,
+    ValidateResult,
+    job_config,
+)
+from qsched.zo.blob import encode_dataset_blob
+from qsched.zo.spec import JobSpec
+from qsched.zo.workload import TrainState, Workload
+
+
+@dataclass
+class Job:
+    """A default job as the daemon would prepare it for a board."""
+
+    spec: JobSpec
+    workload: Workload
+    blob: bytes
+    dataset_path: Path
+    config: JobConfig
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The default job (mlp on digits, INT8 + FP16 buffer), its blobs on disk."""
+    spec = JobSpec(seed=7, batch_size=16)
+    workload = Workload.from_spec(spec)
+    assert workload.qmodel is not None
+    path = tmp_path_factory.mktemp("board") / "digits.qzds"
+    path.write_bytes(encode_dataset_blob(workload.dataset, workload.qmodel))
+    return Job(spec, workload, workload.model_blob(), path, job_config(spec))
+
+
+@dataclass
+class Board:
+    client: BoardClient
+    proc: subprocess.Popen[bytes]
+    hello: Hello
+
+
+def _start_board(job: Job, *extra: str) -> Iterator[Board]:
+    master, slave = os.openpty()
+    proc = subprocess.Popen(
+        [str(board_executable(sanitized=True)), os.ttyname(slave), "--dataset", str(job.dataset_path), *extra],
+        stderr=subprocess.PIPE,
+    )
+    client = BoardClient(master)
+    try:
+        # Our copy of the slave side stays open until the board has opened its own:
+        # a pty master whose slave is closed everywhere reads as an I/O error.
+        hello = client.recv(timeout=10)
+        os.close(slave)
+        slave = -1
+        assert isinstance(hello, Hello)
+        yield Board(client, proc, hello)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+        assert b"ERROR: AddressSanitizer" not in err and b"runtime error" not in err, err.decode()
+
+
+@pytest.fixture
+def board(job: Job) -> Iterator[Board]:
+    """A sanitizer build of the C board serving a fresh pseudo-terminal."""
+    yield from _start_board(job, "--board-id", "c-test-0")
+
+
+def _load(board: Board, job: Job) -> None:
+    blob = job.blob
+    crc = zlib.crc32(blob)
+    answer = None
+    for offset in range(0, len(blob), MAX_CHUNK):
+        chunk = blob[offset : offset + MAX_CHUNK]
+        board.client.send(LoadModel(total=len(blob), offset=offset, crc32=crc, chunk=chunk))
+    answer = board.client.recv()
+    assert answer == Loaded(resource="model", crc32=crc, size=len(blob))
+    ds = job.workload.dataset
+    select = SelectDataset(
+        name=ds.name, dataset_hash=dataset_hash64(ds), train_size=len(ds.x_train), val_size=len(ds.x_val)
+    )
+    assert isinstance(board.client.request(select), Loaded)
+    loaded = board.client.request(job.config)
+    assert loaded == Loaded(
+        resource="job_config", job_id=job.config.job_id, crc32=zlib.crc32(encode(job.config)), size=len(encode(job.config))
+    )
+
+
+def test_board_hello_identifies_the_board(board: Board) -> None:
+    """The first message is a Hello with the board's id, no model and the C firmware's limits."""
+    assert board.hello.board_id == "c-test-0"
+    assert board.hello.npu == "none"
+    assert board.hello.model_hash == 0 and board.hello.dataset_hash == 0
+    assert board.hello.max_payload == 12288
+
+
+def test_board_ping_gets_heartbeat(board: Board) -> None:
+    """A Ping is answered by a Heartbeat echoing its nonce, state idle before a job."""
+    answer = board.client.request(Ping(nonce=0xDEADBEEF))
+    assert isinstance(answer, Heartbeat)
+    assert answer.nonce == 0xDEADBEEF and answer.state == "idle"
+
+
+def test_board_training_matches_python_bit_for_bit(board: Board, job: Job) -> None:
+    """Losses and weight checksums equal the Python workload's at every step."""
+    _load(board, job)
+    wl, state = job.workload, job.workload.initial_state()
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        ks = (0, 1, 2, 5) if step != 1 else tuple(range(10))
+        result = board.client.request(
+            EvalRequest(job_id=job.config.job_id, step=step, batch_size=16, eps=1.0, estimator="two_sided", ks=ks)
+        )
+        assert isinstance(result, EvalResult), result
+        want = wl.perturbed_losses(state, step, ks)
+        assert result.loss_plus == tuple(want.plus[k] for k in ks)
+        assert result.loss_minus == tuple(want.minus[k] for k in ks)
+        coefficients = tuple(float(np.float32(c)) for c in rng.standard_normal(len(ks)) * 0.7)
+        ack = board.client.request(ApplyUpdate(job_id=job.config.job_id, step=step, ks=ks, coefficients=coefficients))
+        state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
+        assert ack == UpdateAck(job_id=job.config.job_id, step=step, checksum=state.checksum())
+    loss_sum, correct, count = wl.validate(state, 10, 100)
+    result = board.client.request(ValidateRequest(job_id=job.config.job_id, step=3, start=10, count=100))
+    assert result == ValidateResult(
+        job_id=job.config.job_id, step=3, start=10, count=count, loss_sum=loss_sum, correct=correct,
+        compute_us=result.compute_us,  # type: ignore[union-attr]
+    )
+    beat = board.client.request(Ping(nonce=1))
+    assert isinstance(beat, Heartbeat) and beat.state == "ready" and beat.step == 3
+
+
+def test_board_set_weights_resynchronises(board: Board, job: Job) -> None:
+    """SetWeights installs weights + buffer at a step; the next update matches Python."""
+    _load(board, job)
+    wl = job.workload
+    rng = np.random.default_rng(9)
+    params = rng.integers(-127, 128, wl.num_params).astype(np.int8)
+    buffer = (rng.uniform(-1, 1, wl.num_params) * 0.9).astype(np.float16)
+    state = TrainState(40, params, buffer)
+    raw = params.tobytes() + buffer.astype("<f2").tobytes()
+    for offset in range(0, len(raw), MAX_CHUNK):
+        board.client.send(SetWeights(total=len(raw), offset=offset, job_id=job.config.job_id, step=40,
+                                     checksum=zlib.crc32(raw), chunk=raw[offset : offset + MAX_CHUNK]))
+    assert board.client.recv() == Loaded(resource="weights", job_id=job.config.job_id, crc32=zlib.crc32(raw), size=len(raw))
+    pairs = [(3, 0.25), (4, -1.5)]
+    ack = board.client.request(ApplyUpdate(job_id=job.config.job_id, step=40, ks=(3, 4), coefficients=(0.25, -1.5)))
+    assert ack == UpdateAck(job_id=job.config.job_id, step=40, checksum=wl.apply_update(state, 40, pairs).checksum())
+
+
+def test_board_refuses_bad_requests_with_typed_errors(board: Board, job: Job) -> None:
+    """Not ready, stale steps, unknown jobs and undecodable bytes each get their Error code."""
+    request = EvalRequest(job_id=job.config.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0,))
+    assert board.client.request(request).code == "not_ready"  # type: ignore[union-attr]
+    _load(board, job)
+    stale = board.client.request(request.model_copy(update={"step": 5}))
+    assert isinstance(stale, Error) and stale.code == "stale_step"
+    other = board.client.request(request.model_copy(update={"job_id": job.config.job_id ^ 1}))
+    assert isinstance(other, Error) and other.code == "unknown_job"
+    board.client.send_payload(b"QS\x01\x48\x01")
+    assert board.client.recv() == Error(code="malformed", ref_type=0x48, detail="message shorter than its layout")
+    board.client.send_payload(b"QS\x02\x48\x01\x00\x00\x00")
+    assert board.client.recv().code == "unsupported_version"  # type: ignore[union-attr]
+
+
+def test_board_reset_answers_hello_with_model_hash(board: Board, job: Job) -> None:
+    """After loading, a soft Reset drops the job and the Hello reports no model again."""
+    _load(board, job)
+    hello = board.client.request(Reset(scope="soft"))
+    assert isinstance(hello, Hello) and hello.model_hash == 0
+    assert hello.dataset_hash == dataset_hash64(job.workload.dataset)
+    assert model_hash64(job.blob) != 0
