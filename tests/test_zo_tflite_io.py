@@ -12,6 +12,7 @@ from ai_edge_litert import schema_py_generated as tfl
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from qsched.zo.engine import run_int8
+from qsched.zo.fixedpoint import multiply_by_quantized_multiplier, quantize_multiplier
 from qsched.zo.graph import (
     Add,
     AvgPool,
@@ -265,3 +266,46 @@ def test_tflite_export_pool_requires_same_qparams() -> None:
     qm.tensors["maxpool"] = TensorQuant(qm.tensors["relu6"].scale * 2, 0)
     with pytest.raises(TFLiteError, match="'maxpool'"):
         export_tflite(qm)
+
+
+def _rounding_case(kind: str, seed: int) -> tuple[QuantModel, np.ndarray, int]:
+    """A one-input-channel layer whose accumulators hit requantisation near-ties.
+
+    With weights 1 the accumulator is ``x + bias[o]``; every int8 x over 64 output
+    channels with spread biases covers thousands of accumulators. Returns the model, the
+    input batch and how many outputs single and double rounding disagree on (so a test
+    can prove the case discriminates).
+    """
+    rng = np.random.default_rng(seed)
+    out_ch, in_scale, out_scale = 64, 2.0**-7, float(np.float32(0.05))
+    bias = rng.integers(8_000, 30_000, size=out_ch).astype(np.int32) * rng.choice([-1, 1], out_ch)
+    # Scale each channel so its largest |accumulator| lands near 100 output steps.
+    w_scales = (100 * out_scale / (in_scale * (np.abs(bias) + 128))).astype(np.float32)
+    x = np.arange(-128, 128, dtype=np.int8)
+    acc = x.astype(np.int64)[:, None] + bias[None, :]
+    effective = float(np.float32(in_scale)) * w_scales.astype(np.float64) / out_scale
+    mult, shift = quantize_multiplier(effective)
+    single = multiply_by_quantized_multiplier(acc, mult, shift, single_rounding=True)
+    double = multiply_by_quantized_multiplier(acc, mult, shift, single_rounding=False)
+    shapes = {"dense": (out_ch, 1), "conv": (out_ch, 1, 1, 1), "depthwise": (1, 1, 1, out_ch)}
+    weight = np.ones(shapes[kind], np.int8)
+    if kind == "dense":
+        node: Dense | Conv2D = Dense("layer", ["input"], "out", _zeros(*weight.shape), _zeros(out_ch))
+        in_shape: tuple[int, ...] = (1,)
+    else:
+        node = Conv2D("layer", ["input"], "out", _zeros(*weight.shape), _zeros(out_ch),
+                      depthwise=kind == "depthwise")
+        in_shape, x = (1, 1, 1), x.reshape(-1, 1, 1, 1)
+    model = Model(f"{kind}_ties", "input", in_shape, [node], "out", out_ch)
+    layer = QuantizedLayer(weight, w_scales, bias)
+    tensors = {"input": TensorQuant(in_scale, 0), "out": TensorQuant(out_scale, 0)}
+    return QuantModel(model, tensors, {"layer": layer}), x.reshape(-1, *in_shape), int(
+        (single != double).sum())
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "depthwise"])
+def test_tflite_requantisation_rounding_matches_reference(kind: str) -> None:
+    """Near requantisation ties the engine rounds as LiteRT's reference kernel does."""
+    qm, x, disagreements = _rounding_case(kind, seed=14)
+    assert disagreements > 0  # single and double rounding differ here: the case decides
+    np.testing.assert_array_equal(run_int8(qm, x), _run(export_tflite(qm, batch=256), x))
