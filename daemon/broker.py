@@ -15,6 +15,7 @@ clients. It never touches a system broker.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import shutil
 import signal
 import socket
@@ -65,6 +66,7 @@ class MosquittoBroker:
         executable: the broker binary, looked up on ``PATH``.
         users: optional ``{username: password}``; when given, anonymous access is off
             and a password file is generated with ``mosquitto_passwd``.
+        tls: optional ``(certfile, keyfile)``: the listener speaks TLS only.
     """
 
     def __init__(
@@ -74,11 +76,13 @@ class MosquittoBroker:
         host: str = "127.0.0.1",
         executable: str = "mosquitto",
         users: dict[str, str] | None = None,
+        tls: tuple[str | Path, str | Path] | None = None,
     ) -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self._executable = executable
         self._users = dict(users or {})
+        self._tls = tls
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -116,14 +120,19 @@ class MosquittoBroker:
         self._wait_accepting()
 
     def _write_conf(self, folder: Path) -> Path:
-        lines = [
-            f"listener {self.port} {self.host}",
+        lines = [f"listener {self.port} {self.host}"]
+        if self._tls is not None:
+            lines += [f"certfile {self._tls[0]}", f"keyfile {self._tls[1]}"]
+        lines += [
             "persistence false",
             "log_dest stderr",
             "log_type error",
             "log_type warning",
             "max_queued_messages 10000",
             "set_tcp_nodelay true",
+            # Started as root, mosquitto would switch to user "mosquitto" and lose
+            # access to our private files; as anyone else this line has no effect.
+            f"user {getpass.getuser()}",
         ]
         if self._users:
             passwd = folder / "passwd"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
 import sys
 import tty
 from collections.abc import AsyncIterator, Callable
@@ -11,9 +13,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from qsched.daemon.broker import MosquittoBroker, free_port
-from qsched.daemon.config import MqttConfig
+from qsched.daemon.config import MqttConfig, TlsConfig
 from qsched.daemon.links import (
     BoardAppeared,
     BoardGone,
@@ -274,7 +277,7 @@ async def test_serial_replug_reappears(tmp_path: Path) -> None:
 
 _BOARD_SCRIPT = """
 import asyncio, sys
-from qsched.daemon.config import MqttConfig
+from qsched.daemon.config import MqttConfig, TlsConfig
 from qsched.daemon.links.mqtt import MqttEndpoint
 from qsched.protocol.topics import TopicMap
 
@@ -429,3 +432,43 @@ async def test_mqtt_daemon_state_retained(mqtt_broker: MosquittoBroker) -> None:
         state = await retained_state()
         assert state.online and state.job == "job-7" and state.version == "0.1.0"
     assert not (await retained_state()).online
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    cert, key = folder / "broker.pem", folder / "broker.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_mqtt_tls_and_password(tmp_path: Path) -> None:
+    """Over TLS with a password the board connects; a wrong password keeps it out."""
+    cert, key = await asyncio.to_thread(_self_signed, tmp_path)
+    topics = TopicMap(fleet="t")
+    async with MosquittoBroker(users={"qsched": "right"}, tls=(cert, key)) as broker:
+        tls = TlsConfig(enabled=True, ca_file=cert)
+        good = _mqtt_cfg(broker.port).model_copy(update={"tls": tls, "username": "qsched", "password": SecretStr("right")})
+        async with MqttTransport(good, topics) as transport, MqttEndpoint(good, topics, "secure-1") as board:
+            events = transport.events()
+            appeared = await _next_event(events)
+            await board.send(b"encrypted")
+            assert await _take(appeared.link, 1) == [b"encrypted"]
+        bad = good.model_copy(update={"password": SecretStr("wrong")})
+        async with MqttEndpoint(bad, topics, "intruder") as intruder:
+            with pytest.raises(TimeoutError):
+                await intruder.wait_connected(0.5)
+        plain = good.model_copy(update={"tls": TlsConfig()})
+        async with MqttEndpoint(plain, topics, "plaintext") as board:
+            with pytest.raises(TimeoutError):
+                await board.wait_connected(0.5)
+
+
+def test_mqtt_missing_certificate_fails_at_construction(tmp_path: Path) -> None:
+    """A TLS CA file that does not exist is an error when the link is built, not later."""
+    cfg = MqttConfig(tls=TlsConfig(enabled=True, ca_file=tmp_path / "missing.pem"))
+    with pytest.raises(FileNotFoundError):
+        MqttEndpoint(cfg, TopicMap(fleet="t"), "b")

@@ -136,6 +136,8 @@ class MqttConnection:
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._delay = backoff_delays(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        # Built now so a missing or bad certificate fails here, not in a background task.
+        self._tls = _tls_context(cfg)
         self.connects = 0  # successful connections so far (a reconnect makes it > 1)
 
     def subscribe(self, topic_filter: str, qos: int, handler: MessageHandler) -> None:
@@ -161,7 +163,7 @@ class MqttConnection:
             protocol=version,
             will=self._will,
             keepalive=cfg.keepalive_s,
-            tls_context=_tls_context(cfg),
+            tls_context=self._tls,
             tls_insecure=cfg.tls.insecure if cfg.tls.enabled else None,
             max_queued_incoming_messages=INCOMING_QUEUE_SIZE * 16,
             # Small QoS 1 packets and their acks otherwise meet Nagle's algorithm and
