@@ -146,3 +146,13 @@ def test_bench_engine_reports_timings(setup) -> None:
     model, x = setup
     result = bench_engine(quantize_model(model, x), batch=4, sets=4, trainable=["fc"], repeats=1)
     assert result["single_s"] > 0 and result["batched_s"] > 0 and result["speedup"] > 0
+
+
+def test_fp32_results_do_not_depend_on_batch(setup) -> None:
+    """A sample's FP32 logits are the same bits alone, in a batch, or from a cached prefix."""
+    model, x = setup
+    whole = run_fp32(model, x)
+    one_by_one = np.concatenate([run_fp32(model, x[i : i + 1]) for i in range(len(x))])
+    assert np.array_equal(whole, one_by_one)
+    pre = prefix_activations(model, x, ["grp"])
+    assert np.array_equal(run_fp32(model, pre.take([5, 2])), run_fp32(model, x[[5, 2]]))
