@@ -15,6 +15,7 @@ clients. It never touches a system broker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import shutil
 import signal
@@ -130,10 +131,11 @@ class MosquittoBroker:
             "log_type warning",
             "max_queued_messages 10000",
             "set_tcp_nodelay true",
+        ]
+        with contextlib.suppress(KeyError, OSError):
             # Started as root, mosquitto would switch to user "mosquitto" and lose
             # access to our private files; as anyone else this line has no effect.
-            f"user {getpass.getuser()}",
-        ]
+            lines.append(f"user {getpass.getuser()}")
         if self._users:
             passwd = folder / "passwd"
             passwd.write_text("")

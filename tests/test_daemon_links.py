@@ -11,6 +11,7 @@ import tty
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from pydantic import SecretStr
@@ -31,6 +32,9 @@ from qsched.daemon.links.serial import ByteStream, FdStream, SerialLink, SerialT
 from qsched.protocol.framing import decode_frame, encode_frame
 from qsched.protocol.messages import MAX_PAYLOAD
 from qsched.protocol.topics import TopicMap
+
+if TYPE_CHECKING:
+    from conftest import PtyPair
 
 FAST = {"ack_timeout": 0.05, "max_retries": 4}
 
@@ -152,32 +156,29 @@ class Pty:
 
 @asynccontextmanager
 async def serial_pair(
+    pty: PtyPair,
     drop: Callable[[bytes], bool] | None = None,
-) -> AsyncIterator[tuple[SerialLink, SerialLink, SerialTransport, AsyncIterator[LinkEvent], Pty]]:
-    """A SerialTransport on a pty and the board's SerialLink on its master."""
-    pty = Pty()
-    stream: ByteStream = FdStream(pty.master)
+) -> AsyncIterator[tuple[SerialLink, SerialLink, SerialTransport, AsyncIterator[LinkEvent]]]:
+    """A SerialTransport on the pty's port and the board's SerialLink on its master."""
+    stream: ByteStream = FdStream(pty.take_master())
     if drop is not None:
         stream = FaultyStream(stream, drop)
-    try:
-        async with SerialTransport([pty.path], reopen_interval=0.05, **FAST) as transport:
-            events = transport.events()
-            async with SerialLink("board-0", stream, **FAST) as board:
-                appeared = await _next_event(events)
-                assert isinstance(appeared, BoardAppeared)
-                assert appeared.board_id == f"serial:{pty.path}"
-                yield appeared.link, board, transport, events, pty  # type: ignore[misc]
-    finally:
-        pty.close()
+    async with SerialTransport([pty.path], reopen_interval=0.05, **FAST) as transport:
+        events = transport.events()
+        async with SerialLink("board-0", stream, **FAST) as board:
+            appeared = await _next_event(events)
+            assert isinstance(appeared, BoardAppeared)
+            assert appeared.board_id == f"serial:{pty.path}"
+            yield appeared.link, board, transport, events  # type: ignore[misc]
 
 
-async def test_serial_round_trip_in_order() -> None:
+async def test_serial_round_trip_in_order(pty_pair: PtyPair) -> None:
     """Messages of every size up to MAX_PAYLOAD cross a pty both ways, in order, once."""
     sizes = [0, 1, 253, 254, 255, 1000] + [MAX_PAYLOAD] * 8  # big ones overflow the pty buffer
     payloads = [os.urandom(n) for n in sizes] + [bytes(300)]  # zeros: worst case for COBS
     loop_errors: list[dict[str, object]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
-    async with serial_pair() as (daemon, board, _, _, _):
+    async with serial_pair(pty_pair) as (daemon, board, _, _):
         receiving = asyncio.create_task(_take(board, len(payloads)))
         for payload in payloads:
             await daemon.send(payload)
@@ -189,30 +190,30 @@ async def test_serial_round_trip_in_order() -> None:
     assert loop_errors == []  # nothing failed out of sight in a transport callback
 
 
-async def test_serial_survives_garbage_and_cut_frames() -> None:
+async def test_serial_survives_garbage_and_cut_frames(pty_pair: PtyPair) -> None:
     """Garbage and a frame cut off midway are skipped; the next frames still arrive."""
-    async with serial_pair() as (daemon, board, _, _, pty):
+    async with serial_pair(pty_pair) as (daemon, board, _, _):
         cut = encode_frame(7, b"never complete")[:-6]
-        os.write(pty.master, b"\xff\x13garbage\x00\x01\x02" + cut)  # injected on the wire
+        os.write(pty_pair.master, b"\xff\x13garbage\x00\x01\x02" + cut)  # injected on the wire
         await board.send(b"after garbage")
-        os.write(pty.master, bytes(range(1, 256)) * 3)
+        os.write(pty_pair.master, bytes(range(1, 256)) * 3)
         await board.send(b"after noise")
         assert await _take(daemon, 2) == [b"after garbage", b"after noise"]
         assert daemon.stats.bad_frames >= 2
 
 
-async def test_serial_retransmits_dropped_frame() -> None:
+async def test_serial_retransmits_dropped_frame(pty_pair: PtyPair) -> None:
     """A data frame lost on the wire is sent again after the ACK timeout and arrives once."""
-    async with serial_pair(drop=_drop_first(kind_is_ack=False, count=2)) as (daemon, board, _, _, _):
+    async with serial_pair(pty_pair, drop=_drop_first(kind_is_ack=False, count=2)) as (daemon, board, _, _):
         await board.send(b"lost twice")
         assert await _take(daemon, 1) == [b"lost twice"]
         assert board.stats.retransmits == 2
         assert daemon.stats.duplicates == 0
 
 
-async def test_serial_lost_ack_gives_duplicate_that_is_dropped() -> None:
+async def test_serial_lost_ack_gives_duplicate_that_is_dropped(pty_pair: PtyPair) -> None:
     """When an ACK is lost the sender repeats the frame; the receiver delivers it once."""
-    async with serial_pair(drop=_drop_first(kind_is_ack=True)) as (daemon, board, _, _, _):
+    async with serial_pair(pty_pair, drop=_drop_first(kind_is_ack=True)) as (daemon, board, _, _):
         await daemon.send(b"one")
         await daemon.send(b"two")
         assert await _take(board, 2) == [b"one", b"two"]
@@ -220,9 +221,9 @@ async def test_serial_lost_ack_gives_duplicate_that_is_dropped() -> None:
         assert board.stats.duplicates == 1
 
 
-async def test_serial_send_times_out_without_acks() -> None:
+async def test_serial_send_times_out_without_acks(pty_pair: PtyPair) -> None:
     """With every ACK lost, send raises SendTimeoutError after max_retries; the link lives on."""
-    async with serial_pair(drop=_is_ack) as (daemon, board, _, _, _):
+    async with serial_pair(pty_pair, drop=_is_ack) as (daemon, board, _, _):
         with pytest.raises(SendTimeoutError):
             await daemon.send(b"unheard")
         assert daemon.stats.retransmits == FAST["max_retries"]
@@ -231,16 +232,16 @@ async def test_serial_send_times_out_without_acks() -> None:
         assert (await _take(daemon, 1)) == [b"still up"]
 
 
-async def test_serial_rejects_oversized() -> None:
+async def test_serial_rejects_oversized(pty_pair: PtyPair) -> None:
     """A payload larger than one frame is refused before anything is written."""
-    async with serial_pair() as (daemon, _, _, _, _):
+    async with serial_pair(pty_pair) as (daemon, _, _, _):
         with pytest.raises(MessageTooLargeError):
             await daemon.send(bytes(MAX_PAYLOAD + 1))
 
 
-async def test_serial_unplug_reports_gone() -> None:
+async def test_serial_unplug_reports_gone(pty_pair: PtyPair) -> None:
     """Closing the board's side (an unplugged cable) ends the daemon's link with BoardGone."""
-    async with serial_pair() as (daemon, board, _, events, _):
+    async with serial_pair(pty_pair) as (daemon, board, _, events):
         await board.close()
         gone = await _next_event(events)
         assert isinstance(gone, BoardGone) and gone.reason == "unplugged"
