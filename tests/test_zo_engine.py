@@ -156,3 +156,14 @@ def test_fp32_results_do_not_depend_on_batch(setup) -> None:
     assert np.array_equal(whole, one_by_one)
     pre = prefix_activations(model, x, ["grp"])
     assert np.array_equal(run_fp32(model, pre.take([5, 2])), run_fp32(model, x[[5, 2]]))
+
+
+def test_small_budget_runs_samples_in_slices(setup) -> None:
+    """A budget below one batch slices the samples; no bit changes, in either mode."""
+    model, x = setup
+    qm = quantize_model(model, x)
+    xq = quantize_input(qm, x)
+    np.testing.assert_array_equal(run_int8(qm, xq, max_bytes=1), run_int8(qm, xq))
+    assert np.array_equal(run_fp32(model, x, max_bytes=1), run_fp32(model, x))
+    pre = prefix_activations(qm, xq, "fc", max_bytes=1)
+    np.testing.assert_array_equal(pre.tensors["t8"], prefix_activations(qm, xq, "fc").tensors["t8"])

@@ -425,6 +425,19 @@ def _chunk_size(model: Model, start: int, batch: int, sets: int, max_bytes: int)
     return int(max(1, min(sets, max_bytes // per_copy)))
 
 
+def _run_by_samples(
+    model: Model, env: Env, start: int, stop: int, ctx: _Ctx, fn: _NodeFn, max_bytes: int
+) -> Env:
+    """``_run`` over slices of the samples that fit the budget (results do not depend on it)."""
+    n = int(next(iter(env.values())).shape[1])
+    per = _chunk_size(model, start, 1, n, max_bytes)
+    last = _last_use(model)
+    if per >= n:
+        return _run(model, env, start, stop, ctx, fn, last)
+    parts = [_run(model, {k: v[:, i : i + per] for k, v in env.items()}, start, stop, ctx, fn, last) for i in range(0, n, per)]
+    return {k: np.concatenate([part[k] for part in parts], axis=1) for k in parts[0]}
+
+
 def _evaluate(
     model: Model,
     env: Env,
@@ -437,9 +450,9 @@ def _evaluate(
     """Run the model; with ``sets``, P stacked copies in chunks after a shared prefix."""
     last = _last_use(model)
     if not sets:
-        return _run(model, env, start, len(model.nodes), ctx, fn, last)[model.output_name]
+        return _run_by_samples(model, env, start, len(model.nodes), ctx, fn, max_bytes)[model.output_name]
     first = max(start, _first_index(model, sets))
-    env = _run(model, env, start, first, ctx, fn, last)
+    env = _run_by_samples(model, env, start, first, ctx, fn, max_bytes)
     ctx.shared = frozenset(env)
     p = next(iter(sets.values()))[0].shape[0]
     batch = next(iter(env.values())).shape[1]
@@ -457,13 +470,19 @@ def _evaluate(
 # ------------------------------------------------------------------------ public API
 
 
-def run_fp32(model: Model, x: Array | Activations, params: Mapping[str, tuple[Array, Array]] | None = None) -> F32:
+def run_fp32(
+    model: Model,
+    x: Array | Activations,
+    params: Mapping[str, tuple[Array, Array]] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> F32:
     """FP32 forward pass.
 
     Args:
         model: the float model.
         x: ``(N, *input_shape)`` float input, or ``prefix_activations`` of it.
         params: layer name -> ``(W, b)`` replacing that layer's weights.
+        max_bytes: working-set budget; a large batch runs in slices of samples.
 
     Returns:
         ``(N, num_classes)`` float32 logits (the output tensor).
@@ -471,7 +490,7 @@ def run_fp32(model: Model, x: Array | Activations, params: Mapping[str, tuple[Ar
     infer_shapes(model)
     env, start = _start_env(model, x, quantized=False)
     ctx = _Ctx(_fp32_weights(model, params, stacked=False), {})
-    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, None, 0)[0])
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, None, max_bytes)[0])
 
 
 def run_fp32_perturbed(
@@ -501,7 +520,12 @@ def run_fp32_perturbed(
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, sets, max_bytes))
 
 
-def run_int8(qmodel: QuantModel, x_q: Array | Activations, weights: Mapping[str, Array] | None = None) -> I8:
+def run_int8(
+    qmodel: QuantModel,
+    x_q: Array | Activations,
+    weights: Mapping[str, Array] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> I8:
     """INT8 forward pass with TFLite reference-kernel semantics.
 
     Args:
@@ -509,6 +533,7 @@ def run_int8(qmodel: QuantModel, x_q: Array | Activations, weights: Mapping[str,
         x_q: ``(N, *input_shape)`` int8 input (see ``quantize.quantize_input``), or
             ``prefix_activations`` of it.
         weights: layer name -> int8 weight replacing that layer's.
+        max_bytes: working-set budget; a large batch runs in slices of samples.
 
     Returns:
         ``(N, num_classes)`` int8 logits.
@@ -517,7 +542,7 @@ def run_int8(qmodel: QuantModel, x_q: Array | Activations, weights: Mapping[str,
     infer_shapes(model)
     env, start = _start_env(model, x_q, quantized=True)
     ctx = _Ctx(_int8_weights(qmodel, weights, stacked=False), {}, qmodel, _prepare_int8(qmodel))
-    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, None, 0)[0])
+    return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, None, max_bytes)[0])
 
 
 def run_int8_perturbed(
@@ -573,14 +598,20 @@ def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
 
 
 def prefix_activations(
-    model: Model | QuantModel, x: Array, trainable: str | Iterable[str]
+    model: Model | QuantModel,
+    x: Array,
+    trainable: str | Iterable[str],
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Activations:
     """Run the frozen prefix (the nodes before the first trainable layer) once.
+
+    A whole data set may go in: samples run in slices that fit ``max_bytes``.
 
     Args:
         model: a float ``Model`` (FP32) or a ``QuantModel`` (INT8, then ``x`` is int8).
         x: ``(N, *input_shape)`` input.
         trainable: the trainable layer name(s).
+        max_bytes: working-set budget.
 
     Returns:
         The live tensors at the first trainable layer; pass them as ``x`` to ``run_*``.
@@ -602,7 +633,7 @@ def prefix_activations(
     else:
         ctx = _Ctx(_fp32_weights(graph, None, stacked=False), {})
         fn = _fp32_node
-    env = _run(graph, env, start, stop, ctx, fn, _last_use(graph))
+    env = _run_by_samples(graph, env, start, stop, ctx, fn, max_bytes)
     return Activations(stop, {k: np.ascontiguousarray(v[0]) for k, v in env.items()}, quantized)
 
 
