@@ -10,10 +10,14 @@ counted and skipped; the reader resynchronises on the next delimiter.
 A read of no data (``b""``) or an I/O error means the port is gone — a USB VCP that was
 unplugged, or a pseudo-terminal whose other side closed — and the link closes.
 
-The daemon opens ports with pyserial-asyncio-fast: pyserial-asyncio has had no
-release since 2021, while the -fast fork is maintained, keeps the same API and
-writes without an extra executor hop. Boards and tests can run the same link over a
-raw file descriptor (``FdStream``, e.g. a pty master).
+Ports are opened with pyserial-asyncio-fast: pyserial-asyncio has had no release
+since 2021, while the -fast fork is maintained and keeps its API (writes bypass its
+transport, see ``SerialPortStream``). Boards and tests run the same link over a raw
+file descriptor (``FdStream``, e.g. a pty master).
+
+A board whose MCU resets behind a still-powered ST-LINK keeps its port: the link stays
+up, the board's first frame carries SYN (the receiver accepts it whatever its sequence
+number) and the fleet learns of the reset from the board's new Hello.
 
     async with SerialTransport(["/dev/ttyACM0"]) as transport:   # daemon side
         async for event in transport.events(): ...
@@ -447,6 +451,10 @@ class SerialEndpoint:
 
 class SerialTransport:
     """The daemon's serial ports: opens each, reports boards, reopens after unplug.
+
+    A link closed by the daemon (``link.close()``, e.g. a faulty board) ends with
+    ``BoardGone("closed")``; the port is opened again after ``reopen_interval`` and the
+    board comes back as a fresh ``BoardAppeared``, as after a re-plug.
 
     Args:
         devices: port paths (udev symlinks such as ``/dev/qsched/stlink-<serial>`` work)
