@@ -251,6 +251,17 @@ async def test_serial_unplug_reports_gone(pty_pair: PtyPair) -> None:
             await daemon.send(b"x")
 
 
+async def test_serial_closed_link_reopens(pty_pair: PtyPair) -> None:
+    """A link the daemon closes is reported gone, then the port is reopened as a fresh board."""
+    async with serial_pair(pty_pair) as (daemon, board, _, events):
+        await daemon.close()
+        assert await _next_event(events) == BoardGone(daemon.board_id, "closed", "serial")
+        again = await _next_event(events)
+        assert isinstance(again, BoardAppeared) and again.link is not daemon
+        await board.send(b"after reopen")
+        assert await _take(again.link, 1) == [b"after reopen"]
+
+
 async def test_serial_replug_reappears(tmp_path: Path) -> None:
     """A port path (a udev symlink) that comes back after an unplug yields a new board link."""
     first, second = Pty(), Pty()
