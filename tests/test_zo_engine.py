@@ -167,3 +167,15 @@ def test_small_budget_runs_samples_in_slices(setup) -> None:
     assert np.array_equal(run_fp32(model, x, max_bytes=1), run_fp32(model, x))
     pre = prefix_activations(qm, xq, "fc", max_bytes=1)
     np.testing.assert_array_equal(pre.tensors["t8"], prefix_activations(qm, xq, "fc").tensors["t8"])
+
+
+def test_weights_inside_cached_prefix_are_refused(setup) -> None:
+    """New weights for a layer the cached prefix already ran raise instead of being ignored."""
+    model, x = setup
+    qm = quantize_model(model, x)
+    xq = quantize_input(qm, x)
+    pre = prefix_activations(qm, xq, "grp")
+    with pytest.raises(GraphError, match=r"'pw'.*prefix"):
+        run_int8_perturbed(qm, pre, _int8_sets(qm, ["pw"], 2, np.random.default_rng(5)))
+    with pytest.raises(ValueError, match="no weight sets"):
+        run_int8_perturbed(qm, xq, {})

@@ -489,6 +489,7 @@ def run_fp32(
     """
     infer_shapes(model)
     env, start = _start_env(model, x, quantized=False)
+    _check_after_prefix(model, params or {}, start)
     ctx = _Ctx(_fp32_weights(model, params, stacked=False), {})
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, None, max_bytes)[0])
 
@@ -513,6 +514,7 @@ def run_fp32_perturbed(
     infer_shapes(model)
     _check_set_count(param_sets.values(), lambda v: np.shape(v[0])[0])
     env, start = _start_env(model, x, quantized=False)
+    _check_after_prefix(model, param_sets, start)
     weights = _fp32_weights(model, None, stacked=False)
     sets = _fp32_weights(model, param_sets, stacked=True)
     sets = {k: sets[k] for k in param_sets}
@@ -541,6 +543,7 @@ def run_int8(
     model = qmodel.model
     infer_shapes(model)
     env, start = _start_env(model, x_q, quantized=True)
+    _check_after_prefix(model, weights or {}, start)
     ctx = _Ctx(_int8_weights(qmodel, weights, stacked=False), {}, qmodel, _prepare_int8(qmodel))
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, None, max_bytes)[0])
 
@@ -566,6 +569,7 @@ def run_int8_perturbed(
     infer_shapes(model)
     _check_set_count(weight_sets.values(), lambda v: np.shape(v)[0])
     env, start = _start_env(model, x_q, quantized=True)
+    _check_after_prefix(model, weight_sets, start)
     base = _int8_weights(qmodel, None, stacked=False)
     sets = _int8_weights(qmodel, weight_sets, stacked=True)
     sets = {k: sets[k] for k in weight_sets}
@@ -575,8 +579,20 @@ def run_int8_perturbed(
 
 def _check_set_count(values: Iterable[Any], count: Callable[[Any], int]) -> None:
     counts = {count(v) for v in values}
+    if not counts:
+        raise ValueError("no weight sets given: name at least one layer")
     if len(counts) > 1:
         raise ValueError(f"weight sets disagree on the number of copies P: {sorted(counts)}")
+    if 0 in counts:
+        raise ValueError("weight sets hold no copies (P = 0)")
+
+
+def _check_after_prefix(model: Model, names: Iterable[str], start: int) -> None:
+    """Weights given for a layer inside a cached prefix would be silently ignored."""
+    done = {node.name for node in model.nodes[:start]}
+    for name in names:
+        if name in done:
+            raise GraphError(name, "layer lies inside the cached prefix; its weights cannot change here")
 
 
 def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
