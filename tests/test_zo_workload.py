@@ -34,7 +34,7 @@ def test_workload_trainable_selection() -> None:
     """'last:N' and name lists pick layers; an unknown name lists the layers."""
     wl = Workload.from_spec(JobSpec(trainable="last:1"))
     assert wl.trainable_layers == ["dense_2"]
-    assert wl.num_params == wl.qmodel.layers["dense_2"].weight.size  # type: ignore[union-attr]
+    assert wl.num_params == wl.qmodel.layers["dense_2"].weight.size
     with pytest.raises(WorkloadError, match="dense_1"):
         Workload.from_spec(JobSpec(trainable=["nope"]))
 
@@ -89,7 +89,7 @@ def test_workload_fp32_losses_match_direct_evaluation(fp32_workload: Workload) -
 @pytest.mark.parametrize("spec_kwargs", [{}, {"numerics": "fp32"}, {"accumulator": "int8"}])
 def test_workload_sharded_steps_bit_identical(spec_kwargs: dict[str, str]) -> None:
     """ks split across 3 boards give the same losses and the same final checksum."""
-    wl = Workload.from_spec(JobSpec(batch_size=16, **spec_kwargs))  # type: ignore[arg-type]
+    wl = Workload.from_spec(JobSpec(batch_size=16, **spec_kwargs))
     whole = wl.initial_state()
     sharded = [wl.initial_state() for _ in range(3)]
     q = 6

@@ -19,7 +19,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -437,8 +437,8 @@ def _decode_op(
     name = f.name.rstrip(b"\0").decode()
     inputs = [_tensor_name(names, f.in0, name)] + ([_tensor_name(names, f.in1, name)] if f.in1 != NO_TENSOR else [])
     output = _tensor_name(names, f.out, name)
-    activation: Activation = _key(ACTIVATIONS, f.activation, "activation")  # type: ignore[assignment]
-    padding: Padding = _key(PADDINGS, f.padding, "padding")  # type: ignore[assignment]
+    activation = cast(Activation, _key(ACTIVATIONS, f.activation, "activation"))
+    padding = cast(Padding, _key(PADDINGS, f.padding, "padding"))
     window, stride = (f.window_h, f.window_w), (f.stride_h, f.stride_w)
     if f.opcode in (OPCODES[Conv2D], OPCODE_DEPTHWISE, OPCODES[Dense]):
         weight, bias, layer = _decode_weights(f, quants, data, int8)
@@ -468,8 +468,8 @@ def _decode_weights(
     if int(np.prod(dims)) != f.weight_count:
         raise BlobError(f"model blob: weight dims {dims} do not hold {f.weight_count} values")
     if not int8:
-        weight = _read(data, f.weight_offset, np.float32, f.weight_count).reshape(dims)
-        return weight.astype(np.float32), _read(data, f.bias_offset, np.float32, f.channels).astype(np.float32), None
+        w_f32 = _read(data, f.weight_offset, np.float32, f.weight_count).reshape(dims).astype(np.float32)
+        return w_f32, _read(data, f.bias_offset, np.float32, f.channels).astype(np.float32), None
     wq = _read(data, f.weight_offset, np.int8, f.weight_count).reshape(dims).astype(np.int8)
     bq = _read(data, f.bias_offset, np.int32, f.channels).astype(np.int32)
     scales = _read(data, f.scales_offset, np.float32, f.channels).astype(np.float32)

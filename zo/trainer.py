@@ -66,7 +66,7 @@ class TrainResult:
     @property
     def done(self) -> bool:
         """True once all the spec's steps ran."""
-        return self.state.step >= self.spec.steps
+        return bool(self.state.step >= self.spec.steps)
 
 
 def policy_context(spec: JobSpec, workload: Workload) -> PolicyContext:

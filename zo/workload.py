@@ -18,7 +18,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final, Literal
+from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,10 @@ __all__ = [
     "widen_logits",
 ]
 
+# A flat trainable vector or a stack of them: float32 (FP32) or int8 (INT8).
+Flat: TypeAlias = npt.NDArray[Any]
+Inputs: TypeAlias = "npt.NDArray[Any] | engine.Activations"
+
 # Philox domain (counter word 3) of the PTQ calibration subset; 0 and 1 are the protocol's.
 DOMAIN_CALIBRATION: Final = 2
 CALIBRATION_SAMPLES: Final = 512
@@ -57,8 +61,8 @@ _VALIDATION_CHUNK: Final = 1024
 _STATE_MAGIC: Final = b"QZST"
 _STATE_VERSION: Final = 1
 _STATE_HEADER: Final = struct.Struct("<4sHBBQII")
-_PARAM_CODES: Final = {np.dtype(np.float32): 1, np.dtype(np.int8): 2}
-_BUFFER_CODES: Final = {None: 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2}
+_PARAM_CODES: Final[dict[np.dtype[Any] | None, int]] = {np.dtype(np.float32): 1, np.dtype(np.int8): 2}
+_BUFFER_CODES: Final[dict[np.dtype[Any] | None, int]] = {None: 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2}
 
 
 class WorkloadError(ValueError):
@@ -79,8 +83,8 @@ class TrainState:
     """
 
     step: int
-    params: npt.NDArray[np.float32] | npt.NDArray[np.int8]
-    buffer: npt.NDArray[np.float16] | npt.NDArray[np.int8] | None = None
+    params: Flat
+    buffer: Flat | None = None
 
     def checksum(self) -> int:
         """CRC-32 of the params' bytes then the buffer's bytes (SPEC section 5)."""
@@ -130,6 +134,8 @@ class TrainState:
         if magic != _STATE_MAGIC or version != _STATE_VERSION:
             raise StateError(f"train state: bad magic {magic!r} or version {version}")
         pdtype = _code_dtype(_PARAM_CODES, pcode, "params")
+        if pdtype is None:
+            raise StateError("train state: params need a dtype")
         bdtype = _code_dtype(_BUFFER_CODES, bcode, "buffer")
         expected = _STATE_HEADER.size + n_params * pdtype.itemsize + (n_buffer * bdtype.itemsize if bdtype else 0)
         if len(data) != expected:
@@ -148,7 +154,7 @@ class TrainState:
         return TrainState(self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy())
 
 
-def _code_dtype(codes: dict[np.dtype | None, int], code: int, what: str) -> np.dtype | None:  # type: ignore[type-arg]
+def _code_dtype(codes: dict[np.dtype[Any] | None, int], code: int, what: str) -> np.dtype[Any] | None:
     for dtype, value in codes.items():
         if value == code:
             return dtype
@@ -220,8 +226,8 @@ class Workload:
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
         self._train_prefix: engine.Activations | None = None
-        self._x_train: npt.NDArray[np.float32] | npt.NDArray[np.int8] = dataset.x_train
-        self._x_val: npt.NDArray[np.float32] | npt.NDArray[np.int8] = dataset.x_val
+        self._x_train: Flat = dataset.x_train
+        self._x_val: Flat = dataset.x_val
         if qmodel is not None:
             scale = qmodel.tensors[model.output_name].scale
             self._loss_table = intloss.exp_table(scale)
@@ -286,7 +292,7 @@ class Workload:
     @property
     def int8(self) -> bool:
         """True in INT8 mode."""
-        return self.spec.numerics == "int8"
+        return bool(self.spec.numerics == "int8")
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -323,7 +329,8 @@ class Workload:
 
     def batch(self, step: int) -> npt.NDArray[np.int64]:
         """The minibatch indices of a step (SPEC section 1)."""
-        return prng.batch_indices(self.spec.seed, step, self.spec.batch_size, len(self.dataset.x_train))
+        indices: npt.NDArray[np.int64] = prng.batch_indices(self.spec.seed, step, self.spec.batch_size, len(self.dataset.x_train))
+        return indices
 
     def perturbed_losses(self, state: TrainState, step: int, ks: Sequence[int]) -> LossPairs:
         """The losses of perturbations ``ks`` at ``step`` on the step's minibatch.
@@ -346,7 +353,7 @@ class Workload:
             raise ValueError(f"repeated perturbation index in {keys}")
         eps = self.spec.eps
         signs = (1, -1) if self.spec.estimator == "two_sided" else (1,)
-        sets: list[npt.NDArray[np.float32] | npt.NDArray[np.int8]] = []
+        sets: list[Flat] = []
         for k in keys:
             sets.extend(self._perturb(state.params, step, k, eps, signs))
         if self.spec.estimator == "one_sided":
@@ -362,7 +369,7 @@ class Workload:
 
     def _train_inputs(
         self, idx: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations:
+    ) -> Inputs:
         """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
         first = next(i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers))
         if first == 0:
@@ -374,15 +381,15 @@ class Workload:
 
     def _perturb(
         self,
-        params: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        params: Flat,
         step: int,
         k: int,
         eps: float,
         signs: Sequence[int],
-    ) -> list[npt.NDArray[np.float32] | npt.NDArray[np.int8]]:
+    ) -> list[Flat]:
         """params + sign * eps * z_k for each sign, z_k drawn once (as update.perturb_*)."""
         negative = prng.rademacher_bits(self.spec.seed, step, k, self.num_params)
-        out: list[npt.NDArray[np.float32] | npt.NDArray[np.int8]] = []
+        out: list[Flat] = []
         if self.int8:
             wide = params.astype(np.int32)
             z = np.where(negative, -int(eps), int(eps)).astype(np.int32)
@@ -431,8 +438,8 @@ class Workload:
 
     def _set_losses(
         self,
-        sets: Sequence[npt.NDArray[np.float32] | npt.NDArray[np.int8]],
-        x: npt.NDArray[np.float32] | npt.NDArray[np.int8],
+        sets: Sequence[Flat],
+        x: Flat,
         y: npt.NDArray[np.int64],
     ) -> list[float]:
         """Mean batch loss of each flat weight set, in engine calls of bounded size."""
@@ -449,33 +456,37 @@ class Workload:
 
     def _logits(
         self,
-        stacked: npt.NDArray[np.float32] | npt.NDArray[np.int8],
-        x: npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations,
-    ) -> npt.NDArray[np.int8] | npt.NDArray[np.float32]:
+        stacked: Flat,
+        x: Inputs,
+    ) -> Flat:
         """Logits (P, B, C) of P flat weight sets on one input batch."""
         count = stacked.shape[0]
         views = {s: stacked[:, s.start : s.stop].reshape(count, *s.shape) for s in self.segments}
         if self.qmodel is not None:
             weight_sets = {s.layer: views[s].astype(np.int8) for s in self.segments}
-            return engine.run_int8_perturbed(self.qmodel, x, weight_sets)
+            logits: Flat = engine.run_int8_perturbed(self.qmodel, x, weight_sets)
+            return logits
         param_sets = {
             layer: (views[self._segment(layer, "weight")], views[self._segment(layer, "bias")])
             for layer in self.trainable_layers
         }
-        return engine.run_fp32_perturbed(self.model, x, param_sets)
+        logits_f: Flat = engine.run_fp32_perturbed(self.model, x, param_sets)
+        return logits_f
 
     def _per_sample_losses(
         self,
-        stacked: npt.NDArray[np.float32] | npt.NDArray[np.int8],
-        x: npt.NDArray[np.float32] | npt.NDArray[np.int8] | engine.Activations,
+        stacked: Flat,
+        x: Inputs,
         y: npt.NDArray[np.int64],
-    ) -> npt.NDArray[np.int32] | npt.NDArray[np.float32]:
+    ) -> Flat:
         """Per-sample losses (P, B): Q16 ints in INT8 mode, float32 in FP32 mode."""
         logits = self._logits(stacked, x)
         if self.qmodel is not None:
             assert self._loss_table is not None
-            return intloss.loss_q16(logits.astype(np.int8), y[None, :], self._loss_table, self._loss_scale_q24)
-        return intloss.float_cross_entropy(logits.astype(np.float32), y[None, :])
+            q16: Flat = intloss.loss_q16(logits.astype(np.int8), y[None, :], self._loss_table, self._loss_scale_q24)
+            return q16
+        ce: Flat = intloss.float_cross_entropy(logits.astype(np.float32), y[None, :])
+        return ce
 
     def _segment(self, layer: str, kind: str) -> _Segment:
         return next(s for s in self.segments if s.layer == layer and s.kind == kind)
@@ -544,7 +555,8 @@ class Workload:
         """The bytes LoadModel ships to the boards (``blob.encode_blob``)."""
         from qsched.zo.blob import encode_blob
 
-        return encode_blob(self)
+        blob: bytes = encode_blob(self)
+        return blob
 
 
 def widen_logits(qmodel: QuantModel, logit_range: float = LOGIT_RANGE) -> QuantModel:

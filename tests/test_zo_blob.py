@@ -1,0 +1,138 @@
+"""Model and dataset blobs: exact round trips, precomputed requantisation, damage detection."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from qsched.zo import engine
+from qsched.zo import kernels_int8 as ki
+from qsched.zo.blob import (
+    BlobError,
+    decode_blob,
+    decode_dataset_blob,
+    encode_blob,
+    encode_dataset_blob,
+)
+from qsched.zo.graph import AvgPool, Conv2D, Dense, MaxPool, Model, QuantModel, ReLU, ReLU6, Reshape
+from qsched.zo.quantize import quantize_input, quantize_model
+from qsched.zo.spec import JobSpec
+from qsched.zo.workload import Workload
+from qsched.zo.zoo import build_model
+
+
+def _every_op_model() -> Model:
+    rng = np.random.default_rng(3)
+    nodes = [
+        Conv2D("conv", ["input"], "conv", rng.normal(0, 0.3, (4, 3, 3, 1)).astype(np.float32),
+               rng.normal(0, 0.1, 4).astype(np.float32)),
+        ReLU("relu", ["conv"], "relu"),
+        MaxPool("maxpool", ["relu"], "maxpool"),
+        AvgPool("avgpool", ["maxpool"], "avgpool", (2, 2), (1, 1), "same"),
+        ReLU6("relu6", ["avgpool"], "relu6"),
+        Reshape("flatten", ["relu6"], "flatten", (64,)),
+        Dense("dense", ["flatten"], "dense", rng.normal(0, 0.2, (10, 64)).astype(np.float32),
+              np.zeros(10, np.float32)),
+    ]
+    return Model("every_op", "input", (8, 8, 1), nodes, "dense", 10)
+
+
+def _models() -> list[tuple[str, QuantModel, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for name, model in (
+        ("every_op", _every_op_model()),
+        ("resnet8", build_model("resnet8", (16, 16, 3), 10, seed=1)),
+        ("mobilenetv2", build_model("mobilenetv2", (16, 16, 3), 10, seed=1)),
+    ):
+        x = rng.random((6, *model.input_shape), dtype=np.float32)
+        out.append((name, quantize_model(model, x), x))
+    return out
+
+
+_MODELS = _models()
+
+
+@pytest.mark.parametrize(("name", "qmodel", "x"), _MODELS, ids=[m[0] for m in _MODELS])
+def test_blob_int8_round_trip_evaluates_identically(name: str, qmodel: QuantModel, x: np.ndarray) -> None:
+    """decode(encode(q)) re-encodes to the same bytes and gives the same int8 logits."""
+    blob = encode_blob(qmodel)
+    back = decode_blob(blob)
+    assert isinstance(back, QuantModel)
+    assert encode_blob(back) == blob
+    x_q = quantize_input(qmodel, x)
+    assert np.array_equal(engine.run_int8(back, x_q), engine.run_int8(qmodel, x_q)), name
+
+
+def test_blob_fp32_round_trip() -> None:
+    """An FP32 model round-trips with float32 weights and identical outputs."""
+    model = build_model("cnn", (8, 8, 1), 10, seed=2)
+    blob = encode_blob(model)
+    back = decode_blob(blob)
+    assert isinstance(back, Model) and encode_blob(back) == blob
+    x = np.random.default_rng(1).random((5, 8, 8, 1), dtype=np.float32)
+    assert np.array_equal(engine.run_fp32(back, x), engine.run_fp32(model, x))
+
+
+def test_blob_carries_precomputed_requantisation() -> None:
+    """The op records hold the per-channel multipliers and shifts the engine computes."""
+    qmodel = quantize_model(_every_op_model(), np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32))
+    blob = encode_blob(qmodel)
+    header = struct.unpack_from("<4sHBBHHHHIIIIII", blob)
+    n_tensors, n_ops = header[4], header[5]
+    ops_at = 64 + 1024 + n_tensors * 52
+    data_at = ops_at + n_ops * 140
+    record = struct.unpack_from("<32sBBBBHHHH6Hhhii4H8I7ii", blob, ops_at)  # the conv
+    assert record[0].rstrip(b"\0") == b"conv"
+    mult_off, shift_off, channels = record[25], record[26], record[29]
+    mult = np.frombuffer(blob, "<i4", channels, data_at + mult_off)
+    shift = np.frombuffer(blob, "<i4", channels, data_at + shift_off)
+    stage = ki.prepare_output_stage(
+        qmodel.tensors["input"], qmodel.layers["conv"].weight_scales, qmodel.tensors["conv"], "none"
+    )
+    assert mult.tolist() == stage.multiplier.tolist() and shift.tolist() == stage.shift.tolist()
+
+
+def test_blob_workload_state_and_trainable_offsets() -> None:
+    """A workload's blob ships the given state's weights and marks trainable layers."""
+    wl = Workload.from_spec(JobSpec(trainable="last:1", batch_size=8))
+    state = wl.apply_update(wl.initial_state(), 0, [(0, 50.0)])
+    back = decode_blob(encode_blob(wl, state=state))
+    assert isinstance(back, QuantModel)
+    assert np.array_equal(back.layers["dense_2"].weight.ravel(), state.params)
+    header = struct.unpack_from("<4sHBBHHHHIIIIII", encode_blob(wl))
+    assert header[9] == wl.num_params
+
+
+def test_blob_rejects_damage() -> None:
+    """A flipped byte, a truncation or a bad magic is a BlobError."""
+    blob = Workload.from_spec(JobSpec(batch_size=8)).model_blob()
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x40
+    for bad in (bytes(flipped), blob[:-4], b"ZZZZ" + blob[4:], blob[:10]):
+        with pytest.raises(BlobError):
+            decode_blob(bad)
+
+
+def test_blob_rejects_long_names() -> None:
+    """Names longer than the fixed field are refused at encode time."""
+    model = _every_op_model()
+    model.nodes[1].name = "x" * 40
+    with pytest.raises(BlobError, match="longer"):
+        encode_blob(model)
+
+
+def test_dataset_blob_round_trip() -> None:
+    """The dataset blob holds quantised inputs and labels, with the data set's hash."""
+    wl = Workload.from_spec(JobSpec(batch_size=8))
+    assert wl.qmodel is not None
+    blob = encode_dataset_blob(wl.dataset, wl.qmodel)
+    back = decode_dataset_blob(blob)
+    assert back.content_hash == wl.dataset.content_hash
+    assert np.array_equal(back.x_train, quantize_input(wl.qmodel, wl.dataset.x_train))
+    assert np.array_equal(back.y_val, wl.dataset.y_val.astype(np.uint8))
+    assert back.num_classes == 10 and back.x_val.shape == wl.dataset.x_val.shape
+    with pytest.raises(BlobError):
+        decode_dataset_blob(blob[:-1])
