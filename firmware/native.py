@@ -248,3 +248,23 @@ class BoardClient:
         """Send a message and return the board's next answer."""
         self.send(msg)
         return self.recv(timeout)
+
+    def load_job(self, blob: bytes, select: object, config: object) -> list[object]:
+        """Make the board ready: the model blob in chunks, then SelectDataset and JobConfig.
+
+        Args:
+            blob: the model blob.
+            select: the ``SelectDataset`` message.
+            config: the ``JobConfig`` message.
+
+        Returns:
+            The board's three answers (``Loaded`` each, or an ``Error``).
+        """
+        import zlib
+
+        from qsched.protocol.messages import MAX_CHUNK, LoadModel
+
+        crc = zlib.crc32(blob)
+        for offset in range(0, len(blob), MAX_CHUNK):
+            self.send(LoadModel(total=len(blob), offset=offset, crc32=crc, chunk=blob[offset : offset + MAX_CHUNK]))
+        return [self.recv(), self.request(select), self.request(config)]

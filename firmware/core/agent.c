@@ -68,13 +68,13 @@ static void poll_link(qs_agent *a, uint32_t timeout_us)
 
 /* Send one message and wait for its ACK, retransmitting (stop-and-wait). After the last
  * retry the message is dropped and the next frame carries SYN (the peer resyncs). */
-static void send_msg(qs_agent *a, const qs_msg *msg)
+static int send_msg(qs_agent *a, const qs_msg *msg)
 {
     size_t len = 0, n = 0;
     if (qs_encode(msg, a->tx_payload, sizeof a->tx_payload, &len) != QS_OK ||
         qs_frame_encode(a->tx_seq, a->tx_syn ? QS_FLAG_SYN : 0u, a->tx_payload, len, a->wire, sizeof a->wire,
                         &n) != QS_OK) {
-        return;
+        return 0;
     }
     const uint16_t seq = a->tx_seq++;
     static uint8_t frame[QS_MAX_WIRE_FRAME]; /* a->wire is reused by the ACKs we send */
@@ -83,18 +83,19 @@ static void send_msg(qs_agent *a, const qs_msg *msg)
         a->ack_seen = 0;
         if (qs_port_serial_write(frame, n) != QS_OK) {
             a->link_gone = 1;
-            return;
+            return 0;
         }
         const uint64_t start = qs_port_now_us();
         while (!a->link_gone && qs_port_now_us() - start < QS_ACK_TIMEOUT_US) {
             poll_link(a, QS_ACK_TIMEOUT_US / 10u);
             if (a->ack_seen && a->ack_seq == seq) {
                 a->tx_syn = 0;
-                return;
+                return 1;
             }
         }
     }
     a->tx_syn = 1;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ replies */
@@ -154,7 +155,7 @@ static void send_hello(qs_agent *a)
     a->tx.dataset_hash = a->dataset_selected ? a->dataset.hash64 : 0u;
     strncpy(a->tx.text_a, info.board_id, QS_TEXT_MAX);
     strncpy(a->tx.text_b, info.firmware, QS_TEXT_MAX);
-    send_msg(a, &a->tx);
+    a->hello_acked = send_msg(a, &a->tx);
 }
 
 /* ------------------------------------------------------------------ state */
@@ -643,6 +644,9 @@ qs_status qs_agent_run(qs_agent *a)
             qs_rx_slot *slot = &a->queue[a->queue_head];
             a->queue_head = (a->queue_head + 1u) % QS_RX_QUEUE;
             --a->queue_count;
+            if (!a->hello_acked) {
+                send_hello(a); /* the peer came late (a pty opened after boot): Hello first */
+            }
             handle_payload(a, slot->payload, slot->len);
             continue;
         }

@@ -60,6 +60,7 @@ typedef struct {
     uint8_t rx_bytes[256];
     qs_msg rx, tx;
     int link_gone;
+    int hello_acked; /* the peer acknowledged our Hello */
     uint64_t last_heartbeat_us;
     uint64_t boot_us;
 

@@ -2,10 +2,11 @@
 #include <string.h>
 
 #include "an547.h"
+#include "codec.h"
 #include "port.h"
 
-/* The model region: DDR is 16 MiB on the AN547, plenty for the default models. */
-#define AN547_MODEL_REGION_BYTES (8u << 20)
+/* The model region: the first 8 MiB of DDR (an547.ld), plenty for the default models. */
+#define AN547_MODEL_REGION_BYTES ((8u << 20) - 64u)
 
 __attribute__((section(".ddr_bss"), aligned(16))) static uint8_t g_model_region[AN547_MODEL_REGION_BYTES];
 
@@ -35,7 +36,42 @@ void qs_port_info_get(qs_port_info *info)
 {
     info->board_id = "qemu-an547";
     info->firmware = "qsched-fw-m55/0.1";
-    info->npu = "none";
+    info->npu = QS_NPU_NONE;
+    info->ram_kib = (512u + 512u + 2048u + 8192u); /* ITCM + DTCM + SRAM + model DDR */
+}
+
+extern const uint8_t __dataset_base[];
+extern const uint8_t __dataset_limit[];
+
+static uint32_t le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+const uint8_t *qs_port_dataset(size_t *len)
+{
+    /* The blob's length follows from its header; qs_dataset_parse checks the rest. */
+    const uint8_t *b = __dataset_base;
+    *len = 0;
+    if (b[0] != 'Q' || b[1] != 'Z' || b[2] != 'D' || b[3] != 'S') {
+        return NULL;
+    }
+    const uint64_t sample = le32(b + 16), n_train = le32(b + 8), n_val = le32(b + 12);
+    const uint64_t pad = 3u;
+    const uint64_t total = 72u + ((n_train * sample + pad) & ~pad) + ((n_train + pad) & ~pad) +
+                           ((n_val * sample + pad) & ~pad) + ((n_val + pad) & ~pad);
+    if (total > (uint64_t)(uintptr_t)__dataset_limit) {
+        return NULL;
+    }
+    *len = (size_t)total;
+    return b;
+}
+
+uint32_t qs_port_entropy(void)
+{
+    /* Boot is deterministic under QEMU; the SysTick phase at the first call is the best
+     * there is. SYN on the first frame keeps a repeated sequence number harmless. */
+    return SYST_CVR ^ (uint32_t)g_ms;
 }
 
 qs_status qs_port_serial_write(const uint8_t *data, size_t len)
