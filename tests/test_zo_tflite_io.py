@@ -309,3 +309,16 @@ def test_tflite_requantisation_rounding_matches_reference(kind: str) -> None:
     qm, x, disagreements = _rounding_case(kind, seed=14)
     assert disagreements > 0  # single and double rounding differ here: the case decides
     np.testing.assert_array_equal(run_int8(qm, x), _run(export_tflite(qm, batch=256), x))
+
+
+def test_tflite_dense_flattens_image_input() -> None:
+    """A Dense straight on a feature map exports, runs exactly and round-trips."""
+    model = Model("flat", "input", (4, 4, 2), [
+        Conv2D("conv", ["input"], "conv", _zeros(3, 3, 3, 2), _zeros(3), activation="relu"),
+        Dense("fc", ["conv"], "logits", _zeros(5, 48), _zeros(5)),
+    ], "logits", 5)
+    qm = _quantise_randomly(model, seed=15)
+    x = np.random.default_rng(15).integers(-128, 128, size=(3, 4, 4, 2)).astype(np.int8)
+    data = export_tflite(qm, batch=3)
+    np.testing.assert_array_equal(run_int8(qm, x), _run(data, x))
+    _assert_same_model(qm, import_tflite(data))

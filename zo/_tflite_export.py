@@ -231,7 +231,12 @@ def _conv(w: _Writer, qm: QuantModel, node: Conv2D) -> None:
 
 
 def _dense(w: _Writer, qm: QuantModel, node: Dense) -> None:
-    n, features = _input_shape(w, node, 2)
+    src = w.shapes.get(node.inputs[0])
+    if src is None or len(src) < 2:
+        raise TFLiteError(f"layer {node.name!r}: input {node.inputs[0]!r} is not produced "
+                          "before it or has no feature axis")
+    # FULLY_CONNECTED flattens all but the batch axis itself, as the engine does.
+    n, features = src[0], int(np.prod(src[1:]))
     weight = _layer(qm, node.name).weight
     if weight.ndim != 2 or weight.shape[1] != features:
         raise TFLiteError(f"layer {node.name!r}: weight {weight.shape} does not fit "

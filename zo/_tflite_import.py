@@ -229,9 +229,11 @@ def _dense(r: _Reader, op: Any, where: str) -> Node:
     if o.weightsFormat != schema.FullyConnectedOptionsWeightsFormat.DEFAULT or o.keepNumDims:
         raise TFLiteError(f"{where}: only the default weight format without keep_num_dims")
     x = r.activation(op.inputs[0], where)
-    if len(r.shape(op.inputs[0], where)) != 2:
-        raise TFLiteError(f"{where}: input must be (batch, features); add a RESHAPE")
+    in_shape = r.shape(op.inputs[0], where)
     layer = _per_channel(r, op.inputs[1], where, 0)
+    if layer.weight.ndim != 2 or len(in_shape) < 2 \
+            or layer.weight.shape[1] != int(np.prod(in_shape[1:])):
+        raise TFLiteError(f"{where}: weight {layer.weight.shape} does not fit input {in_shape}")
     _bias(r, op, where, layer)
     out = r.activation(op.outputs[0], where)
     weight, bias = _float_params(layer, r.tensors[x].scale, 0)
