@@ -322,3 +322,15 @@ def test_tflite_dense_flattens_image_input() -> None:
     data = export_tflite(qm, batch=3)
     np.testing.assert_array_equal(run_int8(qm, x), _run(data, x))
     _assert_same_model(qm, import_tflite(data))
+
+
+def test_tflite_out_of_order_operators_refused() -> None:
+    """Operators that read a tensor before any operator writes it are refused."""
+    data = export_tflite(_quantise_randomly(_every_op_model(), seed=16))
+
+    def swap(model) -> None:
+        ops = model.subgraphs[0].operators
+        ops[0], ops[1] = ops[1], ops[0]
+
+    with pytest.raises(TFLiteError, match="no earlier operator"):
+        import_tflite(_repack(data, swap))

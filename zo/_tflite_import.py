@@ -393,6 +393,15 @@ def _quant_model(r: _Reader, info: dict[str, Any]) -> QuantModel:
                           else graph.name or "imported")),
         input_name=in_name, input_shape=in_shape[1:], nodes=r.nodes, output_name=out_name,
         num_classes=int(info.get("num_classes", out_shape[-1] if out_shape else 0)))
-    used = {in_name} | {n.output for n in r.nodes}
+    produced = {in_name}
+    for node in r.nodes:
+        missing = [i for i in node.inputs if i not in produced]
+        if missing:
+            raise TFLiteError(f"layer {node.name!r} reads {missing}, which no earlier "
+                              "operator produces (constant or out-of-order activations)")
+        produced.add(node.output)
+    if out_name not in produced:
+        raise TFLiteError(f"the model output {out_name!r} is produced by no operator")
+    used = produced
     tensors = {k: v for k, v in r.tensors.items() if k in used}
     return QuantModel(model=model, tensors=tensors, layers=r.layers)
