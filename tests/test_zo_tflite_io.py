@@ -334,3 +334,17 @@ def test_tflite_out_of_order_operators_refused() -> None:
 
     with pytest.raises(TFLiteError, match="no earlier operator"):
         import_tflite(_repack(data, swap))
+
+
+def test_tflite_import_without_metadata() -> None:
+    """A file from another tool (no qsched metadata) imports; layers take output names."""
+    qm = _quantise_randomly(_every_op_model(), seed=17)
+
+    def strip(model) -> None:
+        model.metadata = None
+
+    back = import_tflite(_repack(export_tflite(qm), strip))
+    assert [n.output for n in back.model.nodes] == [n.output for n in qm.model.nodes]
+    assert [n.name for n in back.model.nodes] == [n.output for n in qm.model.nodes]
+    np.testing.assert_array_equal(back.layers["logits"].weight, qm.layers["fc2"].weight)
+    assert back.model.num_classes == 10

@@ -248,12 +248,23 @@ def _padding(code: int, where: str) -> Padding:
 
 
 def _claim(r: _Reader, out: str, layer: QuantizedLayer | None = None) -> str:
-    """The next node's name (from the file's metadata, else its output tensor)."""
-    index = len(r.nodes)
-    name = r.names_meta[index] if index < len(r.names_meta) else out
+    """The next node's provisional name, its output tensor's (see ``_rename``)."""
     if layer is not None:
-        r.layers[name] = layer
-    return name
+        r.layers[out] = layer
+    return out
+
+
+def _rename(r: _Reader) -> None:
+    """Layer names from the file's metadata, when it lists one per node and no repeats."""
+    meta = r.names_meta
+    if len(meta) != len(r.nodes) or len(set(meta)) != len(meta):
+        return
+    layers = {}
+    for node, name in zip(r.nodes, meta, strict=True):
+        if node.name in r.layers:
+            layers[name] = r.layers[node.name]
+        node.name = name
+    r.layers = layers
 
 
 def _pool(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
@@ -358,6 +369,7 @@ def _parse(data: bytes) -> QuantModel:
         node, used = _node(r, ops[k], code, ops[k + 1:], f"operator #{k} ({op_name(code)})")
         r.nodes.append(node)
         k += used
+    _rename(r)
     return _quant_model(r, info)
 
 
