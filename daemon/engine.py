@@ -283,6 +283,7 @@ class StepEngine:
         self._resume.set()
         self._checkpoint_waiters: list[asyncio.Future[str]] = []
         self._new_policy: PolicySpec | None = None
+        self._safe_point = False  # True while waiting between whole steps
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ control
@@ -298,7 +299,9 @@ class StepEngine:
         return self.result.state.step
 
     def pause(self) -> None:
-        """Pause after the current step."""
+        """Pause after the current step (a pending job starts paused)."""
+        if self.job_state == "pending":
+            self._set_job_state("running")
         self._set_job_state("paused")
         self._resume.clear()
         self.status_line = "paused"
@@ -328,6 +331,9 @@ class StepEngine:
         """A checkpoint after the current step; the future gives its path."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._checkpoint_waiters.append(future)
+        if self._safe_point:  # paused or waiting for boards: no step is half done
+            self._write_checkpoint()
+            self._settle_checkpoints()
         return future
 
     def _set_job_state(self, new: JobState) -> None:
@@ -347,7 +353,8 @@ class StepEngine:
         Raises:
             JobError: the job failed (status ``failed`` is recorded first).
         """
-        self._set_job_state("running")
+        if self.job_state == "pending":
+            self._set_job_state("running")
         self._emit("job_started" if not self.result.steps else "job_resumed", message=f"at step {self.step}")
         started = time.perf_counter()
         try:
@@ -393,7 +400,11 @@ class StepEngine:
     async def _between_steps(self) -> None:
         if not self._resume.is_set():
             self._emit("job_paused", message=f"at step {self.step}")
-            await self._resume.wait()
+            self._safe_point = True
+            try:
+                await self._resume.wait()
+            finally:
+                self._safe_point = False
             if not self._stop.is_set():
                 self._emit("job_resumed", message=f"at step {self.step}")
         if self._new_policy is not None:
@@ -569,7 +580,12 @@ class StepEngine:
                 _log.warning("no board available; waiting", job=self.spec.name, step=self.step)
                 announced = True
             self.status_line = f"waiting for boards (step {self.step}/{self.spec.steps})"
-            await self.fleet.wait_changed(_WAIT_POLL_S)
+            # Nothing of this step is applied yet, so a checkpoint now is a whole one.
+            self._safe_point = True
+            try:
+                await self.fleet.wait_changed(_WAIT_POLL_S)
+            finally:
+                self._safe_point = False
 
     # ------------------------------------------------------------------ evaluation requests
 

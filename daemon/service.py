@@ -1,0 +1,554 @@
+"""``qsched daemon``: transports, the fleet, one job at a time, the control API, state.
+
+    async with Daemon(load_config()) as daemon:     # or: await Daemon(cfg).run()
+        await daemon.wait_stopped()
+
+The daemon enters its transports (MQTT when enabled, serial ports when configured, any
+extra ones given, e.g. in-process for tests) as one ``MultiTransport``, keeps the
+``Fleet`` on them, answers control commands from ``<prefix>/<fleet>/control/request``
+(``control.py``), publishes events, a retained ``StatusReport`` on
+``<prefix>/<fleet>/status`` and its retained presence, and runs jobs with the
+``StepEngine``. Jobs live in the state directory (``state.py``): on start the daemon
+resumes the job that was running, from its newest checkpoint. SIGTERM and SIGINT
+checkpoint the job and exit cleanly (the job stays ``running`` on disk and resumes
+next time); systemd hears READY, STATUS, WATCHDOG and STOPPING (``notify.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+import numpy as np
+import structlog
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from qsched.daemon.config import DaemonConfig, load_config
+from qsched.daemon.control import ControlError, handle_payload
+from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
+from qsched.daemon.fleet import Fleet, FleetEvent
+from qsched.daemon.links.base import MultiTransport, Transport
+from qsched.daemon.notify import Notifier
+from qsched.daemon.state import JobDir, StateError, StateStore
+from qsched.protocol.control import (
+    ChangePolicy,
+    ErrorReply,
+    Event,
+    JobStatus,
+    Reply,
+    StartJob,
+    StatusReport,
+)
+from qsched.protocol.topics import TopicMap
+from qsched.zo.spec import JobSpec
+
+__all__ = ["EVENT_QUEUE_SIZE", "STATUS_INTERVAL_S", "ActiveJob", "Daemon", "main", "status_topic"]
+
+_log = structlog.get_logger("qsched.daemon")
+
+EVENT_QUEUE_SIZE: Final = 1024
+STATUS_INTERVAL_S: Final = 1.0
+_CONTROL_CONCURRENCY: Final = 8  # commands handled at once; more wait their turn
+
+
+def status_topic(topics: TopicMap) -> str:
+    """Where the daemon keeps its retained ``StatusReport``: ``<prefix>/<fleet>/status``."""
+    return f"{topics.base}/status"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qsched")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class ActiveJob:
+    """The job the daemon runs: its engine, its folder and its task."""
+
+    spec: JobSpec
+    engine: StepEngine
+    folder: JobDir
+    task: asyncio.Task[None] | None = None
+    error: str = ""
+
+
+class Daemon:
+    """The fleet daemon (see the module docstring).
+
+    Args:
+        config: the daemon's configuration.
+        transports: extra transports (in-process boards for tests and experiments).
+        engine_config: step-engine knobs (default: from ``config``).
+        notifier: sd_notify (default: from ``$NOTIFY_SOCKET``).
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        transports: Sequence[Transport] = (),
+        engine_config: EngineConfig | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.config = config
+        self.version = _version()
+        self.store = StateStore(config.state_dir)
+        self.topics = TopicMap(prefix=config.mqtt.prefix, fleet=config.fleet)
+        self.engine_config = engine_config or EngineConfig(
+            step_deadline_s=config.step_deadline_s, checkpoint_every=None
+        )
+        self.notifier = notifier or Notifier()
+        self.job: ActiveJob | None = None
+        self.fleet: Fleet | None = None
+        self._extra = list(transports)
+        self._mqtt: Any = None
+        self._events: asyncio.Queue[Event] = asyncio.Queue(EVENT_QUEUE_SIZE)
+        self._stopping = asyncio.Event()
+        self._status_changed = asyncio.Event()
+        self._control_slots = asyncio.Semaphore(_CONTROL_CONCURRENCY)
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._background: list[asyncio.Task[Any]] = []
+        self._last_status = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _transports(self) -> list[Transport]:
+        transports: list[Transport] = list(self._extra)
+        cfg = self.config
+        if cfg.mqtt.enabled:
+            from qsched.daemon.links.mqtt import MqttTransport
+
+            self._mqtt = MqttTransport(cfg.mqtt, self.topics, version=self.version)
+            conn = self._mqtt.connection
+            conn.subscribe(self.topics.control_request(), self.topics.rule("control_request").qos, self._on_control)
+            transports.append(self._mqtt)
+        if cfg.serial.devices:
+            from qsched.daemon.links.serial import SerialTransport
+
+            transports.append(
+                SerialTransport(cfg.serial.devices, baudrate=cfg.serial.baudrate, reopen_interval=cfg.serial.reopen_interval_s)
+            )
+        return transports
+
+    async def __aenter__(self) -> Self:
+        stack = contextlib.AsyncExitStack()
+        await stack.__aenter__()
+        self._stack = stack
+        try:
+            multi = MultiTransport(self._transports())
+            await stack.enter_async_context(multi)
+            self.fleet = await stack.enter_async_context(
+                Fleet(
+                    multi,
+                    heartbeat_interval=self.config.heartbeat_interval_s,
+                    heartbeat_misses=self.config.heartbeat_misses,
+                    on_event=self._on_fleet_event,
+                )
+            )
+            self._tasks = await stack.enter_async_context(asyncio.TaskGroup())
+            self._spawn(self._publish_events(), "daemon.events")
+            self._spawn(self._status_loop(), "daemon.status")
+            self._spawn(self.notifier.watchdog_loop(), "daemon.watchdog")
+            self._resume_jobs()
+        except BaseException:
+            await stack.__aexit__(None, None, None)
+            raise
+        self.notifier.ready(self._status_text())
+        _log.info("daemon ready", fleet=self.config.fleet, state_dir=str(self.store.root), mqtt=self.config.mqtt.enabled)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.notifier.stopping("shutting down")
+        await self._shutdown_job()
+        await self._flush_status()
+        for task in self._background:
+            task.cancel()
+        if self._stack is not None:
+            await self._stack.__aexit__(exc_type, exc, tb)
+        _log.info("daemon stopped")
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        assert self._tasks is not None
+        task = self._tasks.create_task(coro, name=name)
+        self._background.append(task)
+        return task
+
+    def request_stop(self) -> None:
+        """Ask the daemon to shut down (signal handlers call this)."""
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        """Wait until ``request_stop``."""
+        await self._stopping.wait()
+
+    async def run(self) -> int:
+        """Run until SIGTERM or SIGINT; the job is checkpointed on the way out.
+
+        Returns:
+            The exit status (0).
+        """
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            async with self:
+                await self.wait_stopped()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return 0
+
+    async def _shutdown_job(self) -> None:
+        job = self.job
+        if job is None or job.task is None or job.task.done():
+            return
+        job.engine.stop(shutdown=True)
+        with contextlib.suppress(asyncio.CancelledError):
+            await job.task
+
+    # ------------------------------------------------------------------ jobs
+
+    def _resume_jobs(self) -> None:
+        candidates = [j for j in self.store.jobs() if j.status().get("status") in ("running", "paused")]
+        candidates.sort(key=lambda j: j.status().get("updated", 0.0))
+        for stale in candidates[:-1]:  # one job at a time: older ones wait, stopped
+            stale.set_status("stopped", "another job was running when the daemon restarted")
+        if candidates:
+            folder = candidates[-1]
+            try:
+                spec = JobSpec.model_validate(folder.spec())
+                paused = folder.status().get("status") == "paused"
+                self._launch(spec, folder, paused=paused)
+                _log.info("job resumed", job=spec.name, step=self.job.engine.step if self.job else None)
+            except (StateError, ValueError) as exc:
+                _log.error("job cannot be resumed", job=folder.job_id, error=str(exc))
+                folder.set_status("failed", f"cannot resume: {exc}")
+
+    def _launch(self, spec: JobSpec, folder: JobDir, *, paused: bool = False) -> ActiveJob:
+        assert self.fleet is not None
+        checkpoint = folder.load_checkpoint()
+        engine = StepEngine(
+            spec, self.fleet, config=self.engine_config, resume=checkpoint, job_dir=folder, on_event=self._on_event
+        )
+        job = ActiveJob(spec, engine, folder)
+        self.job = job
+        if paused:
+            engine.pause()
+        job.task = self._spawn(self._run_job(job), f"job[{spec.name}]")
+        self._status_changed.set()
+        return job
+
+    async def _run_job(self, job: ActiveJob) -> None:
+        if job.engine.job_state != "paused":
+            job.folder.set_status("running")
+        try:
+            result = await job.engine.run()
+        except JobError as exc:
+            job.error = str(exc)
+            job.folder.set_status("failed", str(exc))
+            return
+        finally:
+            self._status_changed.set()
+        if result.status == "completed":
+            await self._export(job, "tflite" if job.spec.numerics == "int8" else "npz")
+            job.folder.set_status("completed")
+        elif result.status == "stopped":
+            job.folder.set_status("stopped", "stopped by a control command")
+        # A shutdown leaves the job "running" on disk: it resumes on the next start.
+
+    def _current(self, name: str | None) -> ActiveJob:
+        if self.job is None:
+            raise ControlError("no_job", "no job is loaded; start one with start_job")
+        if name is not None and name != self.job.spec.name:
+            raise ControlError("unknown_job", f"no job named {name!r}; the current job is {self.job.spec.name!r}")
+        return self.job
+
+    def job_status(self, name: str | None = None) -> JobStatus:
+        """The current job's progress (ControlError when there is none)."""
+        job = self._current(name)
+        engine = job.engine
+        last = engine.result.steps[-1] if engine.result.steps else None
+        evaluation = engine.result.evals[-1] if engine.result.evals else None
+        return JobStatus(
+            name=job.spec.name,
+            job_id=engine.job_id,
+            state=engine.job_state,
+            step=engine.step,
+            steps=job.spec.steps,
+            q=engine.policy.q,
+            policy=engine.policy_spec.name,
+            train_loss=last.train_loss if last else None,
+            val_loss=evaluation.val_loss if evaluation else None,
+            val_accuracy=evaluation.val_accuracy if evaluation else None,
+        )
+
+    async def start_job(self, command: StartJob) -> JobStatus:
+        """Start a job from its spec (one at a time)."""
+        spec = command.spec
+        if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
+            raise ControlError("conflict", f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first")
+        try:
+            folder = self.store.create_job(spec.name, spec.model_dump(mode="json"), status="running")
+        except StateError as exc:
+            raise ControlError("conflict", f"a job named {spec.name!r} exists in the state directory; choose another name") from exc
+        try:
+            await asyncio.to_thread(lambda: None)  # yield before the (CPU-bound) workload build
+            self._launch(spec, folder)
+        except ValueError as exc:
+            folder.set_status("failed", str(exc))
+            raise ControlError("invalid_command", f"job {spec.name!r} cannot run: {exc}") from exc
+        return self.job_status()
+
+    def pause_job(self, name: str | None) -> JobStatus:
+        """Pause the current job after its step."""
+        job = self._current(name)
+        if job.engine.job_state != "running":
+            raise ControlError("conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not running")
+        job.engine.pause()
+        job.folder.set_status("paused")
+        self._status_changed.set()
+        return self.job_status()
+
+    def resume_job(self, name: str | None) -> JobStatus:
+        """Resume the paused job."""
+        job = self._current(name)
+        if job.engine.job_state != "paused":
+            raise ControlError("conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not paused")
+        job.engine.resume()
+        job.folder.set_status("running")
+        self._status_changed.set()
+        return self.job_status()
+
+    def stop_job(self, name: str | None) -> JobStatus:
+        """Stop the current job for good (with a final checkpoint)."""
+        job = self._current(name)
+        if job.engine.job_state not in ("running", "paused", "pending"):
+            raise ControlError("conflict", f"job {job.spec.name!r} is already {job.engine.job_state}")
+        job.engine.stop()
+        self._status_changed.set()
+        return self.job_status()
+
+    async def checkpoint_job(self, name: str | None) -> str:
+        """Write a checkpoint now (or after the step in progress); returns its path."""
+        job = self._current(name)
+        if job.task is None or job.task.done():
+            path = job.engine.last_checkpoint
+            if path is None:
+                raise ControlError("conflict", f"job {job.spec.name!r} has ended without a checkpoint")
+            return path
+        try:
+            return await job.engine.request_checkpoint()
+        except JobError as exc:
+            raise ControlError("internal", str(exc)) from exc
+
+    def change_policy(self, command: ChangePolicy) -> JobStatus:
+        """Switch the current job's policy from the next step."""
+        job = self._current(command.job)
+        if job.engine.job_state not in ("running", "paused"):
+            raise ControlError("conflict", f"job {job.spec.name!r} is {job.engine.job_state}")
+        job.engine.change_policy(command.policy)
+        return self.job_status()
+
+    def drain_board(self, board_id: str, drain: bool) -> str:
+        """Stop (or resume) giving a board work."""
+        assert self.fleet is not None
+        session = self.fleet.find(board_id)
+        if session is None:
+            raise ControlError("unknown_board", f"no board {board_id!r} in the fleet")
+        session.draining = drain
+        self._status_changed.set()
+        return f"board {session.board_id} {'drained' if drain else 'back in work'}"
+
+    async def export_job(self, name: str | None, fmt: str) -> str:
+        """Export the current job's model now; returns the file's path."""
+        job = self._current(name)
+        return str(await self._export(job, fmt))
+
+    async def _export(self, job: ActiveJob, fmt: str) -> Path:
+        workload, state = job.engine.workload, job.engine.state.copy()
+        if fmt == "tflite":
+            if not workload.int8:
+                raise ControlError("unsupported", "tflite export needs an INT8 job; use format npz")
+            from qsched.zo.tflite_io import export_tflite
+
+            data = await asyncio.to_thread(lambda: export_tflite(workload.to_quant_model(state)))
+            return job.folder.write_export(data, f"{job.spec.name}.tflite")
+        if fmt == "npz":
+            data = await asyncio.to_thread(_npz_bytes, workload, state)
+            return job.folder.write_export(data, f"{job.spec.name}.npz")
+        raise ControlError("unsupported", f"unknown export format {fmt!r}")
+
+    # ------------------------------------------------------------------ status and events
+
+    def status(self) -> StatusReport:
+        """The daemon's status: its job and its boards."""
+        job = None
+        if self.job is not None:
+            job = self.job_status()
+        boards = self.fleet.infos() if self.fleet is not None else ()
+        return StatusReport(daemon_version=self.version, time=time.time(), job=job, boards=boards)
+
+    def _status_text(self) -> str:
+        fleet = self.fleet
+        ready = sum(1 for s in fleet.boards() if s.state in ("ready", "busy")) if fleet else 0
+        total = len(fleet.sessions) if fleet else 0
+        if self.job is None:
+            return f"idle; {ready}/{total} boards ready"
+        engine = self.job.engine
+        line = engine.status_line if engine.job_state == "running" else engine.job_state
+        return f"job {self.job.spec.name}: {line}; {ready}/{total} boards ready"
+
+    def _on_event(self, event: Event) -> None:
+        self._status_changed.set()
+        try:
+            self._events.put_nowait(event)
+        except asyncio.QueueFull:  # a live feed: the metrics log keeps the full record
+            with contextlib.suppress(asyncio.QueueEmpty):
+                self._events.get_nowait()
+            self._events.put_nowait(event)
+
+    def _on_fleet_event(self, event: FleetEvent) -> None:
+        self._on_event(fleet_event(event, self.job.spec.name if self.job else None))
+
+    async def _publish_events(self) -> None:
+        while True:
+            event = await self._events.get()
+            if self._mqtt is None:
+                continue
+            rule = self.topics.rule("events")
+            try:
+                await self._mqtt.connection.publish(
+                    self.topics.events(), event.model_dump_json(exclude_none=True), qos=rule.qos, timeout=2.0
+                )
+            except TimeoutError:
+                _log.debug("event not published (broker away)", kind=event.kind)
+
+    async def _status_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_changed.wait(), STATUS_INTERVAL_S)
+            self._status_changed.clear()
+            await self._flush_status()
+
+    async def _flush_status(self) -> None:
+        text = self._status_text()
+        if text != self._last_status:
+            self.notifier.status(text)
+            self._last_status = text
+        if self._mqtt is None or not self._mqtt.connection.connected:
+            return
+        with contextlib.suppress(TimeoutError):
+            await self._mqtt.connection.publish(
+                status_topic(self.topics), self.status().model_dump_json(), qos=1, retain=True, timeout=2.0
+            )
+
+    # ------------------------------------------------------------------ control over MQTT
+
+    async def _on_control(self, message: Any) -> None:
+        payload = message.payload if isinstance(message.payload, bytes | bytearray) else str(message.payload or "")
+        props = getattr(message, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        # Commands run as tasks: a slow one (checkpoint) must not hold up the others or
+        # the data plane, which share this MQTT message loop.
+        self._spawn_control(bytes(payload) if not isinstance(payload, str) else payload, response_topic, correlation)
+
+    def _spawn_control(self, payload: bytes | str, response_topic: str | None, correlation: bytes | None) -> None:
+        assert self._tasks is not None
+        self._tasks.create_task(self._answer(payload, response_topic, correlation), name="control.command")
+
+    async def _answer(self, payload: bytes | str, response_topic: str | None, correlation: bytes | None) -> None:
+        async with self._control_slots:
+            reply = await handle_payload(self, payload)
+        await self._send_reply(reply, response_topic, correlation)
+
+    async def _send_reply(self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None) -> None:
+        topic = response_topic or self.topics.control_reply()
+        properties = None
+        if self.config.mqtt.protocol == "5" and correlation is not None:
+            properties = Properties(PacketTypes.PUBLISH)
+            properties.CorrelationData = correlation
+        try:
+            await self._mqtt.connection.publish(
+                topic, reply.model_dump_json(exclude_none=True), qos=1, properties=properties
+            )
+        except TimeoutError:
+            _log.warning("control reply not delivered (broker away)", request_id=reply.request_id)
+
+
+def _npz_bytes(workload: Any, state: Any) -> bytes:
+    import io
+
+    model = workload.to_model(state)
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for node in model.param_nodes():
+        arrays[f"{node.name}/weight"] = np.asarray(node.weight)
+        if getattr(node, "bias", None) is not None:
+            arrays[f"{node.name}/bias"] = np.asarray(node.bias)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qsched daemon", description="Run the fleet daemon.")
+    parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG)")
+    parser.add_argument("--state-dir", type=Path, help="state directory (default: $STATE_DIRECTORY)")
+    parser.add_argument("--mqtt", metavar="HOST:PORT", help="broker address (overrides the configuration)")
+    parser.add_argument("--no-mqtt", action="store_true", help="run without a broker (serial boards only)")
+    parser.add_argument("--serial", nargs="*", default=None, metavar="DEV", help="serial ports or globs")
+    parser.add_argument("--fleet", help="fleet name (one topic level)")
+    parser.add_argument("--step-deadline", type=float, help="seconds before a shard is reassigned")
+    return parser
+
+
+def _overrides(args: argparse.Namespace, cfg: DaemonConfig) -> DaemonConfig:
+    data = cfg.model_dump()
+    if args.state_dir is not None:
+        data["state_dir"] = args.state_dir
+    if args.fleet is not None:
+        data["fleet"] = args.fleet
+    if args.step_deadline is not None:
+        data["step_deadline_s"] = args.step_deadline
+    if args.mqtt is not None:
+        host, _, port = args.mqtt.rpartition(":")
+        data["mqtt"]["host"], data["mqtt"]["port"] = host or "127.0.0.1", int(port)
+    if args.no_mqtt:
+        data["mqtt"]["enabled"] = False
+    if args.serial is not None:
+        data["serial"]["devices"] = list(args.serial)
+    data["mqtt"]["password"] = cfg.mqtt.password  # keep the secret as it was
+    return DaemonConfig.model_validate(data)
+
+
+def main(argv: list[str]) -> int:
+    """``qsched daemon``: run until SIGTERM.
+
+    Args:
+        argv: the options (see ``--help``).
+
+    Returns:
+        The exit status.
+    """
+    args = _parser().parse_args(argv)
+    cfg = _overrides(args, load_config(args.config))
+    return asyncio.run(Daemon(cfg).run())
