@@ -160,20 +160,23 @@ def ilog2_q24(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     n = np.zeros(v.shape, dtype=np.uint64)
     probe = v.copy()
     for width in (32, 16, 8, 4, 2, 1):
-        big = probe >= np.uint64(1 << width)
-        probe = np.where(big, probe >> np.uint64(width), probe)
-        n = np.where(big, n + np.uint64(width), n)
+        # big is 0 or 1: shift the probe by width where it is at least 2**width.
+        big = (probe >> np.uint64(width)) != 0
+        amount = big.astype(np.uint64) * np.uint64(width)
+        probe >>= amount
+        n += amount
     norm = np.uint64(NORM_BITS)
     x = np.where(n <= norm, v << (norm - np.minimum(n, norm)), v >> (np.maximum(n, norm) - norm))
     frac = np.zeros(v.shape, dtype=np.uint64)
-    two = np.uint64(1 << (NORM_BITS + 1))
     for i in range(1, LOG_FRAC_BITS + 1):
-        # x < 2**31, so x * x < 2**62: no overflow in uint64.
-        x = (x * x) >> norm
-        bit = x >= two
-        x = np.where(bit, x >> np.uint64(1), x)
-        frac = np.where(bit, frac | np.uint64(1 << (LOG_FRAC_BITS - i)), frac)
-    return (n << np.uint64(LOG_FRAC_BITS)) | frac
+        # x < 2**31, so x * x < 2**62: no overflow in uint64; after >> 30, x < 2**32.
+        x *= x
+        x >>= norm
+        bit = x >> np.uint64(NORM_BITS + 1)  # 1 when x >= 2**31, else 0
+        x >>= bit
+        frac |= bit << np.uint64(LOG_FRAC_BITS - i)
+    result: npt.NDArray[np.uint64] = (n << np.uint64(LOG_FRAC_BITS)) | frac
+    return result
 
 
 def loss_q16(

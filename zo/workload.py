@@ -354,8 +354,9 @@ class Workload:
         eps = self.spec.eps
         signs = (1, -1) if self.spec.estimator == "two_sided" else (1,)
         sets: list[Flat] = []
-        for k in keys:
-            sets.extend(self._perturb(state.params, step, k, eps, signs))
+        negatives = _rademacher_many(self.spec.seed, step, keys, self.num_params)
+        for negative in negatives:
+            sets.extend(self._perturb(state.params, negative, eps, signs))
         if self.spec.estimator == "one_sided":
             sets.append(state.params)
         idx = self.batch(step)
@@ -380,15 +381,9 @@ class Workload:
         return self._train_prefix.take(idx)
 
     def _perturb(
-        self,
-        params: Flat,
-        step: int,
-        k: int,
-        eps: float,
-        signs: Sequence[int],
+        self, params: Flat, negative: npt.NDArray[np.bool_], eps: float, signs: Sequence[int]
     ) -> list[Flat]:
-        """params + sign * eps * z_k for each sign, z_k drawn once (as update.perturb_*)."""
-        negative = prng.rademacher_bits(self.spec.seed, step, k, self.num_params)
+        """params + sign * eps * z for each sign, z from its sign bits (as update.perturb_*)."""
         out: list[Flat] = []
         if self.int8:
             wide = params.astype(np.int32)
@@ -581,6 +576,23 @@ def widen_logits(qmodel: QuantModel, logit_range: float = LOGIT_RANGE) -> QuantM
     tensors = dict(qmodel.tensors)
     tensors[name] = asymmetric_params(lo, hi)
     return QuantModel(model=qmodel.model, tensors=tensors, layers=qmodel.layers)
+
+
+def _rademacher_many(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArray[np.bool_]:
+    """``prng.rademacher_bits`` for several k in one Philox call: shape (len(ks), size)."""
+    if not ks:
+        return np.zeros((0, size), dtype=np.bool_)
+    if min(ks) < 0 or max(ks) >= 2**32:
+        raise ValueError(f"perturbation indices must be in [0, 2**32), got {list(ks)}")
+    blocks = (size + 127) // 128
+    counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
+    counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)
+    counters[:, :, 1] = step
+    counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
+    counters[:, :, 3] = prng.DOMAIN_PERTURB
+    words = prng.philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(len(ks), -1)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :size].astype(np.bool_)
 
 
 def calibration_indices(seed: int, dataset_size: int, count: int = CALIBRATION_SAMPLES) -> npt.NDArray[np.int64]:
