@@ -214,11 +214,26 @@ class Workload:
     def __init__(
         self, spec: JobSpec, model: Model, qmodel: QuantModel | None, dataset: Dataset, trainable: list[str]
     ) -> None:
+        """Assemble a workload from parts (``from_spec`` builds them from a spec).
+
+        Args:
+            spec: the job (numerics, accumulator, estimator, seed, batch size, eps, lr).
+            model: the float graph (INT8: the graph of ``qmodel``).
+            qmodel: the INT8 model, or None in FP32 mode.
+            dataset: the data set.
+            trainable: trainable layer names.
+
+        Raises:
+            WorkloadError: unknown layers, no parameters, or numerics and qmodel disagree.
+        """
+        if (qmodel is not None) != (spec.numerics == "int8"):
+            raise WorkloadError(f"numerics {spec.numerics!r} needs {'a' if spec.numerics == 'int8' else 'no'} QuantModel")
         self.spec = spec
         self.model = model
         self.qmodel = qmodel
         self.dataset = dataset
-        self.trainable_layers = trainable
+        # Model order, whatever order the caller listed them in: the flat vector's layout.
+        self.trainable_layers = resolve_trainable(model, list(trainable))
         self.segments = self._layout()
         self.num_params = self.segments[-1].stop if self.segments else 0
         if self.num_params == 0:
