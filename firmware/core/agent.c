@@ -214,7 +214,7 @@ static qs_status install_model(qs_agent *a, uint32_t len)
         return QS_ERR_FORMAT;
     }
     const uint64_t params = le32(a->region + 20); /* untrusted until prepare: bounded here */
-    const uint64_t after_blob = ((uint64_t)a->blob_cap + 15u) & ~(uint64_t)15u;
+    const uint64_t after_blob = ((uint64_t)len + 15u) & ~(uint64_t)15u;
     const uint64_t need = after_blob + 7u * params + 64u;
     if (need > a->region_size) {
         return QS_ERR_TOO_LARGE;
@@ -416,13 +416,23 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
 
 /* ------------------------------------------------------------------ one step */
 
+/* One sample's logits: on the NPU when the port has one for this model, else on the CPU. */
+static const int8_t *forward(qs_agent *a, const int8_t *input, const int8_t *flat)
+{
+    const int8_t *logits = NULL;
+    if (qs_port_npu_forward(&a->model, input, flat, &logits) == QS_OK) {
+        return logits;
+    }
+    return qs_model_forward(&a->model, input, flat);
+}
+
 /* Mean Q16 loss of the step's batch under the flat weights, as float32 (exact below 256). */
 static float batch_loss(qs_agent *a, const int8_t *flat, uint32_t batch)
 {
     int64_t sum = 0;
     for (uint32_t j = 0; j < batch; ++j) {
         const uint32_t idx = a->batch[j];
-        const int8_t *logits = qs_model_forward(&a->model, a->dataset.x_train + (size_t)idx * a->dataset.sample, flat);
+        const int8_t *logits = forward(a, a->dataset.x_train + (size_t)idx * a->dataset.sample, flat);
         sum += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_train[idx], &a->model.loss);
         if ((j & 7u) == 7u) {
             poll_link(a, 0); /* keep acknowledging frames during a long evaluation */
@@ -555,8 +565,7 @@ static void on_validate(qs_agent *a, const qs_msg *m)
         const uint32_t hi = stop - lo > QS_VALIDATION_CHUNK ? lo + QS_VALIDATION_CHUNK : stop;
         int64_t chunk = 0;
         for (uint32_t i = lo; i < hi; ++i) {
-            const int8_t *logits =
-                qs_model_forward(&a->model, a->dataset.x_val + (size_t)i * a->dataset.sample, a->weights);
+            const int8_t *logits = forward(a, a->dataset.x_val + (size_t)i * a->dataset.sample, a->weights);
             chunk += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_val[i], &a->model.loss);
             correct += argmax(logits, a->model.num_classes) == a->dataset.y_val[i];
             if ((i & 7u) == 7u) {
@@ -628,7 +637,7 @@ void qs_agent_init(qs_agent *a, uint8_t *region, size_t region_size, const uint8
     qs_frame_reader_init(&a->reader);
     a->region = region;
     a->region_size = region_size;
-    a->blob_cap = region_size / 2u;
+    a->blob_cap = region_size;
     a->tx_seq = (uint16_t)qs_port_entropy();
     a->tx_syn = 1;
     a->boot_us = qs_port_now_us();

@@ -7,9 +7,11 @@
  * No heap: the agent is one static object; the model, the weights, the accumulation
  * buffer and the activations live in the port's model region, split as
  *
- *   [ blob (<= half the region) | weights P | FP16 buffer 2P | staging 3P | arena ]
+ *   [ blob | weights P | FP16 buffer 2P | perturbed copy P | staging 3P | arena ]
  *
- * where P is the length of the flat trainable vector.
+ * where P is the length of the flat trainable vector, laid out after the blob's actual
+ * length when a model is installed (a new blob drops the old state anyway; the same
+ * blob again has the same length and leaves the weights after it untouched).
  */
 #ifndef QS_AGENT_H
 #define QS_AGENT_H

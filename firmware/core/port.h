@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "model.h"
 #include "qs_status.h"
 
 /* Identity a board reports in its Hello. */
@@ -44,6 +45,17 @@ uint64_t qs_port_now_us(void);
  * AN547 SRAM/DDR; on the host a static array. Returns its base and size.
  */
 void *qs_port_model_region(size_t *size);
+
+/*
+ * The forward pass of one sample on the NPU (STM32N6: the Neural-ART network compiled
+ * from the same model, run through ST's ll_aton runtime), trainable weights taken from
+ * flat (num_params int8). On success *logits points at num_classes int8 values that
+ * stay valid until the next call. QS_ERR_UNSUPPORTED when the board has no NPU or the
+ * loaded blob is not the network compiled into the image: the agent then runs the
+ * CPU reference kernels, which compute the same bits.
+ */
+qs_status qs_port_npu_forward(const qs_model *model, const int8_t *input, const int8_t *flat,
+                              const int8_t **logits);
 
 /* The data set blob this board holds ("QZDS", qsched.zo.blob), or NULL: a file on the
  * host, a blob QEMU loads into DDR, a flash region on the N6. */

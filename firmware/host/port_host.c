@@ -145,6 +145,16 @@ uint64_t qs_port_now_us(void)
     return (monotonic_ns() - g_start_ns) / 1000u;
 }
 
+qs_status qs_port_npu_forward(const qs_model *model, const int8_t *input, const int8_t *flat,
+                              const int8_t **logits)
+{
+    (void)model;
+    (void)input;
+    (void)flat;
+    (void)logits;
+    return QS_ERR_UNSUPPORTED; /* no NPU: the CPU reference kernels run */
+}
+
 void *qs_port_model_region(size_t *size)
 {
     *size = sizeof g_region;

@@ -112,6 +112,16 @@ qs_status qs_port_serial_read(uint8_t *buf, size_t cap, size_t *got, uint32_t ti
     return QS_OK;
 }
 
+qs_status qs_port_npu_forward(const qs_model *model, const int8_t *input, const int8_t *flat,
+                              const int8_t **logits)
+{
+    (void)model;
+    (void)input;
+    (void)flat;
+    (void)logits;
+    return QS_ERR_UNSUPPORTED; /* no NPU: the CPU reference kernels run */
+}
+
 void *qs_port_model_region(size_t *size)
 {
     *size = sizeof g_model_region;

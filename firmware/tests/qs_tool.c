@@ -16,6 +16,7 @@
  *   apply_i8 <seed> <step> <first> <n> (<k> <c bits>)*n <w hex> <buf hex> -> "<w hex> <buf hex>"
  *   ilog2 <v>                                       -> decimal
  *   forward <blob path> <inputs hex>                -> logits hex (samples back to back)
+ *   budget <blob path>                              -> "<blob bytes> <params> <arena bytes>"
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -219,31 +220,48 @@ static void cmd_cobs(int encode)
     putchar('\n');
 }
 
-/* Load a model blob from a file and run samples through it. */
-static void cmd_forward(void)
+static qs_model g_model;
+
+/* Load and prepare the model blob named by the next argument; 0 (answered) on failure. */
+static int load_model(void)
 {
-    static qs_model model;
     static int8_t scratch[TOOL_BYTES_MAX] __attribute__((aligned(16)));
     static uint32_t blob_words[TOOL_BYTES_MAX / 4u]; /* 4-aligned: int32 arrays read in place */
     const char *path = tok();
     FILE *fp = path ? fopen(path, "rb") : NULL;
     if (fp == NULL) {
         printf("err cannot open blob\n");
-        return;
+        return 0;
     }
     const size_t len = fread(blob_words, 1, sizeof blob_words, fp);
     fclose(fp);
-    const qs_status st = qs_model_prepare(&model, (uint8_t *)blob_words, len, scratch, sizeof scratch);
+    const qs_status st = qs_model_prepare(&g_model, (uint8_t *)blob_words, len, scratch, sizeof scratch);
     if (st != QS_OK) {
         printf("err %s\n", qs_status_name(st));
+        return 0;
+    }
+    return 1;
+}
+
+/* Load a model blob from a file and run samples through it. */
+static void cmd_forward(void)
+{
+    if (!load_model()) {
         return;
     }
     const size_t n = hex_in(g_a, sizeof g_a);
-    const uint32_t sample = model.tensors[model.input].size;
+    const uint32_t sample = g_model.tensors[g_model.input].size;
     for (size_t off = 0; off + sample <= n; off += sample) {
-        hex_out(qs_model_forward(&model, (const int8_t *)g_a + off, 0), model.num_classes);
+        hex_out(qs_model_forward(&g_model, (const int8_t *)g_a + off, NULL), g_model.num_classes);
     }
     putchar('\n');
+}
+
+static void cmd_budget(void)
+{
+    if (load_model()) {
+        printf("%zu %u %zu\n", g_model.blob_len, (unsigned)g_model.num_params, g_model.arena_size);
+    }
 }
 
 static void dispatch(const char *cmd)
@@ -284,6 +302,8 @@ static void dispatch(const char *cmd)
         cmd_apply(cmd[6] == 'f');
     } else if (strcmp(cmd, "forward") == 0) {
         cmd_forward();
+    } else if (strcmp(cmd, "budget") == 0) {
+        cmd_budget();
     } else if (strcmp(cmd, "ilog2") == 0) {
         printf("%" PRIu64 "\n", qs_ilog2_q24(num(10)));
     } else {

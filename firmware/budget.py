@@ -1,0 +1,93 @@
+"""Memory budget of the C board agent for a model: what ``firmware/README.md`` tabulates.
+
+The agent splits one model region (``core/agent.h``) as blob | weights P | FP16 buffer
+2P | perturbed copy P | SetWeights staging 3P | activation arena, where P is the length
+of the flat trainable vector; the arena holds one sample's tensors, one 4-byte aligned
+slot each (``core/model.c``). Everything else is static: ``AGENT_STATIC_BYTES``.
+
+    python -m qsched.firmware.budget mlp:digits cnn:digits resnet8:eurosat
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from qsched.zo.engine import infer_shapes
+from qsched.zo.spec import JobSpec
+from qsched.zo.workload import Workload
+
+__all__ = ["AGENT_STATIC_BYTES", "MemoryBudget", "main", "memory_budget"]
+
+# sizeof(qs_agent) plus the codec's and framing's static buffers, from the Cortex-M55
+# image's symbol table (arm-none-eabi-nm -S): frame buffers, the receive queue (4 x
+# MAX_PAYLOAD), two decoded messages, the prepared model records, batch indices.
+AGENT_STATIC_BYTES: Final = 211_296
+STACK_BYTES: Final = 32 * 1024
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes one model needs on a board (INT8 mode, FP16 accumulation buffer)."""
+
+    blob: int  # the model blob as received: all int8 weights, int32 biases, requant params
+    params: int  # P: trainable int8 weights
+    weights: int  # the master copy of the trainable weights (P)
+    buffer: int  # FP16 accumulation buffer (2P)
+    perturbed: int  # the perturbed copy a forward pass reads (P)
+    staging: int  # SetWeights reassembly (3P)
+    arena: int  # activations of one sample
+
+    @property
+    def region(self) -> int:
+        """The model region in use (16-byte aligned pieces, as the agent lays them out)."""
+        parts = (self.blob, self.weights, self.buffer, self.perturbed, self.staging)
+        return sum(_align(p, 16) for p in parts) + self.arena
+
+    @property
+    def total(self) -> int:
+        """Region + the agent's static data + stack."""
+        return self.region + AGENT_STATIC_BYTES + STACK_BYTES
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def memory_budget(workload: Workload) -> MemoryBudget:
+    """The budget of an INT8 workload.
+
+    Args:
+        workload: an INT8 job's workload.
+
+    Returns:
+        The byte counts.
+    """
+    if workload.qmodel is None:
+        raise ValueError("the C board runs INT8 jobs only")
+    shapes = infer_shapes(workload.model)
+    arena = sum(_align(math.prod(shape), 4) for shape in shapes.values())
+    p = workload.num_params
+    return MemoryBudget(len(workload.model_blob()), p, p, 2 * p, p, 3 * p, arena)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the budget table for ``model:dataset`` pairs."""
+    parser = argparse.ArgumentParser(prog="python -m qsched.firmware.budget")
+    parser.add_argument("pairs", nargs="+", help="model:dataset, e.g. mlp:digits")
+    args = parser.parse_args(argv)
+    print("| model | data set | blob | P | weights+buffer+copy+staging (7P) | arena | region | with agent |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for pair in args.pairs:
+        model, _, dataset = pair.partition(":")
+        b = memory_budget(Workload.from_spec(JobSpec(model=model, dataset=dataset or "digits")))
+        kib = lambda n: f"{n / 1024:.1f} KiB"  # noqa: E731
+        print(f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} | {kib(b.arena)} | "
+              f"{kib(b.region)} | {kib(b.total)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
