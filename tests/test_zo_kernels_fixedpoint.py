@@ -110,12 +110,18 @@ def test_quantize_multiplier_rejects_negative() -> None:
         quantize_multiplier(np.array([-0.5]))
 
 
-def test_multiply_by_quantized_multiplier_double_rounding() -> None:
-    """Reference arithmetic: left shift in int32, SRDHM, then rounding right shift."""
-    rng = np.random.default_rng(4)
-    x = rng.integers(-(2**24), 2**24, 2000)
-    m = rng.integers(2**30, 2**31, 2000)
-    s = rng.integers(-20, 3, 2000)
+@pytest.mark.parametrize(("low", "high"), [(-31, 1), (-20, 3), (0, 1)])
+def test_multiply_by_quantized_multiplier_double_rounding(low: int, high: int) -> None:
+    """Reference arithmetic: left shift in int32, SRDHM, then rounding right shift.
+
+    Right shifts only (one fused shift), mixed signs (general path) and shift 0.
+    """
+    rng = np.random.default_rng([4, -low, high])
+    x = np.concatenate([rng.integers(INT32_MIN, INT32_MAX, 1000), rng.integers(-(2**12), 2**12, 3000)])
+    m = rng.integers(2**30, 2**31, x.size)
+    s = rng.integers(low, high, x.size)
+    # Exact ties of the rounding shift: x * m with its low 31 + e bits at a half.
+    m[:200] = 2**30
     got = multiply_by_quantized_multiplier(x, m, s)
     expected = []
     for xi, mi, si in zip(x.tolist(), m.tolist(), s.tolist(), strict=True):

@@ -159,10 +159,40 @@ def multiply_by_quantized_multiplier(
         m = np.where(big, 2**31 - 1, m)
         s = np.where(big, 30, s)
         total = 31 - s
-        rounded = (x64 * m + (np.int64(1) << (total - 1))) >> total
+        rounded = x64 * m
+        rounded += np.int64(1) << (total - 1)
+        rounded >>= total
         return np.asarray(rounded, dtype=np.int64)
+    if np.all(s <= 0) and np.all(m >= 0):
+        return _double_rounding_right_shift(x64, m, -s)
     right = np.maximum(-s, 0)
     if np.any(s > 0):
         # The C code shifts in int32; a left shift only happens for multipliers > 1.
         x64 = wrap_int32(x64 << np.maximum(s, 0))
     return rounding_divide_by_pot(saturating_rounding_doubling_high_mul(x64, m), right)
+
+
+def _double_rounding_right_shift(x: I64, m: I64, e: I64) -> I64:
+    """``RoundingDivideByPOT(SRDHM(x, m), e)`` as one shift of ``x * m``, for m >= 0.
+
+    With ``h = SRDHM(x, m) = floor((x*m + 2^30) / 2^31)`` and, for ``e >= 1``,
+    ``RDBPOT(h, e) = floor((h + half - [h < 0]) / 2^e)``: adding an integer commutes with
+    floor and ``floor(floor(y) / d) = floor(y / d)`` for an integer d, so the result is
+    ``floor((x*m + 2^30 + (half - [h < 0]) * 2^31) / 2^(31 + e))``, where ``h < 0``
+    exactly when ``x*m + 2^30 < 0``. For ``e = 0`` it is ``h`` itself. m >= 0 rules out
+    SRDHM's one saturating case. Every term stays below 2^63.
+    """
+    half = (np.int64(1) << e) >> 1
+    t = x * m
+    t += (1 << 30) + (half << 31)
+    if np.any(e > 0):
+        # t < half * 2^31 is x*m + 2^30 < 0. The sign word of t - threshold is -1 there
+        # and 0 elsewhere; shifted to -2^31 it is the correction. A threshold of -2^62
+        # (below every x*m + 2^30, without overflow) turns it off where e = 0.
+        threshold = np.where(e > 0, half << 31, np.int64(-(2**62)))
+        sign = t - threshold
+        sign >>= 63
+        sign <<= 31
+        t += sign
+    t >>= 31 + e
+    return np.asarray(t, dtype=np.int64)

@@ -162,9 +162,11 @@ def int_matmul(a: Array, b: Array) -> I64:
     return exact
 
 
-def _centred(x: I8, zero_point: int) -> npt.NDArray[np.int16]:
-    """x - zp as int16: TFLite's ``input_val + input_offset``."""
-    return x.astype(np.int16) - np.int16(zero_point)
+def _centred(x: I8, zero_point: int, dtype: type[np.floating]) -> npt.NDArray[np.floating]:
+    """x - zp (TFLite's ``input_val + input_offset``), exact in the float type given."""
+    out: npt.NDArray[np.floating] = x.astype(dtype)
+    out -= zero_point
+    return out
 
 
 def conv2d(
@@ -222,7 +224,7 @@ def patches(
     Padding cells contribute 0, as the reference kernel skips them.
     """
     k = kernel[0] * kernel[1] * (in_per_group or x.shape[-1])
-    xc = _centred(x, zero_point).astype(_exact_dtype(k))
+    xc = _centred(x, zero_point, _exact_dtype(k))
     cols: npt.NDArray[np.floating] = extract_patches(xc, kernel, stride, padding, 0)
     return cols
 
@@ -238,25 +240,28 @@ def depthwise_conv2d(
 ) -> I8:
     """Per-channel int8 depthwise convolution (``DepthwiseConvPerChannel``), 1HWO weights."""
     _, _, kh, kw, o = weight.shape
-    xc = _centred(x, stage.input_zero_point)
+    ft = _exact_dtype(kh * kw)
+    xc = _centred(x, stage.input_zero_point, ft)
     if o != xc.shape[-1]:
         xc = np.repeat(xc, o // xc.shape[-1], axis=-1)
-    ft = _exact_dtype(kh * kw)
-    xp, oh, ow = padded_windows(xc.astype(ft), (kh, kw), stride, padding, 0)
+    xp, oh, ow = padded_windows(xc, (kh, kw), stride, padding, 0)
     wt = weight[:, 0].astype(ft)[:, None, None, None]
-    acc = None
+    acc = window_tap(xp, 0, 0, oh, ow, stride) * wt[..., 0, 0, :]
+    term = np.empty_like(acc)
     for i in range(kh):
         for j in range(kw):
-            term = window_tap(xp, i, j, oh, ow, stride) * wt[..., i, j, :]
-            acc = term if acc is None else acc + term
-    assert acc is not None
-    acc64 = acc.astype(np.int64) + bias[:, None, None, None, :]
+            if i or j:
+                np.multiply(window_tap(xp, i, j, oh, ow, stride), wt[..., i, j, :], out=term)
+                acc += term
+    acc64 = acc.astype(np.int64)
+    acc64 += bias[:, None, None, None, :]
     return stage.apply(acc64, single_rounding)
 
 
 def dense(x: I8, weight: I8, bias: I64, stage: OutputStage, single_rounding: bool = False) -> I8:
     """Per-channel int8 fully connected: ``(S, N, F) x (S', O, F) -> (S, N, O)``."""
-    acc = int_matmul(_centred(x, stage.input_zero_point), np.swapaxes(weight, 1, 2))
+    xc = _centred(x, stage.input_zero_point, _exact_dtype(x.shape[-1]))
+    acc = int_matmul(xc, np.swapaxes(weight, 1, 2))
     acc += bias[:, None, :]
     return stage.apply(acc, single_rounding)
 
