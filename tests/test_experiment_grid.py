@@ -1,0 +1,93 @@
+"""Experiment grids, job specs of a run, and the QScheduler-versus-best-fixed comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from qsched.daemon.experiment import (
+    ExperimentError,
+    ExperimentResult,
+    GridEntry,
+    Setting,
+    build_grid,
+)
+from qsched.zo.spec import PolicySpec
+
+
+def test_grid_paper_has_fixed_ladder_and_qscheduler() -> None:
+    """The paper grid: fixed q 1..32 and QScheduler (q0=1, Qmax=32), in both numerics."""
+    grid = build_grid("paper")
+    assert len(grid) == 14
+    labels = [e.label for e in grid if e.numerics == "int8"]
+    assert labels == [f"fixed q={q}" for q in (1, 2, 4, 8, 16, 32)] + ["qscheduler"]
+    sched = next(e for e in grid if e.label == "qscheduler")
+    assert sched.policy == PolicySpec(name="qscheduler", config={"q0": 1, "qmax": 32})
+    assert {e.numerics for e in grid} == {"fp32", "int8"}
+    assert len({e.key for e in grid}) == len(grid)
+
+
+def test_grid_all_policies_adds_three() -> None:
+    """all-policies adds linear, power and variance to the paper grid."""
+    names = [e.policy.name for e in build_grid("all-policies", numerics=["int8"])]
+    assert names[-3:] == ["linear", "power", "variance"]
+    assert len(names) == 10
+
+
+def test_grid_custom_tokens() -> None:
+    """Custom tokens: fixed:Q, bare names and name:{json config}."""
+    grid = build_grid("custom", ["fixed:3", 'qscheduler:{"patience": 5}'], ["int8-acc8"])
+    assert [e.policy for e in grid] == [
+        PolicySpec(name="fixed", config={"q": 3}), PolicySpec(name="qscheduler", config={"patience": 5}),
+    ]
+    assert grid[0].label == "fixed q=3"
+    assert grid[1].key.endswith("@int8-acc8")
+
+
+@pytest.mark.parametrize(
+    ("grid", "policies", "numerics", "message"),
+    [
+        ("custom", [], ["int8"], "the grid is empty"),
+        ("paper", [], ["int4"], "unknown numerics"),
+        ("nope", [], ["int8"], "unknown grid"),
+        ("custom", ["qscheduler:[1]"], ["int8"], "JSON object"),
+    ],
+)
+def test_grid_bad_requests(grid: str, policies: list[str], numerics: list[str], message: str) -> None:
+    """An empty grid, unknown numerics or grid name, or a non-object config is an ExperimentError."""
+    with pytest.raises(ExperimentError, match=message):
+        build_grid(grid, policies, numerics)
+
+
+def test_setting_spec_per_numerics() -> None:
+    """A run's spec: numerics and accumulator from the token, common then per-numerics overrides."""
+    setting = Setting({"steps": 30, "lr": 5.0}, {"fp32": {"lr": 0.02}})
+    entry = GridEntry("fixed q=2", PolicySpec(name="fixed", config={"q": 2}), "fp32")
+    spec = setting.spec(entry, seed=4)
+    assert (spec.numerics, spec.lr, spec.eps, spec.seed, spec.steps) == ("fp32", 0.02, 0.001, 4, 30)
+    acc8 = setting.spec(GridEntry("q", PolicySpec(), "int8-acc8"), seed=0)
+    assert (acc8.numerics, acc8.accumulator, acc8.lr, acc8.eps) == ("int8", "int8", 5.0, 1.0)
+
+
+def _config(name: str, token: str, acc: float, passes: float, q: int | None = None) -> dict[str, object]:
+    config = {"q": q} if q is not None else {}
+    key = f"{name}{q or ''}@{token}"
+    return {
+        "key": key, "numerics_token": token, "policy": {"name": name, "config": config},
+        "final_accuracy": {"mean": acc}, "forward_passes": {"mean": passes},
+    }
+
+
+def test_comparison_against_best_fixed() -> None:
+    """The comparison picks the best fixed q per numerics and checks both floors."""
+    configs = [
+        _config("fixed", "int8", 0.80, 1000.0, q=4), _config("fixed", "int8", 0.90, 8000.0, q=32),
+        _config("qscheduler", "int8", 0.895, 4000.0),
+        _config("fixed", "fp32", 0.70, 8000.0, q=32), _config("qscheduler", "fp32", 0.60, 1000.0),
+    ]
+    result = ExperimentResult({}, configs, None, {}, "")
+    by_token = {c["numerics_token"]: c for c in result.comparisons}
+    assert by_token["int8"]["best_fixed_q"] == 32
+    assert by_token["int8"]["difference_pp"] == pytest.approx(-0.5)
+    assert by_token["int8"]["forward_pass_share"] == pytest.approx(0.5)
+    assert by_token["int8"]["floor_met"] is True
+    assert by_token["fp32"]["floor_met"] is False  # 10 points behind
