@@ -76,8 +76,10 @@ ROUNDING_BY_OP: Final[dict[str, bool]] = {
     "add": False,
     "relu": False,
 }
-# Working-set budget for one chunk of perturbed copies (activations and patches).
-DEFAULT_MAX_BYTES: Final = 256 * 2**20
+# Working-set budget for one chunk of perturbed copies or samples (activations and
+# patches). Results never depend on it; 16-64 MiB chunks measured fastest on MobileNetV2
+# with every layer perturbed, and it bounds the memory of many boards in one host.
+DEFAULT_MAX_BYTES: Final = 64 * 2**20
 
 Array: TypeAlias = npt.NDArray[Any]
 F32 = npt.NDArray[np.float32]
@@ -282,10 +284,8 @@ def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
             stages[node.name] = ki.prepare_add(inp, other, out, node.activation)
         elif isinstance(node, (ReLU, ReLU6)):
             stages[node.name] = ki.prepare_relu(inp, out, isinstance(node, ReLU6))
-        elif isinstance(node, (AvgPool, MaxPool, GlobalAvgPool)) and (
-            np.float32(inp.scale) != np.float32(out.scale) or inp.zero_point != out.zero_point
-        ):
-            raise GraphError(node.name, "int8 pooling needs equal input and output quantisation")
+        # Pools and Reshape do not rescale: TFLite's int8 kernels assume (debug-check
+        # only) that the output shares the input's parameters and ignore the output's.
     return stages
 
 
