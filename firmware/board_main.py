@@ -39,6 +39,8 @@ from qsched.protocol.messages import PROTOCOL_VERSION
 __all__ = ["board_ids", "build_parser", "main", "parse_speeds"]
 
 EXIT_USAGE = 2
+SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_RECANCEL_S = 0.5
 _log = structlog.get_logger("qsched.firmware.board")
 
 
@@ -168,8 +170,9 @@ async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float)
     topics = TopicMap(prefix=cfg.prefix, fleet=fleet)
     async with MqttEndpoint(cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION) as link:
         await link.wait_connected()
-        return await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True,
-                                corrupt_payloads=True)
+        reason: str = await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True,
+                                       corrupt_payloads=True)
+        return reason
 
 
 async def _serve_serial(agent: BoardAgent, device: str, baud: int, heartbeat: float) -> str:
@@ -182,36 +185,69 @@ async def _serve_serial(agent: BoardAgent, device: str, baud: int, heartbeat: fl
         return "unavailable"
     wire = CorruptingStream(stream, agent.faults) if agent.faults.active else stream
     async with SerialLink(agent.board_id, wire) as link:
-        return await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True)
+        reason: str = await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True)
+        return reason
 
 
 async def _run(args: argparse.Namespace) -> int:
     serial = bool(args.serial)
     agents = _agents(args, len(args.serial) if serial else args.count, serial)
     loop = asyncio.get_running_loop()
-    main_task = asyncio.current_task()
-    assert main_task is not None
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main_task.cancel)
+        loop.add_signal_handler(sig, stop.set)
     cfg = None if serial else _mqtt_config(args)
     runs: list[asyncio.Task[str]] = []
+    for i, agent in enumerate(agents):
+        if serial:
+            coro = _serve_serial(agent, args.serial[i], args.baud, args.heartbeat)
+        else:
+            coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat)
+        runs.append(asyncio.create_task(coro, name=f"board[{agent.board_id}]"))
+    _log.info("virtual boards running", boards=[a.board_id for a in agents],
+              link="serial" if serial else f"mqtt {args.mqtt}")
+    stopping = asyncio.create_task(stop.wait(), name="board.signals")
     try:
-        async with asyncio.TaskGroup() as tasks:
-            for i, agent in enumerate(agents):
-                if serial:
-                    coro = _serve_serial(agent, args.serial[i], args.baud, args.heartbeat)
-                else:
-                    coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat)
-                runs.append(tasks.create_task(coro, name=f"board[{agent.board_id}]"))
-            _log.info("virtual boards running", boards=[a.board_id for a in agents],
-                      link="serial" if serial else f"mqtt {args.mqtt}")
-    except asyncio.CancelledError:
+        await asyncio.wait([*runs, stopping], return_when=asyncio.FIRST_COMPLETED)
+        while not stop.is_set() and not all(t.done() for t in runs):
+            await asyncio.wait([*runs, stopping], return_when=asyncio.FIRST_COMPLETED)
         _log.info("virtual boards stopping")
+        await _cancel_all(runs)
     finally:
+        stopping.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    failed = [t for t in runs if t.done() and not t.cancelled() and t.result() == "unavailable"]
-    return 1 if failed else 0
+    return _status(runs)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[str]]) -> None:
+    """Cancel and await the boards, again and again until they are done (bounded).
+
+    Cancelling once is not enough on Python 3.11: ``asyncio.wait_for`` (used inside
+    aiomqtt's publish) swallows a cancellation that races with the awaited result.
+    """
+    deadline = asyncio.get_running_loop().time() + SHUTDOWN_TIMEOUT_S
+    pending = {t for t in tasks if not t.done()}
+    while pending and asyncio.get_running_loop().time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=SHUTDOWN_RECANCEL_S)
+    if pending:
+        _log.error("boards did not stop", boards=sorted(t.get_name() for t in pending))
+
+
+def _status(runs: list[asyncio.Task[str]]) -> int:
+    status = 0
+    for task in runs:
+        if not task.done() or task.cancelled():
+            continue
+        exc = task.exception()
+        if exc is not None:
+            _log.error("board failed", board=task.get_name(), error=repr(exc))
+            status = 1
+        elif task.result() == "unavailable":
+            status = 1
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

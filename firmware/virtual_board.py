@@ -231,13 +231,13 @@ class LatencyProfile:
         if not self.enabled or samples <= 0:
             return 0.0
         macs = computed_macs if self.macs_per_forward is None else self.macs_per_forward
-        return self.npu.forward_seconds(macs, samples) / self.speed
+        return float(self.npu.forward_seconds(macs, samples)) / self.speed
 
     def wire_seconds(self, payload_bytes: int) -> float:
         """Modelled seconds to move a message over the serial line (0 without a baud rate)."""
         if not self.enabled or self.baud is None or payload_bytes <= 0:
             return 0.0
-        return serial_seconds(payload_bytes + _FRAME_OVERHEAD, self.baud)
+        return float(serial_seconds(payload_bytes + _FRAME_OVERHEAD, self.baud))
 
 
 # --------------------------------------------------------------------------- data sets
