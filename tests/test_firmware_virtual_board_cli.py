@@ -26,7 +26,6 @@ from qsched.protocol.topics import TopicMap
 from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
-LOG = open("/tmp/mqttboard.log", "w")  # noqa: SIM115
 QSCHED = str(Path(sys.executable).parent / "qsched")
 TIMEOUT_S = 30.0
 
@@ -97,9 +96,9 @@ async def test_board_cli_mqtt_count_four_births(mqtt_broker: MosquittoBroker) ->
     async with MqttTransport(cfg, TopicMap(fleet="vbtest")) as transport:
         await transport.wait_connected(TIMEOUT_S)
         proc = subprocess.Popen(
-            [QSCHED, "--log-level", "debug", "board", "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}",
+            [QSCHED, "--log-level", "warning", "board", "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}",
              "--fleet", "vbtest", "--count", "4", "--model-latency", "off"],
-            stdout=subprocess.DEVNULL, stderr=LOG,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
             events = transport.events()
