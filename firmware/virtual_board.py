@@ -10,8 +10,8 @@ would take (``LatencyProfile``), so a fleet of virtual boards has a real fleet's
 
 Session, as the board sees it (SPEC section 9 has the daemon's side):
 
-- ``LoadModel`` chunks are reassembled (duplicates ignored, overlaps refused), CRC-checked
-  and decoded; ``Loaded(model)`` answers the last one. ``SelectDataset`` is checked against
+- ``LoadModel`` chunks are reassembled (a chunk at offset 0 starts over, duplicates are
+  ignored, overlaps refused), CRC-checked and decoded; ``Loaded(model)`` answers the last one. ``SelectDataset`` is checked against
   the board's own copy (name, hash, sizes): ``Loaded(dataset)`` or ``dataset_missing``.
   ``JobConfig``: ``Loaded(job_config)``.
 - Once model, data set and job config are all there the board is ``ready``, its weights
@@ -22,7 +22,8 @@ Session, as the board sees it (SPEC section 9 has the daemon's side):
   ``EvalRequest``, ``ApplyUpdate`` and ``ValidateRequest`` must be for exactly that step
   (else ``stale_step``, whose detail says where the board is); an ``ApplyUpdate`` equal to
   the last one applied is a duplicate delivery and gets the same ``UpdateAck`` again.
-- Bad input never stops the board: every refusal is a typed ``Error``.
+- Bad input never stops the board: every refusal is a typed ``Error`` (a non-finite loss:
+  ``numeric``; a request handed to ``handle`` while another computes: ``busy``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
 import re
 import threading
@@ -367,6 +369,9 @@ def _error(code: BoardErrorCode, detail: str, ref: DataMessage | None = None, *,
     return Error(code=code, ref_type=ref_type, job_id=job_id, step=step, detail=_detail(detail))
 
 
+# Messages that read or change the weights: refused while a computation runs.
+_STATEFUL: Final = (LoadModel, SetWeights, SelectDataset, JobConfig, EvalRequest, ApplyUpdate, ValidateRequest, Reset)
+
 _PROTOCOL_CODES: Final[dict[str, BoardErrorCode]] = {
     "unsupported_version": "unsupported_version",
     "unknown_type": "unknown_type",
@@ -513,6 +518,9 @@ class BoardAgent:
         if isinstance(msg, EvalRequest | ApplyUpdate | ValidateRequest) and self.faults.crash(msg.step):
             raise BoardCrash(self.board_id, msg.step)
         handler = self._handlers.get(type(msg))
+        if self._busy and isinstance(msg, _STATEFUL):
+            # Only when handle() is called concurrently: a link's messages come one by one.
+            return [_error("busy", "still computing the previous request", msg, step=step or 0)]
         try:
             if handler is None:
                 raise _Refusal("unknown_type", f"{msg.type} is not a daemon-to-board message")
@@ -522,8 +530,6 @@ class BoardAgent:
         except Exception as exc:  # a bug or a numeric failure: report it, keep the board alive
             _log.exception("board failed to handle a message", board=self.board_id, type=msg.type)
             replies = [_error("internal", f"{type(exc).__name__}: {exc}", msg)]
-        finally:
-            self._busy = False
         return await self._misbehave(replies, step)
 
     async def _misbehave(self, replies: list[DataMessage], step: int | None) -> list[DataMessage]:
@@ -560,7 +566,9 @@ class BoardAgent:
         lock = self._shared.lock
 
         def run() -> tuple[_T, float]:
-            with lock:  # one computation per shared workload at a time
+            # One computation per shared workload at a time. Non-finite losses become
+            # Error(numeric), so numpy's floating-point warnings are noise here.
+            with lock, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 start = time.perf_counter()
                 result = fn(*args)
                 return result, time.perf_counter() - start
@@ -583,7 +591,7 @@ class BoardAgent:
         if msg.total > MAX_MODEL_BYTES:
             raise _Refusal("too_large", f"model of {msg.total} bytes > {MAX_MODEL_BYTES}")
         rx = self._model_rx
-        if rx is None or rx.key != (msg.total, msg.crc32):
+        if rx is None or rx.key != (msg.total, msg.crc32) or msg.offset == 0:  # offset 0 restarts (SPEC 6.2)
             rx = self._model_rx = _Transfer((msg.total, msg.crc32), msg.total)
         if not rx.add(msg.offset, msg.chunk):
             return []
@@ -667,7 +675,7 @@ class BoardAgent:
         workload, _ = self._ready(msg.job_id)
         key = (msg.total, msg.checksum, msg.job_id, msg.step)
         rx = self._weights_rx
-        if rx is None or rx.key != key:
+        if rx is None or rx.key != key or msg.offset == 0:
             rx = self._weights_rx = _Transfer(key, msg.total)
         if not rx.add(msg.offset, msg.chunk):
             return []
@@ -715,6 +723,9 @@ class BoardAgent:
         two_sided = msg.estimator == "two_sided"
         sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
         compute_us = await self._spend(self.latency.forward_seconds(self._macs, sets * msg.batch_size), computed)
+        values = [*losses.plus.values(), *losses.minus.values(), *([] if losses.base is None else [losses.base])]
+        if not all(math.isfinite(v) for v in values):
+            raise _Refusal("numeric", "a loss is not finite", job_id=msg.job_id, step=msg.step)
         result = EvalResult(
             job_id=msg.job_id, step=msg.step, compute_us=compute_us, estimator=msg.estimator, ks=msg.ks,
             loss_plus=tuple(losses.plus[k] for k in msg.ks),

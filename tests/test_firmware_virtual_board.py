@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Sequence
 
@@ -278,3 +279,34 @@ async def test_agent_refuses_bad_weights(int8_workload: Workload) -> None:
 def test_blob_trainable_layers_follow_the_spec(fp32_workload: Workload) -> None:
     """The blob's trainable flags name the spec's trainable layers."""
     assert blob_trainable_layers(fp32_workload.model_blob()) == fp32_workload.trainable_layers
+
+
+async def test_agent_numeric_error_on_non_finite_loss(fp32_workload: Workload) -> None:
+    """FP32 weights that overflow the logits give Error(numeric), not a bad EvalResult."""
+    agent = await loaded_agent(fp32_workload)
+    state = fp32_workload.initial_state()
+    huge = TrainState(0, np.full_like(state.params, 3e38), None)
+    answers = await send_all(agent, weight_messages(fp32_workload, huge))
+    assert isinstance(answers[-1], Loaded)
+    assert error_of(await agent.handle(eval_request(fp32_workload, 0, (0,)))).code == "numeric"
+
+
+async def test_agent_busy_while_computing(int8_workload: Workload) -> None:
+    """A second request handed over during a computation gets Error(busy); Ping still works."""
+    agent = await loaded_agent(int8_workload)
+    first = asyncio.create_task(agent.handle(eval_request(int8_workload, 0, tuple(range(64)))))
+    while agent.state != "busy":
+        await asyncio.sleep(0)
+    assert error_of(await agent.handle(eval_request(int8_workload, 0, (0,)))).code == "busy"
+    assert isinstance((await agent.handle(Ping(nonce=5)))[0], Heartbeat)
+    assert isinstance((await first)[0], EvalResult)
+
+
+async def test_agent_chunk_at_offset_zero_restarts(int8_workload: Workload) -> None:
+    """A transfer cut short and started again from offset 0 completes normally."""
+    agent = BoardAgent("vb-0", latency=LatencyProfile.off())
+    blob = int8_workload.model_blob()
+    msgs = [LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part) for off, part in chunks(blob)]
+    assert await send_all(agent, msgs[:2]) == []
+    answers = await send_all(agent, msgs)
+    assert answers == [Loaded(resource="model", crc32=zlib.crc32(blob), size=len(blob))]
