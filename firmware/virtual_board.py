@@ -309,17 +309,15 @@ _WORKLOADS_LOCK = threading.Lock()
 
 
 def _shared_workload(key: tuple[object, ...], build: Callable[[], Workload]) -> _Shared:
-    with _WORKLOADS_LOCK:
+    """The cached workload for ``key``, built once even when boards ask together."""
+    with _WORKLOADS_LOCK:  # held while building: the other boards wait, then share it
         shared = _WORKLOADS.get(key)
-        if shared is not None:
-            _WORKLOADS.move_to_end(key)
-            return shared
-    shared = _Shared(build())
-    with _WORKLOADS_LOCK:
-        _WORKLOADS[key] = shared
-        while len(_WORKLOADS) > _WORKLOAD_CACHE_SIZE:
-            _WORKLOADS.popitem(last=False)
-    return shared
+        if shared is None:
+            shared = _WORKLOADS[key] = _Shared(build())
+            while len(_WORKLOADS) > _WORKLOAD_CACHE_SIZE:
+                _WORKLOADS.popitem(last=False)
+        _WORKLOADS.move_to_end(key)
+        return shared
 
 
 # --------------------------------------------------------------------------- transfers
@@ -601,7 +599,7 @@ class BoardAgent:
             raise _Refusal("crc_mismatch", f"model CRC {zlib.crc32(blob):08x}, expected {msg.crc32:08x}")
         if blob != self._blob:
             self._install_model(blob)
-        return [Loaded(resource="model", crc32=msg.crc32, size=msg.total), *self._rebuild()]
+        return [Loaded(resource="model", crc32=msg.crc32, size=msg.total), *(await self._rebuild())]
 
     def _install_model(self, blob: bytes) -> None:
         try:
@@ -616,7 +614,7 @@ class BoardAgent:
         self._shared = self._state = None
 
     async def _on_select_dataset(self, msg: SelectDataset) -> list[DataMessage]:
-        dataset = self.datasets.get(msg.name)
+        dataset = await asyncio.to_thread(self.datasets.get, msg.name)  # the first use loads it
         if dataset is None:
             raise _Refusal("dataset_missing", f"no data set {msg.name!r} here")
         if dataset_hash64(dataset) != msg.dataset_hash:
@@ -627,7 +625,7 @@ class BoardAgent:
             self._dataset, self._dataset_hash = dataset, msg.dataset_hash
             self._shared = self._state = None
         size = msg.train_size + msg.val_size
-        return [Loaded(resource="dataset", crc32=msg.dataset_hash & _U32_MAX, size=size & _U32_MAX), *self._rebuild()]
+        return [Loaded(resource="dataset", crc32=msg.dataset_hash & _U32_MAX, size=size & _U32_MAX), *(await self._rebuild())]
 
     async def _on_job_config(self, msg: JobConfig) -> list[DataMessage]:
         if msg.batch_size > MAX_BATCH or msg.batch_size == 0:
@@ -637,9 +635,9 @@ class BoardAgent:
             self._shared = self._state = None
             self._last_update = None
         raw = encode(msg)
-        return [Loaded(resource="job_config", job_id=msg.job_id, crc32=zlib.crc32(raw), size=len(raw)), *self._rebuild()]
+        return [Loaded(resource="job_config", job_id=msg.job_id, crc32=zlib.crc32(raw), size=len(raw)), *(await self._rebuild())]
 
-    def _rebuild(self) -> list[DataMessage]:
+    async def _rebuild(self) -> list[DataMessage]:
         """Build the workload once model, data set and job config are all there."""
         if self._shared is not None or self._model is None or self._dataset is None or self._config is None:
             return []
@@ -650,7 +648,8 @@ class BoardAgent:
             cfg.numerics, cfg.accumulator, cfg.estimator, cfg.seed, cfg.batch_size, cfg.eps,
         )
         try:
-            self._shared = _shared_workload(key, lambda: self._build(cfg, model, dataset))
+            # In a worker thread: quantising a data set can take seconds, heartbeats go on.
+            self._shared = await asyncio.to_thread(_shared_workload, key, lambda: self._build(cfg, model, dataset))
         except (WorkloadError, ValueError) as exc:
             # pydantic's ValidationError is a ValueError: a config JobSpec refuses.
             return [_error("model_invalid", str(exc), cfg, job_id=cfg.job_id)]
