@@ -10,8 +10,11 @@ plainly why a part cannot be built.
 from __future__ import annotations
 
 import fcntl
+import os
+import select
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
@@ -24,6 +27,7 @@ __all__ = [
     "board_executable",
     "build",
     "m55_unavailable_reason",
+    "start_host_board",
     "tool_executable",
 ]
 
@@ -106,6 +110,71 @@ def tool_executable(sanitized: bool = True) -> Path:
     return build("asan" if sanitized else "host") / "qs_tool"
 
 
+@dataclass
+class HostBoard:
+    """A running host build of the C board serving a pseudo-terminal it allocated.
+
+    Attributes:
+        pty_path: the slave side (``/dev/pts/N``): what the daemon opens.
+        link_path: the symlink to it the caller asked for.
+        process: the ``qs_board`` process.
+    """
+
+    pty_path: str
+    link_path: Path
+    process: subprocess.Popen[bytes]
+
+    def close(self, timeout: float = 10.0) -> str:
+        """Stop the board and remove the link; returns what it wrote to stderr."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            _, err = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, err = self.process.communicate(timeout=timeout)
+        if self.link_path.is_symlink():
+            self.link_path.unlink()
+        return err.decode(errors="replace")
+
+
+def start_host_board(
+    pty_link_path: str | os.PathLike[str],
+    *,
+    dataset: str | os.PathLike[str] | None = None,
+    board_id: str = "c-host",
+    sanitized: bool = False,
+    timeout: float = 10.0,
+) -> HostBoard:
+    """Launch ``qs_board --pty``: a C board on a fresh pseudo-terminal, linked at a path.
+
+    Args:
+        pty_link_path: where to link the pty's slave side (the daemon's serial device).
+        dataset: the data set blob the board holds (``encode_dataset_blob``).
+        board_id: the id its Hello reports.
+        sanitized: run the AddressSanitizer/UBSan build.
+        timeout: seconds to wait for the board to report its pty.
+
+    Returns:
+        The running board; ``close()`` stops it.
+
+    Raises:
+        FirmwareBuildError: the build failed or the board did not start.
+    """
+    cmd = [str(board_executable(sanitized)), "--pty", os.fspath(pty_link_path), "--board-id", board_id]
+    if dataset is not None:
+        cmd += ["--dataset", os.fspath(dataset)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline().decode(errors="replace") if ready else ""
+    if not line.startswith("qs_board: serving "):
+        proc.kill()
+        _, err = proc.communicate()
+        raise FirmwareBuildError(f"qs_board did not start: {line!r} {err.decode(errors='replace')[-2000:]}")
+    return HostBoard(line.split()[2], Path(pty_link_path), proc)
+
+
 class ToolProcess:
     """A running ``qs_tool``: one command line in, one answer line out.
 
@@ -177,9 +246,6 @@ class BoardClient:
         self._inbox: list[bytes] = []
 
     def _pump(self, timeout: float) -> None:
-        import os
-        import select
-
         from qsched.protocol.framing import Frame
 
         ready, _, _ = select.select([self._fd], [], [], timeout)
@@ -200,7 +266,6 @@ class BoardClient:
 
     def send_payload(self, payload: bytes, timeout: float = 5.0) -> None:
         """Send raw message bytes in one data frame and wait for the board's ACK."""
-        import os
         import time
 
         seq, wire = self._encoder.data(payload)

@@ -3,9 +3,12 @@
  * (a pseudo-terminal in tests). The daemon cannot tell it from an STM32N6 board.
  *
  *   qs_board <serial device> [--dataset FILE.qzds] [--board-id ID]
+ *   qs_board --pty LINK [--dataset FILE.qzds] [--board-id ID]
  *
- * Exit status: 0 when the link closed (the other side went away), 2 on bad usage or
- * set-up failure.
+ * With --pty the board allocates a pseudo-terminal, links its slave side at LINK (what
+ * the daemon opens, as it would /dev/ttyACM0) and serves until killed. On a device, it
+ * exits with status 0 when the link closes (the other side went away). Status 2: bad
+ * usage or set-up failure.
  */
 #include <stdio.h>
 #include <string.h>
@@ -18,15 +21,17 @@ static qs_agent g_agent;
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: qs_board <serial device> [--dataset FILE.qzds] [--board-id ID]\n");
+    fprintf(stderr, "usage: qs_board (<serial device> | --pty LINK) [--dataset FILE.qzds] [--board-id ID]\n");
     return 2;
 }
 
 int main(int argc, char **argv)
 {
-    const char *device = NULL, *dataset = NULL, *board_id = NULL;
+    const char *device = NULL, *pty_link = NULL, *dataset = NULL, *board_id = NULL;
     for (int i = 1; i < argc; ++i) {
-        if (strcmp(argv[i], "--dataset") == 0 && i + 1 < argc) {
+        if (strcmp(argv[i], "--pty") == 0 && i + 1 < argc) {
+            pty_link = argv[++i];
+        } else if (strcmp(argv[i], "--dataset") == 0 && i + 1 < argc) {
             dataset = argv[++i];
         } else if (strcmp(argv[i], "--board-id") == 0 && i + 1 < argc) {
             board_id = argv[++i];
@@ -36,8 +41,11 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if (device == NULL || !qs_host_configure(device, dataset, board_id) || qs_port_init(argc, argv) != QS_OK) {
-        return device == NULL ? usage() : 2;
+    if ((device == NULL) == (pty_link == NULL)) {
+        return usage();
+    }
+    if (!qs_host_configure(device, pty_link, dataset, board_id) || qs_port_init(argc, argv) != QS_OK) {
+        return 2;
     }
     size_t region_size = 0, dataset_len = 0;
     uint8_t *region = qs_port_model_region(&region_size);

@@ -2,6 +2,7 @@
  * Port layer for a POSIX host: the serial link is a file descriptor (a pseudo-terminal
  * or a USB serial device), time is CLOCK_MONOTONIC, the model region a static array.
  */
+#define _XOPEN_SOURCE 700 /* posix_openpt, grantpt, unlockpt, ptsname */
 #include "port_host.h"
 
 #include <errno.h>
@@ -22,6 +23,8 @@
 
 static uint8_t g_region[HOST_MODEL_REGION_BYTES] __attribute__((aligned(16)));
 static int g_fd = -1;
+static int g_pty_mode;   /* we own a pty master: an absent peer is waited for, never "gone" */
+static int g_pty_slave = -1;
 static uint64_t g_start_ns;
 static uint8_t *g_dataset;
 static size_t g_dataset_len;
@@ -70,14 +73,52 @@ static int load_file(const char *path, uint8_t **data, size_t *len)
     return 1;
 }
 
-int qs_host_configure(const char *device, const char *dataset_path, const char *board_id)
+/*
+ * Allocate a pseudo-terminal, as QEMU's "-chardev pty" does: the board serves the master
+ * side and link names the slave side for the daemon. The board keeps the slave open
+ * (in raw mode, so nothing is echoed before the daemon configures it) so that a daemon
+ * that comes and goes never makes the master read as an error.
+ */
+static int open_pty(const char *link)
 {
-    g_fd = open(device, O_RDWR | O_NOCTTY);
-    if (g_fd < 0) {
-        fprintf(stderr, "qs_board: cannot open %s: %s\n", device, strerror(errno));
+    g_fd = posix_openpt(O_RDWR | O_NOCTTY);
+    if (g_fd < 0 || grantpt(g_fd) != 0 || unlockpt(g_fd) != 0) {
+        fprintf(stderr, "qs_board: cannot allocate a pty: %s\n", strerror(errno));
         return 0;
     }
-    make_raw(g_fd);
+    const char *slave = ptsname(g_fd);
+    g_pty_slave = slave ? open(slave, O_RDWR | O_NOCTTY) : -1;
+    if (g_pty_slave < 0) {
+        fprintf(stderr, "qs_board: cannot open the pty's slave side: %s\n", strerror(errno));
+        return 0;
+    }
+    make_raw(g_pty_slave);
+    fcntl(g_fd, F_SETFL, fcntl(g_fd, F_GETFL) | O_NONBLOCK);
+    unlink(link);
+    if (symlink(slave, link) != 0) {
+        fprintf(stderr, "qs_board: cannot link %s -> %s: %s\n", link, slave, strerror(errno));
+        return 0;
+    }
+    printf("qs_board: serving %s (link %s)\n", slave, link);
+    fflush(stdout);
+    g_pty_mode = 1;
+    return 1;
+}
+
+int qs_host_configure(const char *device, const char *pty_link, const char *dataset_path, const char *board_id)
+{
+    if (pty_link != NULL) {
+        if (!open_pty(pty_link)) {
+            return 0;
+        }
+    } else {
+        g_fd = open(device, O_RDWR | O_NOCTTY);
+        if (g_fd < 0) {
+            fprintf(stderr, "qs_board: cannot open %s: %s\n", device, strerror(errno));
+            return 0;
+        }
+        make_raw(g_fd);
+    }
     if (dataset_path != NULL && !load_file(dataset_path, &g_dataset, &g_dataset_len)) {
         fprintf(stderr, "qs_board: cannot read data set %s\n", dataset_path);
         return 0;
@@ -111,6 +152,15 @@ qs_status qs_port_serial_write(const uint8_t *data, size_t len)
         if (n < 0 && errno == EINTR) {
             continue;
         }
+        if (n < 0 && g_pty_mode && errno == EAGAIN) {
+            /* Nobody reads the pty: wait a little, then drop the bytes as a UART with
+             * no one listening would; the link layer retransmits what matters. */
+            struct pollfd p = {g_fd, POLLOUT, 0};
+            if (poll(&p, 1, 100) <= 0) {
+                return QS_OK;
+            }
+            continue;
+        }
         if (n <= 0) {
             return QS_ERR_IO;
         }
@@ -132,6 +182,9 @@ qs_status qs_port_serial_read(uint8_t *buf, size_t cap, size_t *got, uint32_t ti
         return QS_OK;
     }
     const ssize_t n = read(g_fd, buf, cap);
+    if (n < 0 && g_pty_mode && (errno == EAGAIN || errno == EIO)) {
+        return QS_OK;
+    }
     if (n <= 0) {
         /* No data after poll said readable: the other side is gone (unplugged). */
         return (n < 0 && (errno == EINTR || errno == EAGAIN)) ? QS_OK : QS_ERR_IO;

@@ -1,0 +1,125 @@
+"""Mixed fleets: C boards (host build and the emulated Cortex-M55) train with the daemon
+exactly as Python virtual boards do, to the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tty
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from qsched.daemon.engine import JobResult, StepEngine
+from qsched.daemon.fleet import Fleet
+from qsched.daemon.links.serial import SerialEndpoint, SerialTransport
+from qsched.firmware.native import HostBoard, m55_unavailable_reason, start_host_board
+from qsched.firmware.qemu import QemuBoard, start_qemu_board
+from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.zo.blob import encode_dataset_blob
+from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.zo.trainer import TrainResult, train_zo
+from qsched.zo.workload import Workload
+
+BOARDS_HOST = ["c-0", "py-0"]
+BOARDS_M55 = ["qemu-an547", "c-1", "py-0"]
+SPEC = JobSpec(name="mixed", steps=6, eval_every=3, batch_size=16, policy=PolicySpec(name="fixed", config={"q": 6}))
+
+
+@pytest.fixture(scope="module")
+def reference() -> TrainResult:
+    """The job trained in one Python process."""
+    return train_zo(SPEC)
+
+
+@pytest.fixture(scope="module")
+def dataset_blob(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job's data set, quantised for its model, as a C board holds it."""
+    workload = Workload.from_spec(SPEC)
+    assert workload.qmodel is not None
+    path = tmp_path_factory.mktemp("fleet") / "digits.qzds"
+    path.write_bytes(encode_dataset_blob(workload.dataset, workload.qmodel))
+    return path
+
+
+@contextlib.asynccontextmanager
+async def _python_board(master: int, board_id: str) -> AsyncIterator[None]:
+    """A Python virtual board serving the master side of a pty."""
+    async with SerialEndpoint.from_fd(master, board_id) as link, asyncio.TaskGroup() as tasks:
+        task = tasks.create_task(serve_link(BoardAgent(board_id, latency=LatencyProfile.off()), link))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+
+async def _all_joined(fleet: Fleet, board_ids: list[str], timeout: float = 30.0) -> None:
+    """Wait until every board has said Hello, so that the job is shared among all of them."""
+    async with asyncio.timeout(timeout):
+        while not all((s := fleet.find(b)) is not None and s.hello is not None for b in board_ids):
+            await fleet.wait_changed(0.2)
+
+
+async def _train(paths: list[str], python_masters: list[int], board_ids: list[str]) -> JobResult:
+    async with contextlib.AsyncExitStack() as stack:
+        for i, master in enumerate(python_masters):
+            await stack.enter_async_context(_python_board(master, f"py-{i}"))
+        transport = SerialTransport(paths, reopen_interval=0.05)
+        await stack.enter_async_context(transport)
+        fleet = await stack.enter_async_context(Fleet(transport))
+        await _all_joined(fleet, board_ids)
+        return await asyncio.wait_for(StepEngine(SPEC, fleet).run(), timeout=120)
+
+
+def _assert_same_training(result: JobResult, reference: TrainResult, board_ids: list[str]) -> None:
+    """Same weights and per-step losses as Python alone, no board faulted, all worked."""
+    assert result.state.checksum() == reference.state.checksum()
+    assert [s.train_loss for s in result.steps] == [s.train_loss for s in reference.steps]
+    assert result.faults == 0
+    for board_id in board_ids:
+        assert result.work.get(board_id, 0) > 0, f"{board_id} did no work: {result.work}"
+
+
+@pytest.fixture
+def python_pty() -> Iterator[tuple[int, str]]:
+    """A raw pty pair: the virtual board serves the master, the daemon opens the slave."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    yield master, os.ttyname(slave)
+    os.close(slave)
+
+
+def _closed_cleanly(board: HostBoard) -> None:
+    err = board.close()
+    assert "AddressSanitizer" not in err and "runtime error" not in err, err
+
+
+async def test_fleet_host_c_board_with_python_board_matches_reference(
+    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str], reference: TrainResult
+) -> None:
+    """A C board (sanitizer build) and a Python board train to the single-process weights."""
+    board = start_host_board(tmp_path / "c-0", dataset=dataset_blob, board_id="c-0", sanitized=True)
+    try:
+        result = await _train([str(board.link_path), python_pty[1]], [python_pty[0]], BOARDS_HOST)
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, reference, BOARDS_HOST)
+
+
+@pytest.mark.qemu
+@pytest.mark.skipif(m55_unavailable_reason() is not None, reason=str(m55_unavailable_reason()))
+async def test_fleet_with_emulated_m55_board_matches_reference(
+    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str], reference: TrainResult
+) -> None:
+    """An emulated Cortex-M55, a host C board and a Python board: same weights as Python alone."""
+    m55: QemuBoard = start_qemu_board(tmp_path / "m55-0", dataset=dataset_blob)
+    host = start_host_board(tmp_path / "c-1", dataset=dataset_blob, board_id="c-1")
+    try:
+        paths = [str(m55.link_path), str(host.link_path), python_pty[1]]
+        result = await _train(paths, [python_pty[0]], BOARDS_M55)
+    finally:
+        m55.close()
+        _closed_cleanly(host)
+    _assert_same_training(result, reference, BOARDS_M55)
