@@ -107,6 +107,7 @@ HEARTBEAT_INTERVAL_S: Final = 5.0
 # Workloads shared by the boards of one process (same blob, data set and job config):
 # a data set's quantised copy is built once, not once per board.
 _WORKLOAD_CACHE_SIZE: Final = 4
+_UPDATE_CACHE_SIZE: Final = 4
 # Bytes a serial frame adds around a payload: seq/flags/CRC header and COBS overhead.
 _FRAME_OVERHEAD: Final = 12
 _U32_MAX: Final = 0xFFFFFFFF
@@ -298,10 +299,38 @@ class DatasetCatalog:
 # --------------------------------------------------------------------------- shared workloads
 
 
+def _same_state(a: TrainState, b: TrainState) -> bool:
+    if a.step != b.step or not np.array_equal(a.params, b.params):
+        return False
+    return (a.buffer is None and b.buffer is None) or (
+        a.buffer is not None and b.buffer is not None and np.array_equal(a.buffer, b.buffer)
+    )
+
+
 @dataclass
 class _Shared:
+    """A workload shared by the boards of one process, and their last updates.
+
+    The boards of a fleet apply the same update to the same weights every step; the
+    result is a pure function of both, so it is computed once and copied to each board
+    whose weights are equal (compared in full, not by checksum).
+    """
+
     workload: Workload
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _updates: OrderedDict[tuple[object, ...], tuple[TrainState, TrainState]] = field(default_factory=OrderedDict)
+
+    def apply_update(self, state: TrainState, step: int, pairs: list[tuple[int, float]]) -> TrainState:
+        """``Workload.apply_update``, memoised across boards (call with ``lock`` held)."""
+        key = (step, tuple(pairs), state.checksum())
+        hit = self._updates.get(key)
+        if hit is not None and _same_state(hit[0], state):
+            return hit[1].copy()
+        new_state = self.workload.apply_update(state, step, pairs)
+        self._updates[key] = (state.copy(), new_state.copy())
+        while len(self._updates) > _UPDATE_CACHE_SIZE:
+            self._updates.popitem(last=False)
+        return new_state
 
 
 _WORKLOADS: OrderedDict[tuple[object, ...], _Shared] = OrderedDict()
@@ -734,11 +763,12 @@ class BoardAgent:
         return [self.faults.lie(result)]
 
     async def _on_apply_update(self, msg: ApplyUpdate) -> list[DataMessage]:
-        workload, state = self._ready(msg.job_id)
+        _, state = self._ready(msg.job_id)
         if self._last_update is not None and self._last_update[0] == msg:
             return [self._last_update[1]]  # a duplicate delivery: the same answer again
         self._check_step(msg.job_id, msg.step, state)
-        new_state, _ = await self._compute(workload.apply_update, state, msg.step, msg.pairs())
+        assert self._shared is not None
+        new_state, _ = await self._compute(self._shared.apply_update, state, msg.step, msg.pairs())
         self._state = new_state
         checksum = self.faults.checksum(msg.step, new_state.checksum())
         ack = UpdateAck(job_id=msg.job_id, step=msg.step, checksum=checksum)

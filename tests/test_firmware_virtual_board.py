@@ -310,3 +310,19 @@ async def test_agent_chunk_at_offset_zero_restarts(int8_workload: Workload) -> N
     assert await send_all(agent, msgs[:2]) == []
     answers = await send_all(agent, msgs)
     assert answers == [Loaded(resource="model", crc32=zlib.crc32(blob), size=len(blob))]
+
+
+async def test_agent_shared_updates_stay_per_board(int8_workload: Workload) -> None:
+    """Boards of one process share update results only when their weights are equal."""
+    cfg = job_config(int8_workload.spec)
+    state = int8_workload.initial_state()
+    other = int8_workload.apply_update(state, 0, [(9, 4.0)])
+    other = TrainState(0, other.params, other.buffer)  # different weights, same step
+    alike = [await loaded_agent(int8_workload, f"vb-{i}") for i in range(2)]
+    odd = await loaded_agent(int8_workload, "vb-odd")
+    await send_all(odd, weight_messages(int8_workload, other))
+    msg = ApplyUpdate(job_id=cfg.job_id, step=0, ks=(1, 2), coefficients=(3.0, -3.0))
+    acks = [(await agent.handle(msg))[0] for agent in [*alike, odd]]
+    expected = [int8_workload.apply_update(s, 0, msg.pairs()).checksum() for s in (state, state, other)]
+    assert [a.checksum for a in acks if isinstance(a, UpdateAck)] == expected
+    assert expected[0] != expected[2]
