@@ -601,7 +601,7 @@ class StepEngine:
         )
 
     def _plan(self, missing: Sequence[int], workers: list[BoardSession], audit: bool) -> dict[str, list[int]]:
-        rates = {s.address: s.throughput.rate for s in workers}
+        rates = _planning_rates(workers)
         plan = plan_shards(list(missing), rates)
         if audit and self.config.audit and len(plan) >= 2:
             order = sorted(plan)
@@ -797,7 +797,8 @@ class StepEngine:
     def _val_slices(self, n_val: int, workers: list[BoardSession]) -> list[tuple[BoardSession | None, int, int]]:
         if not workers:
             return [(None, 0, n_val)]
-        shares = split_proportional(n_val, [w.throughput.rate for w in workers])
+        rates = _planning_rates(workers)
+        shares = split_proportional(n_val, [rates[w.address] for w in workers])
         out: list[tuple[BoardSession | None, int, int]] = []
         start = 0
         for worker, share in zip(workers, shares, strict=True):
@@ -843,6 +844,14 @@ def fleet_event(event: FleetEvent, job: str | None = None) -> Event:
         The event.
     """
     return Event(kind=event.kind, time=time.time(), job=job, board_id=event.board_id, message=event.message)  # type: ignore[arg-type]
+
+
+def _planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:
+    """Each worker's throughput; a board never measured counts as the mean of the measured
+    ones (its prior of 1 key/s would starve it of work for good next to measured boards)."""
+    measured = [s.throughput.rate for s in workers if s.throughput.observations]
+    prior = sum(measured) / len(measured) if measured else 1.0
+    return {s.address: s.throughput.rate if s.throughput.observations else prior for s in workers}
 
 
 def _refused(session: BoardSession) -> bool:
