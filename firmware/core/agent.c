@@ -241,7 +241,7 @@ static qs_status install_model(qs_agent *a, uint32_t len)
 
 /* ------------------------------------------------------------------ loading */
 
-/* Chunks arrive in order (stop-and-wait); a repeat of a received range is ignored. */
+/* Chunks arrive in ascending order (SPEC 6.2); a repeat of a received range is ignored. */
 static int transfer_add(qs_agent *a, qs_transfer *t, uint8_t *dst, const qs_msg *m, uint32_t job_id)
 {
     if (m->offset + m->chunk_len <= t->received && m->chunk_len != 0u) {
@@ -264,7 +264,8 @@ static void on_load_model(qs_agent *a, const qs_msg *m)
         return;
     }
     qs_transfer *t = &a->model_rx;
-    if (!t->active || t->total != m->total || t->crc != m->crc32) {
+    /* A chunk at offset 0 starts a new transfer (SPEC 6.2). */
+    if (!t->active || t->total != m->total || t->crc != m->crc32 || m->offset == 0u) {
         if (m->offset != 0u) {
             reply_error(a, QS_BERR_MALFORMED, m->type, 0, 0, "model transfer must start at offset 0");
             return;
@@ -384,7 +385,7 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
     const uint32_t params = a->model.num_params;
     qs_transfer *t = &a->weights_rx;
     if (!t->active || t->total != m->total || t->crc != m->checksum || t->job_id != m->job_id ||
-        t->step != m->step) {
+        t->step != m->step || m->offset == 0u) {
         if (m->total != 3u * params) {
             reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "weights size differs from the job's");
             return;
