@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 from test_firmware_virtual_board import eval_request, load_messages
@@ -26,7 +25,8 @@ from qsched.protocol.topics import TopicMap
 from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
-QSCHED = str(Path(sys.executable).parent / "qsched")
+# The ``qsched`` entry point, run by this interpreter wherever its scripts were installed.
+QSCHED = [sys.executable, "-m", "qsched.daemon.cli"]
 TIMEOUT_S = 30.0
 
 
@@ -34,7 +34,7 @@ TIMEOUT_S = 30.0
 def pty_board(request: pytest.FixtureRequest) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """A ``qsched board --serial <pty>`` process with extra args; yields (master fd, process)."""
     master, slave = os.openpty()
-    args = [QSCHED, "--log-level", "warning", "board", "--serial", os.ttyname(slave), "--id", "pty-0",
+    args = [*QSCHED, "--log-level", "warning", "board", "--serial", os.ttyname(slave), "--id", "pty-0",
             "--model-latency", "off", "--heartbeat", "60", *getattr(request, "param", [])]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -96,7 +96,7 @@ async def test_board_cli_mqtt_count_four_births(mqtt_broker: MosquittoBroker) ->
     async with MqttTransport(cfg, TopicMap(fleet="vbtest")) as transport:
         await transport.wait_connected(TIMEOUT_S)
         proc = subprocess.Popen(
-            [QSCHED, "--log-level", "warning", "board", "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}",
+            [*QSCHED, "--log-level", "warning", "board", "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}",
              "--fleet", "vbtest", "--count", "4", "--model-latency", "off"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
