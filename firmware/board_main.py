@@ -171,7 +171,7 @@ async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float)
     async with MqttEndpoint(cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION) as link:
         await link.wait_connected()
         reason: str = await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True,
-                                       corrupt_payloads=True)
+                                       corrupt_payloads=True, connects=lambda: link.connection.connects)
         return reason
 
 

@@ -45,7 +45,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import structlog
 
-from qsched.daemon.links.base import LinkError
+from qsched.daemon.links.base import LinkClosedError, LinkError
 from qsched.firmware.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
 from qsched.firmware.latency import MOBILENETV2_035_128_MACS, NpuLatencyModel, serial_seconds
 from qsched.protocol.codec import decode, encode
@@ -808,10 +808,37 @@ class BoardAgent:
 # --------------------------------------------------------------------------- serving a link
 
 
-async def _heartbeats(agent: BoardAgent, send: Callable[[DataMessage], Awaitable[None]], interval: float) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        await send(agent.heartbeat())
+_Send = Callable[[DataMessage], Awaitable[None]]
+# How often a board looks for a reconnection of its link (to say Hello again).
+_RECONNECT_POLL_S: Final = 0.2
+
+
+async def _send_or_skip(agent: BoardAgent, send: _Send, msg: DataMessage) -> None:
+    """Send; a message the link could not deliver in time is lost (the daemon re-asks)."""
+    try:
+        await send(msg)
+    except LinkClosedError:
+        raise
+    except LinkError as exc:  # e.g. the broker stayed away past the send timeout
+        _log.warning("message not delivered", board=agent.board_id, type=msg.type, reason=exc.reason)
+
+
+async def _heartbeats(agent: BoardAgent, send: _Send, interval: float) -> None:
+    with contextlib.suppress(LinkClosedError):
+        while True:
+            await asyncio.sleep(interval)
+            await _send_or_skip(agent, send, agent.heartbeat())
+
+
+async def _hello_on_reconnect(agent: BoardAgent, send: _Send, connects: Callable[[], int]) -> None:
+    seen = connects()
+    with contextlib.suppress(LinkClosedError):
+        while True:
+            await asyncio.sleep(_RECONNECT_POLL_S)
+            if connects() != seen:
+                seen = connects()
+                _log.info("link reconnected; saying hello again", board=agent.board_id)
+                await _send_or_skip(agent, send, agent.hello())
 
 
 async def serve_link(
@@ -821,8 +848,12 @@ async def serve_link(
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
     exit_on_crash: bool = False,
     corrupt_payloads: bool = False,
+    connects: Callable[[], int] | None = None,
 ) -> str:
     """Run ``agent`` on ``link`` until the link ends or the board crashes.
+
+    A send that times out (MQTT broker away) loses that one message and the board goes
+    on; a link that closes ends the session.
 
     Args:
         agent: the board.
@@ -832,6 +863,8 @@ async def serve_link(
             would; otherwise the link is closed and ``"crashed"`` returned.
         corrupt_payloads: apply the ``corrupt`` fault to whole message payloads (MQTT,
             in-process); serial links corrupt frames in their stream instead.
+        connects: a count of the link's (re)connections (MQTT); when it changes, the
+            board sends its Hello again, since the daemon may have missed messages.
 
     Returns:
         Why it stopped: ``"closed"`` or ``"crashed"``.
@@ -842,20 +875,22 @@ async def serve_link(
         await link.send(agent.faults.corrupt(payload) if corrupt_payloads else payload)
 
     async with asyncio.TaskGroup() as tasks:
-        beat = tasks.create_task(_heartbeats(agent, send, heartbeat_interval), name=f"board[{agent.board_id}].heartbeat")
+        name = f"board[{agent.board_id}]"
+        helpers = [tasks.create_task(_heartbeats(agent, send, heartbeat_interval), name=f"{name}.heartbeat")]
+        if connects is not None:
+            helpers.append(tasks.create_task(_hello_on_reconnect(agent, send, connects), name=f"{name}.reconnect"))
         try:
-            await send(agent.hello())
+            await _send_or_skip(agent, send, agent.hello())
             return await _serve(agent, link, send, exit_on_crash)
-        except LinkError as exc:  # the link went away under a send: the board is done
+        except LinkClosedError as exc:  # the link went away under a send: the board is done
             _log.info("board link gone", board=agent.board_id, reason=exc.reason)
             return "closed"
         finally:
-            beat.cancel()
+            for task in helpers:
+                task.cancel()
 
 
-async def _serve(
-    agent: BoardAgent, link: Any, send: Callable[[DataMessage], Awaitable[None]], exit_on_crash: bool
-) -> str:
+async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool) -> str:
     async for data in link.incoming():
         try:
             replies = await agent.handle_bytes(data)
@@ -871,6 +906,5 @@ async def _serve(
         if wire > 0 and replies:
             await asyncio.sleep(wire)
         for reply in replies:
-            await send(reply)
+            await _send_or_skip(agent, send, reply)
     return "closed"
-

@@ -277,3 +277,22 @@ def test_flip_bits_never_writes_a_delimiter() -> None:
     for _ in range(200):
         out = flip_bits(data, rng, count=3)
         assert [i for i, b in enumerate(out) if b == 0] == [255]
+
+
+async def test_serve_link_says_hello_again_after_reconnect() -> None:
+    """When the link's connection count changes (MQTT reconnect), the board sends Hello again."""
+    agent = BoardAgent("vb-0", latency=LatencyProfile.off())
+    connects = [1]
+    async with InProcTransport() as transport:
+        link = transport.attach("vb-0")
+        daemon_end = (await anext(transport.events())).link  # type: ignore[union-attr]
+        task = asyncio.create_task(serve_link(agent, link, heartbeat_interval=60, connects=lambda: connects[0]))
+        inbox = daemon_end.incoming()
+        assert isinstance(decode(await anext(inbox)), Hello)
+        connects[0] = 2
+        assert isinstance(decode(await asyncio.wait_for(anext(inbox), 5)), Hello)
+        await daemon_end.send(encode(Ping(nonce=9)))
+        beat = decode(await asyncio.wait_for(anext(inbox), 5))
+        assert isinstance(beat, Heartbeat) and beat.nonce == 9
+        await daemon_end.close()
+        assert await task == "closed"
