@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from qsched.zo import kernels_fp32 as kf
 from qsched.zo import kernels_int8 as ki
+from qsched.zo import native
 from qsched.zo.graph import (
     Add,
     AvgPool,
@@ -290,6 +291,8 @@ def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
 
 
 def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
+    if native.available():
+        return _int8_node_native(node, env, ctx)
     x = env[node.inputs[0]]
     assert ctx.stages is not None
     stage = ctx.stages.get(node.name)
@@ -307,6 +310,31 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
     elif isinstance(node, Add):
         y = ki.add(x, env[node.inputs[1]], stage, sr["add"])
+    elif isinstance(node, (ReLU, ReLU6)):
+        y = ki.relu(x, stage, sr["relu"])
+    else:
+        y = _shape_op(node, x, ki)
+    return y
+
+
+def _int8_node_native(node: Node, env: Env, ctx: _Ctx) -> Array:
+    """``_int8_node`` on the C kernels (same bits): one call per layer for all P and N."""
+    x = env[node.inputs[0]]
+    assert ctx.stages is not None
+    stage = ctx.stages.get(node.name)
+    sr = ROUNDING_BY_OP
+    y: Array
+    if isinstance(node, Conv2D):
+        w, b = ctx.weights[node.name]
+        if node.depthwise:
+            y = native.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
+        else:
+            y = native.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"])
+    elif isinstance(node, Dense):
+        w, b = ctx.weights[node.name]
+        y = native.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
+    elif isinstance(node, Add):
+        y = native.add(x, env[node.inputs[1]], stage, sr["add"])
     elif isinstance(node, (ReLU, ReLU6)):
         y = ki.relu(x, stage, sr["relu"])
     else:

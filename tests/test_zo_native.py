@@ -1,0 +1,175 @@
+"""Native INT8 kernels: bit for bit equal to the numpy kernels, and the numpy fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qsched.zo import kernels_int8 as ki
+from qsched.zo import native
+from qsched.zo.graph import TensorQuant
+
+IN = TensorQuant(scale=0.05, zero_point=-3)
+OUT = TensorQuant(scale=0.1, zero_point=5)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels not built")
+
+
+def _stage(rng: np.random.Generator, channels: int, activation: str, wide: bool = False) -> ki.OutputStage:
+    # wide: scales that give multipliers > 1 (left shifts) next to tiny ones.
+    hi = 40.0 if wide else 0.02
+    scales = rng.uniform(0.002, hi, channels).astype(np.float32)
+    return ki.prepare_output_stage(IN, scales, OUT, activation)  # type: ignore[arg-type]
+
+
+def _int8(rng: np.random.Generator, shape: tuple[int, ...], low: int = -128) -> np.ndarray:
+    return rng.integers(low, 128, shape).astype(np.int8)
+
+
+CONV_CASES = [
+    # (x sets, w sets, stride, padding, groups, activation, kernel, channels, outputs)
+    (1, 4, (1, 1), "same", 1, "none", 3, 3, 16),
+    (3, 3, (2, 2), "same", 1, "relu", 3, 8, 16),
+    (2, 1, (2, 1), "valid", 2, "relu6", 3, 6, 10),
+    (1, 3, (1, 2), "same", 3, "none", 2, 9, 12),
+    (2, 2, (1, 1), "valid", 1, "relu6", 1, 5, 7),
+    (1, 1, (1, 1), "same", 1, "none", 1, 33, 40),
+]
+
+
+@pytest.mark.parametrize(("sx", "sw", "stride", "padding", "groups", "act", "k", "c", "o"), CONV_CASES)
+@pytest.mark.parametrize("single", [False, True])
+def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, o, single) -> None:
+    """Convolution: every stride, padding, group count and set broadcast, both roundings."""
+    rng = np.random.default_rng([sx, sw, k, c, o, groups])
+    x = _int8(rng, (sx, 3, 9, 7, c))
+    w = _int8(rng, (sw, o, k, k, c // groups), -127)
+    bias = rng.integers(-3000, 3000, (1, o)).astype(np.int64)
+    stage = _stage(rng, o, act, wide=o == 7)
+    expected = ki.conv2d(x, w, bias, stage, stride, padding, groups, single)
+    got = native.conv2d(x, w, bias, stage, stride, padding, groups, single)
+    assert got.dtype == np.int8
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(("sx", "sw", "stride", "padding"), [(1, 4, (1, 1), "same"), (3, 3, (2, 2), "same"),
+                                                            (2, 1, (2, 1), "valid"), (1, 2, (1, 2), "same")])
+@pytest.mark.parametrize("mult", [1, 2])
+def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult) -> None:
+    """Depthwise: strides, padding, depth multipliers and set broadcasts."""
+    rng = np.random.default_rng([sx, sw, stride[0], stride[1], mult])
+    c = 5
+    x = _int8(rng, (sx, 2, 8, 9, c))
+    w = _int8(rng, (sw, 1, 3, 3, c * mult), -127)
+    bias = rng.integers(-3000, 3000, (1, c * mult)).astype(np.int64)
+    stage = _stage(rng, c * mult, "relu6")
+    expected = ki.depthwise_conv2d(x, w, bias, stage, stride, padding)
+    got = native.depthwise_conv2d(x, w, bias, stage, stride, padding)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_native_dense_equals_numpy(single: bool) -> None:
+    """Dense with P weight sets against a shared input, odd feature count."""
+    rng = np.random.default_rng(7)
+    x = _int8(rng, (1, 5, 37))
+    w = _int8(rng, (4, 10, 37), -127)
+    bias = rng.integers(-3000, 3000, (1, 10)).astype(np.int64)
+    stage = _stage(rng, 10, "none", wide=True)
+    np.testing.assert_array_equal(native.dense(x, w, bias, stage, single), ki.dense(x, w, bias, stage, single))
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_native_add_equals_numpy(single: bool) -> None:
+    """Element-wise add, with one operand broadcast over the set axis."""
+    rng = np.random.default_rng(8)
+    p = ki.prepare_add(IN, TensorQuant(scale=0.07, zero_point=4), OUT, "relu")
+    a = _int8(rng, (3, 4, 5, 6))
+    b = _int8(rng, (1, 4, 5, 6))
+    np.testing.assert_array_equal(native.add(a, b, p, single), ki.add(a, b, p, single))
+
+
+def test_native_threads_do_not_change_bits() -> None:
+    """Two threads (work split over samples) give the same bits as one."""
+    rng = np.random.default_rng(9)
+    x = _int8(rng, (1, 7, 6, 6, 8))
+    w = _int8(rng, (5, 12, 3, 3, 8), -127)
+    bias = rng.integers(-3000, 3000, (1, 12)).astype(np.int64)
+    stage = _stage(rng, 12, "relu")
+    one = native.conv2d(x, w, bias, stage, (1, 1), "same")
+    native.set_threads(2)
+    try:
+        two = native.conv2d(x, w, bias, stage, (1, 1), "same")
+    finally:
+        native.set_threads(None)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_native_rejects_mismatched_sets() -> None:
+    """Set axes that do not broadcast are refused before any C code runs."""
+    rng = np.random.default_rng(10)
+    x = _int8(rng, (2, 1, 4, 4, 2))
+    w = _int8(rng, (3, 2, 1, 1, 2))
+    with pytest.raises(ValueError, match="broadcast"):
+        native.conv2d(x, w, np.zeros((1, 2), np.int64), _stage(rng, 2, "none"), (1, 1), "same")
+
+
+def test_native_disabled_falls_back_to_numpy() -> None:
+    """QSCHED_NATIVE=0: not available, kernels raise NativeError, the engine still runs."""
+    code = (
+        "import numpy as np\n"
+        "from qsched.zo import native\n"
+        "from qsched.zo.engine import run_int8\n"
+        "from qsched.zo.quantize import quantize_model, quantize_input\n"
+        "from qsched.zo.zoo import build_model\n"
+        "assert not native.available() and native.build_info() == 'numpy'\n"
+        "try:\n"
+        "    native.add(np.zeros(2, np.int8), np.zeros(2, np.int8), None)\n"
+        "except native.NativeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+        "m = build_model('cnn', input_shape=(8, 8, 1), seed=0)\n"
+        "rng = np.random.default_rng(0)\n"
+        "qm = quantize_model(m, rng.normal(size=(8, 8, 8, 1)).astype(np.float32))\n"
+        "x = quantize_input(qm, rng.normal(size=(4, 8, 8, 1)).astype(np.float32))\n"
+        "np.save(__import__('sys').stdout.buffer, run_int8(qm, x))\n"
+    )
+    env = {**os.environ, "QSCHED_NATIVE": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    import io
+
+    from qsched.zo.engine import run_int8
+    from qsched.zo.quantize import quantize_input, quantize_model
+    from qsched.zo.zoo import build_model
+
+    m = build_model("cnn", input_shape=(8, 8, 1), seed=0)
+    rng = np.random.default_rng(0)
+    qm = quantize_model(m, rng.normal(size=(8, 8, 8, 1)).astype(np.float32))
+    x = quantize_input(qm, rng.normal(size=(4, 8, 8, 1)).astype(np.float32))
+    np.testing.assert_array_equal(np.load(io.BytesIO(proc.stdout)), run_int8(qm, x))
+
+
+def test_native_build_failure_logs_one_warning(tmp_path, monkeypatch, caplog) -> None:
+    """A compiler that fails: available() is False, with exactly one logged warning."""
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho broken compiler >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    saved = dict(native._state)
+    native._state.update(lib=None, tried=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="qsched.zo.native"):
+            assert not native.available()
+            assert not native.available()
+    finally:
+        native._state.update(saved)
+    warnings = [r for r in caplog.records if r.name == "qsched.zo.native"]
+    assert len(warnings) == 1 and "broken compiler" in warnings[0].getMessage()

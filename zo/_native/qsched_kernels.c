@@ -1,0 +1,489 @@
+/*
+ * qsched native INT8 kernels: TFLite reference-kernel arithmetic, bit for bit, over
+ * stacked tensors (a leading set axis S: 1, or P perturbed copies).
+ *
+ * Built on first use by qsched.zo.native with the system C compiler and loaded with
+ * ctypes. The Python side (qsched.zo.kernels_int8) is the specification; this file
+ * computes the same integers faster:
+ *
+ * - convolution and dense: im2col of a few output pixels at a time into a small int16
+ *   buffer (x - zero_point, padding cells 0), then an integer GEMM against weights
+ *   packed as int16 pairs (k, k+1) per output channel, accumulated in int32;
+ * - depthwise convolution: per output pixel, taps accumulated over contiguous channels;
+ * - requantisation fused into the store (see requant_row).
+ *
+ * Bounds. |x - zp| <= 255 and |w| <= 128, so a product is below 2^15 and the sum of a
+ * pair below 2^16: int16 operands and the pairwise int32 multiply-add (vpmaddwd) are
+ * exact. An int32 accumulator of K products and a bias stays exact while
+ * K * 2^15 + |bias| < 2^31, i.e. any K < 65536 with TFLite's int32 bias; the Python
+ * side checks K before calling.
+ *
+ * No allocation happens per pixel: each call allocates its packed weights and one
+ * scratch block per thread, and frees them before returning.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define QS_SIMD 1
+#else
+#define QS_SIMD 0
+#endif
+
+#define MR 4          /* output pixels per GEMM tile */
+#define NR 8          /* output channels per vector (int32 x 8) */
+#define MAX_THREADS 64
+
+static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+static void *alloc64(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) return NULL;
+    return p;
+}
+
+/* ------------------------------------------------------------- requantisation
+ *
+ * Per output channel the Python side precomputes five int64 values (rows of rq, each
+ * row `stride` long): left shift, multiplier, additive term, threshold, right shift.
+ * With them TFLite's MultiplyByQuantizedMultiplier is
+ *
+ *     xs = (int32)(x << left)                       (the C code shifts in int32)
+ *     t  = xs * multiplier + add
+ *     t -= 2^31 if t < threshold
+ *     y  = t >> right
+ *
+ * For the reference (double rounding) build, add = 2^30 + half * 2^31 with
+ * half = 2^(e-1) for a right shift e = -shift > 0, threshold = half * 2^31, right =
+ * 31 + e: SaturatingRoundingDoublingHighMul followed by RoundingDivideByPOT fused into
+ * one shift (proof in fixedpoint._double_rounding_right_shift). For the single-rounding
+ * build, add = 2^(right - 1), right = 31 - shift, and a threshold no t reaches. Every
+ * term stays below 2^63: |xs * m| < 2^62 and add <= 2^61.
+ */
+static void requant_row(const int32_t *restrict acc, int64_t n, const int64_t *restrict rq,
+                        int64_t stride, int32_t zp, int32_t lo, int32_t hi, int8_t *restrict out) {
+    const int64_t *restrict left = rq, *restrict mult = rq + stride, *restrict add = rq + 2 * stride;
+    const int64_t *restrict thr = rq + 3 * stride, *restrict right = rq + 4 * stride;
+#pragma GCC ivdep
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t xs = (int32_t)((uint32_t)acc[j] << left[j]);
+        int64_t t = (int64_t)xs * mult[j] + add[j];
+        t -= (t < thr[j]) ? ((int64_t)1 << 31) : 0;
+        t >>= right[j];
+        t += zp;
+        t = t < lo ? lo : t;
+        t = t > hi ? hi : t;
+        out[j] = (int8_t)t;
+    }
+}
+
+/* rq (rows of `stride`) for channels [0, n) repeated `times` times: rows of n * times. */
+static int64_t *tile_rq(const int64_t *rq, int64_t stride, int64_t n, int64_t times) {
+    int64_t *t = alloc64(sizeof(int64_t) * 5 * n * times);
+    if (!t) return NULL;
+    for (int64_t r = 0; r < 5; r++)
+        for (int64_t k = 0; k < times; k++)
+            memcpy(t + r * n * times + k * n, rq + r * stride, sizeof(int64_t) * n);
+    return t;
+}
+
+/* Generic MultiplyByQuantizedMultiplier for scalars (ADD), same arithmetic. */
+static inline int64_t mbqm(int64_t x, int64_t m, int64_t s, int single) {
+    if (single) {
+        if (s > 30) { m = 2147483647; s = 30; }
+        int64_t total = 31 - s;
+        return (x * m + ((int64_t)1 << (total - 1))) >> total;
+    }
+    int64_t left = s > 0 ? s : 0, e = s > 0 ? 0 : -s;
+    int32_t xs = (int32_t)((uint32_t)(int32_t)x << left);
+    int64_t half = ((int64_t)1 << e) >> 1;
+    int64_t t = (int64_t)xs * m + ((int64_t)1 << 30) + (half << 31);
+    if (e > 0 && t < (half << 31)) t -= (int64_t)1 << 31;
+    return t >> (31 + e);
+}
+
+/* ------------------------------------------------------------------- threads */
+
+typedef void (*work_fn)(void *ctx, int64_t lo, int64_t hi);
+typedef struct { work_fn fn; void *ctx; int64_t lo, hi; } job_t;
+
+static void *job_main(void *arg) {
+    job_t *j = (job_t *)arg;
+    j->fn(j->ctx, j->lo, j->hi);
+    return NULL;
+}
+
+/* Split [0, total) into `threads` contiguous ranges; the calling thread takes the first. */
+static void parallel_for(work_fn fn, void *ctx, int64_t total, int64_t threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > total) threads = total;
+    if (threads <= 1) { fn(ctx, 0, total); return; }
+    job_t jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        jobs[t] = (job_t){fn, ctx, total * t / threads, total * (t + 1) / threads};
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tid[t], NULL, job_main, &jobs[t]) == 0;
+    fn(ctx, jobs[0].lo, jobs[0].hi);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else fn(ctx, jobs[t].lo, jobs[t].hi); /* could not start: run it here */
+    }
+}
+
+/* ---------------------------------------------------------------- GEMM tile
+ *
+ * acc[MR][opad] = bias + X[MR][kp] . W, with W packed as [kp/2][opad][2] int16 (the
+ * pair k, k+1 of channel o adjacent), X rows of kp int16 (kp even, a zero pad at the end
+ * when K is odd).
+ */
+#if QS_SIMD
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT2(acc, x, w) _mm256_dpwssd_epi32((acc), (x), (w))
+#else
+#define DOT2(acc, x, w) _mm256_add_epi32((acc), _mm256_madd_epi16((x), (w)))
+#endif
+
+static inline __m256i bcast_pair(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+static void gemm_tile(const int16_t *X, int64_t kp, const int16_t *W, int64_t opad,
+                      const int32_t *bias, int32_t *acc) {
+    const int64_t kh = kp / 2;
+    int64_t o0 = 0;
+    for (; o0 + 2 * NR <= opad; o0 += 2 * NR) {
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)(bias + o0 + NR));
+        __m256i a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
+        for (int64_t k = 0; k < kh; k++) {
+            const int16_t *wp = W + (k * opad + o0) * 2;
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 2 * NR));
+            __m256i x0 = bcast_pair(X + 2 * k), x1 = bcast_pair(X + kp + 2 * k);
+            __m256i x2 = bcast_pair(X + 2 * kp + 2 * k), x3 = bcast_pair(X + 3 * kp + 2 * k);
+            a00 = DOT2(a00, x0, w0); a01 = DOT2(a01, x0, w1);
+            a10 = DOT2(a10, x1, w0); a11 = DOT2(a11, x1, w1);
+            a20 = DOT2(a20, x2, w0); a21 = DOT2(a21, x2, w1);
+            a30 = DOT2(a30, x3, w0); a31 = DOT2(a31, x3, w1);
+        }
+        _mm256_storeu_si256((__m256i *)(acc + o0), a00);
+        _mm256_storeu_si256((__m256i *)(acc + o0 + NR), a01);
+        _mm256_storeu_si256((__m256i *)(acc + opad + o0), a10);
+        _mm256_storeu_si256((__m256i *)(acc + opad + o0 + NR), a11);
+        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0), a20);
+        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0 + NR), a21);
+        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0), a30);
+        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0 + NR), a31);
+    }
+    for (; o0 < opad; o0 += NR) {
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
+        __m256i a0 = b0, a1 = b0, a2 = b0, a3 = b0;
+        for (int64_t k = 0; k < kh; k++) {
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(W + (k * opad + o0) * 2));
+            a0 = DOT2(a0, bcast_pair(X + 2 * k), w0);
+            a1 = DOT2(a1, bcast_pair(X + kp + 2 * k), w0);
+            a2 = DOT2(a2, bcast_pair(X + 2 * kp + 2 * k), w0);
+            a3 = DOT2(a3, bcast_pair(X + 3 * kp + 2 * k), w0);
+        }
+        _mm256_storeu_si256((__m256i *)(acc + o0), a0);
+        _mm256_storeu_si256((__m256i *)(acc + opad + o0), a1);
+        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0), a2);
+        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0), a3);
+    }
+}
+#else
+static void gemm_tile(const int16_t *X, int64_t kp, const int16_t *W, int64_t opad,
+                      const int32_t *bias, int32_t *acc) {
+    for (int64_t r = 0; r < MR; r++) {
+        int32_t *a = acc + r * opad;
+        for (int64_t o = 0; o < opad; o++) a[o] = bias[o];
+        for (int64_t k = 0; k < kp / 2; k++) {
+            const int32_t x0 = X[r * kp + 2 * k], x1 = X[r * kp + 2 * k + 1];
+            const int16_t *wp = W + k * opad * 2;
+            for (int64_t o = 0; o < opad; o++) a[o] += x0 * wp[2 * o] + x1 * wp[2 * o + 1];
+        }
+    }
+}
+#endif
+
+/* --------------------------------------------------------------- convolution */
+
+typedef struct {
+    const int8_t *x; int64_t sx, n, h, w, c;
+    int64_t sw, o, kh, kw, groups;
+    int64_t sh, sww, pt, pl, oh, ow;
+    int32_t in_zp, zp, lo, hi;
+    const int64_t *rq;
+    int64_t so;           /* output sets */
+    int64_t ig, og, k, kp, opad;
+    const int16_t *wpack; /* [sw][groups][kp/2][opad][2] */
+    const int64_t *rqt;   /* requantisation tiled MR times (groups == 1, opad == o), or NULL */
+    const int32_t *bpack; /* [sb][groups][opad] */
+    int64_t sb;
+    int8_t *out;
+    int status;
+} conv_ctx;
+
+/* Patches of output pixels m0 .. m0+rows-1 (flat over samples) for group g, centred. */
+static void gather(const conv_ctx *c, const int8_t *xs, int64_t m0, int64_t rows, int64_t g,
+                   int16_t *X) {
+    const int64_t ohw = c->oh * c->ow;
+    memset(X, 0, sizeof(int16_t) * MR * c->kp);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t m = m0 + r, nn = m / ohw, oy = (m % ohw) / c->ow, ox = m % c->ow;
+        int16_t *row = X + r * c->kp;
+        for (int64_t i = 0; i < c->kh; i++) {
+            const int64_t iy = oy * c->sh - c->pt + i;
+            if (iy < 0 || iy >= c->h) continue;
+            for (int64_t j = 0; j < c->kw; j++) {
+                const int64_t ix = ox * c->sww - c->pl + j;
+                if (ix < 0 || ix >= c->w) continue;
+                const int8_t *src = xs + ((nn * c->h + iy) * c->w + ix) * c->c + g * c->ig;
+                int16_t *dst = row + (i * c->kw + j) * c->ig;
+                for (int64_t ci = 0; ci < c->ig; ci++) dst[ci] = (int16_t)(src[ci] - c->in_zp);
+            }
+        }
+    }
+}
+
+static void conv_work(void *arg, int64_t n0, int64_t n1) {
+    conv_ctx *c = (conv_ctx *)arg;
+    const int64_t ohw = c->oh * c->ow, xsz = c->n * c->h * c->w * c->c;
+    const int64_t wsz = c->groups * (c->kp / 2) * c->opad * 2, bsz = c->groups * c->opad;
+    int16_t *X = alloc64(sizeof(int16_t) * MR * c->kp);
+    int32_t *acc = alloc64(sizeof(int32_t) * MR * c->opad);
+    if (!X || !acc) { c->status = 1; free(X); free(acc); return; }
+    const int64_t mend = n1 * ohw;
+    for (int64_t m0 = n0 * ohw; m0 < mend; m0 += MR) {
+        const int64_t rows = mend - m0 < MR ? mend - m0 : MR;
+        for (int64_t g = 0; g < c->groups; g++) {
+            if (c->sx == 1) gather(c, c->x, m0, rows, g, X);
+            for (int64_t s = 0; s < c->so; s++) {
+                if (c->sx > 1) gather(c, c->x + s * xsz, m0, rows, g, X);
+                const int16_t *W = c->wpack + (c->sw > 1 ? s : 0) * wsz + g * (c->kp / 2) * c->opad * 2;
+                const int32_t *B = c->bpack + (c->sb > 1 ? s : 0) * bsz + g * c->opad;
+                gemm_tile(X, c->kp, W, c->opad, B, acc);
+                int8_t *dst = c->out + (s * c->n * ohw + m0) * c->o + g * c->og;
+                if (c->rqt) {  /* the tile's rows are contiguous in the output */
+                    requant_row(acc, rows * c->o, c->rqt, MR * c->o, c->zp, c->lo, c->hi, dst);
+                    continue;
+                }
+                for (int64_t r = 0; r < rows; r++)
+                    requant_row(acc + r * c->opad, c->og, c->rq + g * c->og, c->o, c->zp, c->lo,
+                                c->hi, dst + r * c->o);
+            }
+        }
+    }
+    free(X);
+    free(acc);
+}
+
+/*
+ * Per-channel int8 convolution (reference_integer_ops::ConvPerChannel), also used for
+ * FULLY_CONNECTED (a 1x1 kernel on a 1x1 image).
+ *   x:    [sx][n][h][w][c] int8            weight: [sw][o][kh][kw][c/groups] int8
+ *   bias: [sb][o] int32                    rq:     [5][o] int64 (see requant_row)
+ *   out:  [so][n][oh][ow][o] int8, so = max(sx, sw, sb); sets of 1 broadcast.
+ * Returns 0, or 1 when scratch memory could not be allocated.
+ */
+int qs_conv(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_t c,
+            const int8_t *weight, int64_t sw, int64_t o, int64_t kh, int64_t kw, int64_t groups,
+            const int32_t *bias, int64_t sb, int64_t sh, int64_t sww, int64_t pt, int64_t pl,
+            int64_t oh, int64_t ow, int64_t in_zp, const int64_t *rq, int64_t zp, int64_t lo,
+            int64_t hi, int8_t *out, int64_t threads) {
+    conv_ctx cx = {x, sx, n, h, w, c, sw, o, kh, kw, groups, sh, sww, pt, pl, oh, ow,
+                   (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rq, 0,
+                   0, 0, 0, 0, 0, NULL, NULL, NULL, sb, out, 0};
+    cx.so = sx > sw ? sx : sw;
+    cx.so = cx.so > sb ? cx.so : sb;
+    cx.ig = c / groups;
+    cx.og = o / groups;
+    cx.k = kh * kw * cx.ig;
+    cx.kp = round_up(cx.k, 2);
+    cx.opad = round_up(cx.og, NR);
+    const int64_t wsz = groups * (cx.kp / 2) * cx.opad * 2;
+    int16_t *wpack = alloc64(sizeof(int16_t) * sw * wsz);
+    int32_t *bpack = alloc64(sizeof(int32_t) * sb * groups * cx.opad);
+    int64_t *rqt = groups == 1 && cx.opad == o ? tile_rq(rq, o, o, MR) : NULL;
+    if (!wpack || !bpack || (groups == 1 && cx.opad == o && !rqt)) {
+        free(wpack); free(bpack); free(rqt);
+        return 1;
+    }
+    cx.rqt = rqt;
+    memset(wpack, 0, sizeof(int16_t) * sw * wsz);
+    memset(bpack, 0, sizeof(int32_t) * sb * groups * cx.opad);
+    for (int64_t s = 0; s < sw; s++)
+        for (int64_t oc = 0; oc < o; oc++) {
+            const int64_t g = oc / cx.og, oo = oc % cx.og;
+            const int8_t *src = weight + (s * o + oc) * cx.k;
+            int16_t *dst = wpack + s * wsz + g * (cx.kp / 2) * cx.opad * 2;
+            for (int64_t k = 0; k < cx.k; k++) dst[((k / 2) * cx.opad + oo) * 2 + (k & 1)] = src[k];
+        }
+    for (int64_t s = 0; s < sb; s++)
+        for (int64_t oc = 0; oc < o; oc++)
+            bpack[(s * groups + oc / cx.og) * cx.opad + oc % cx.og] = bias[s * o + oc];
+    cx.wpack = wpack;
+    cx.bpack = bpack;
+    parallel_for(conv_work, &cx, n, threads);
+    free(wpack);
+    free(bpack);
+    free(rqt);
+    return cx.status;
+}
+
+/* ------------------------------------------------------------------ depthwise */
+
+typedef struct {
+    const int8_t *x; int64_t sx, n, h, w, c;
+    const int8_t *wt; int64_t sw, o, kh, kw;   /* wt: [sw][kh*kw][o] int8 */
+    const int32_t *bias; int64_t sb;
+    int64_t sh, sww, pt, pl, oh, ow, so;
+    int32_t in_zp, zp, lo, hi;
+    const int64_t *rqt;                        /* requantisation, tiled to ow * o */
+    int8_t *out;
+    int status;
+} dw_ctx;
+
+/* acc[t] += x[t] * w[t] over one output row's taps: a long loop over (ox, channel). */
+static void mac_i8(int32_t *restrict acc, const int8_t *restrict x, const int16_t *restrict w,
+                   int64_t len, int32_t zp) {
+    for (int64_t t = 0; t < len; t++) acc[t] += (int32_t)(int16_t)(x[t] - zp) * w[t];
+}
+
+static void mac_i16(int32_t *restrict acc, const int16_t *restrict x, const int16_t *restrict w,
+                    int64_t len) {
+    for (int64_t t = 0; t < len; t++) acc[t] += (int32_t)x[t] * w[t];
+}
+
+/* Centred input under tap column jj for every output column of row iy (0 off the edge). */
+static void dw_row(const dw_ctx *d, const int8_t *xrow, int64_t jj, int16_t *restrict xb) {
+    const int64_t o = d->o, dm = d->o / d->c;
+    for (int64_t ox = 0; ox < d->ow; ox++) {
+        const int64_t ix = ox * d->sww - d->pl + jj;
+        int16_t *dst = xb + ox * o;
+        if (ix < 0 || ix >= d->w) {
+            memset(dst, 0, sizeof(int16_t) * o);
+            continue;
+        }
+        const int8_t *src = xrow + ix * d->c;
+        if (dm == 1) {
+            for (int64_t j = 0; j < o; j++) dst[j] = (int16_t)(src[j] - d->in_zp);
+        } else {
+            for (int64_t ci = 0; ci < d->c; ci++)
+                for (int64_t q = 0; q < dm; q++) dst[ci * dm + q] = (int16_t)(src[ci] - d->in_zp);
+        }
+    }
+}
+
+static void dw_work(void *arg, int64_t n0, int64_t n1) {
+    dw_ctx *d = (dw_ctx *)arg;
+    const int64_t o = d->o, row = d->ow * o, taps = d->kh * d->kw;
+    const int64_t xsz = d->n * d->h * d->w * d->c;
+    const int fast = d->o == d->c && d->sww == 1;
+    int32_t *acc = alloc64(sizeof(int32_t) * row), *btile = alloc64(sizeof(int32_t) * row);
+    int16_t *xb = alloc64(sizeof(int16_t) * row), *wtile = alloc64(sizeof(int16_t) * taps * row);
+    if (!acc || !btile || !xb || !wtile) {
+        d->status = 1;
+        free(acc); free(btile); free(xb); free(wtile);
+        return;
+    }
+    for (int64_t s = 0; s < d->so; s++) {
+        if (s == 0 || d->sw > 1) {  /* weights tiled along the output row */
+            const int8_t *ws = d->wt + (d->sw > 1 ? s : 0) * taps * o;
+            for (int64_t t = 0; t < taps; t++)
+                for (int64_t ox = 0; ox < d->ow; ox++)
+                    for (int64_t j = 0; j < o; j++) wtile[t * row + ox * o + j] = ws[t * o + j];
+        }
+        if (s == 0 || d->sb > 1) {
+            const int32_t *bs = d->bias + (d->sb > 1 ? s : 0) * o;
+            for (int64_t ox = 0; ox < d->ow; ox++) memcpy(btile + ox * o, bs, sizeof(int32_t) * o);
+        }
+        const int8_t *xs = d->x + (d->sx > 1 ? s : 0) * xsz;
+        for (int64_t nn = n0; nn < n1; nn++)
+            for (int64_t oy = 0; oy < d->oh; oy++) {
+                memcpy(acc, btile, sizeof(int32_t) * row);
+                for (int64_t i = 0; i < d->kh; i++) {
+                    const int64_t iy = oy * d->sh - d->pt + i;
+                    if (iy < 0 || iy >= d->h) continue;
+                    const int8_t *xrow = xs + (nn * d->h + iy) * d->w * d->c;
+                    for (int64_t jj = 0; jj < d->kw; jj++) {
+                        const int16_t *wt = wtile + (i * d->kw + jj) * row;
+                        if (fast) {  /* stride 1, multiplier 1: the input row is contiguous */
+                            int64_t lo = d->pl - jj, hi = d->w + d->pl - jj;
+                            lo = lo < 0 ? 0 : lo;
+                            hi = hi > d->ow ? d->ow : hi;
+                            if (hi > lo)
+                                mac_i8(acc + lo * o, xrow + (lo - d->pl + jj) * o, wt + lo * o,
+                                       (hi - lo) * o, d->in_zp);
+                        } else {
+                            dw_row(d, xrow, jj, xb);
+                            mac_i16(acc, xb, wt, row);
+                        }
+                    }
+                }
+                int8_t *dst = d->out + ((s * d->n + nn) * d->oh + oy) * row;
+                requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
+            }
+    }
+    free(acc); free(btile); free(xb); free(wtile);
+}
+
+/*
+ * Per-channel int8 depthwise convolution (DepthwiseConvPerChannel), 1HWO weights.
+ *   x: [sx][n][h][w][c]   weight: [sw][kh][kw][o] (o = c * depth multiplier)
+ *   bias: [sb][o] int32   out: [so][n][oh][ow][o]
+ */
+int qs_depthwise(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_t c,
+                 const int8_t *weight, int64_t sw, int64_t o, int64_t kh, int64_t kw,
+                 const int32_t *bias, int64_t sb, int64_t sh, int64_t sww, int64_t pt, int64_t pl,
+                 int64_t oh, int64_t ow, int64_t in_zp, const int64_t *rq, int64_t zp, int64_t lo,
+                 int64_t hi, int8_t *out, int64_t threads) {
+    int64_t *rqt = tile_rq(rq, o, o, ow);
+    if (!rqt) return 1;
+    int64_t so = sx > sw ? sx : sw;
+    so = so > sb ? so : sb;
+    dw_ctx d = {x, sx, n, h, w, c, weight, sw, o, kh, kw, bias, sb, sh, sww, pt, pl, oh, ow, so,
+                (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rqt, out, 0};
+    parallel_for(dw_work, &d, n, threads);
+    free(rqt);
+    return d.status;
+}
+
+/* ------------------------------------------------------------------------ add */
+
+/*
+ * Element-wise int8 ADD (reference_integer_ops::AddElementwise) of count elements.
+ *   p: left_shift, in1 zp, m, s, in2 zp, m, s, out zp, m, s, act min, act max, single.
+ */
+int qs_add(const int8_t *a, const int8_t *b, int64_t count, const int64_t *p, int8_t *out) {
+    const int single = (int)p[12];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t x1 = ((int64_t)a[i] - p[1]) * ((int64_t)1 << p[0]);
+        const int64_t x2 = ((int64_t)b[i] - p[4]) * ((int64_t)1 << p[0]);
+        const int64_t y = mbqm(x1, p[2], p[3], single) + mbqm(x2, p[5], p[6], single);
+        int64_t r = mbqm(y, p[8], p[9], single) + p[7];
+        r = r < p[10] ? p[10] : r;
+        r = r > p[11] ? p[11] : r;
+        out[i] = (int8_t)r;
+    }
+    return 0;
+}
+
+/* Which GEMM path this build uses (for the benchmark's report). */
+const char *qs_build_info(void) {
+#if QS_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512-vnni";
+#elif QS_SIMD
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
