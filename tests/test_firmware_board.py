@@ -202,3 +202,30 @@ def test_board_reset_answers_hello_with_model_hash(board: Board, job: Job) -> No
     assert isinstance(hello, Hello) and hello.model_hash == 0
     assert hello.dataset_hash == dataset_hash64(job.workload.dataset)
     assert model_hash64(job.blob) != 0
+
+
+def test_board_survives_mutated_messages(board: Board, job: Job) -> None:
+    """Mutated messages (sanitizer build) get answers or typed Errors; the board stays alive."""
+    _load(board, job)
+    cfg = job.config
+    valid = [
+        EvalRequest(job_id=cfg.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0, 1, 2)),
+        ApplyUpdate(job_id=cfg.job_id, step=0, ks=(0, 3), coefficients=(0.5, -0.5)),
+        ValidateRequest(job_id=cfg.job_id, step=0, start=0, count=5),
+        SetWeights(total=9, offset=0, job_id=cfg.job_id, step=0, checksum=1, chunk=b"\x01\x02\x03"),
+        LoadModel(total=100, offset=0, crc32=5, chunk=b"\x00" * 10),
+        cfg,
+        Ping(nonce=3),
+    ]
+    rng = np.random.default_rng(17)
+    for i in range(150):
+        raw = bytearray(encode(valid[i % len(valid)]))
+        for _ in range(int(rng.integers(1, 4))):
+            raw[int(rng.integers(2, len(raw)))] = int(rng.integers(0, 256))
+        board.client.send_payload(bytes(raw[: int(rng.integers(4, len(raw) + 1))]))
+    board.client.send(Ping(nonce=0x5150))
+    while True:
+        answer = board.client.recv(timeout=30, heartbeats=True)
+        if isinstance(answer, Heartbeat) and answer.nonce == 0x5150:
+            break
+    assert board.proc.poll() is None

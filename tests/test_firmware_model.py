@@ -89,3 +89,26 @@ def test_model_budget_matches_c_runtime(tool: ToolProcess, tmp_path: Path) -> No
     path = tmp_path / "cnn.qzmb"
     path.write_bytes(workload.model_blob())
     assert tool.ask(f"budget {path}") == f"{budget.blob} {budget.params} {budget.arena}"
+
+
+def test_model_survives_mutated_blobs(tool: ToolProcess, tmp_path: Path) -> None:
+    """Random byte mutations of a valid blob (CRC fixed up) never crash the sanitizer build."""
+    import struct
+    import zlib
+
+    model = MODELS["resnet8"]()
+    blob = bytearray(encode_blob(quantize_model(model, np.zeros((4, *model.input_shape), np.float32))))
+    rng = np.random.default_rng(21)
+    body_end = 64 + 1024 + 52 * struct.unpack_from("<H", blob, 8)[0] + 140 * struct.unpack_from("<H", blob, 10)[0]
+    refused = 0
+    for i in range(60):
+        data = bytearray(blob)
+        for _ in range(int(rng.integers(1, 4))):
+            pos = int(rng.integers(64, body_end))  # headers and records, where the structure is
+            data[pos] = int(rng.integers(0, 256))
+        struct.pack_into("<I", data, 28, zlib.crc32(bytes(data[64:])))
+        path = tmp_path / f"m{i}.qzmb"
+        path.write_bytes(bytes(data))
+        answer = tool.ask(f"forward {path} {'00' * 192}")
+        refused += answer.startswith("err ")
+    assert refused > 0  # most mutations of records are caught by Prepare

@@ -16,11 +16,13 @@ typedef struct {
     int32_t n, h, w, c;
 } qs_shape;
 
-/* Accumulation depth bound: |w| <= 127 and |x - zp| <= 255 give |w * (x - zp)| <=
- * 32385 < 2^15, so at most 2^16 products sum to below 2^31 (65536 * 32385 =
- * 2122383360 < 2147483647). Prepare also bounds |bias| so that sum + bias fits. */
+/* Accumulation depth bound: an int8 weight (|w| <= 128, even if a blob holds -128) times
+ * x - zp with both int8 (|x - zp| <= 255) is at most 32640 < 2^15 in magnitude, so at
+ * most 2^16 products sum to below 2^31 (65536 * 32640 = 2139095040 < 2147483647).
+ * Prepare checks every zero point against its tensor (int8 range) and bounds |bias| so
+ * that sum + bias fits as well. */
 #define QS_MAX_ACC_DEPTH 65536
-#define QS_MAX_PRODUCT 32385
+#define QS_MAX_PRODUCT 32640
 
 typedef struct {
     int32_t input_offset;  /* minus the input zero point */

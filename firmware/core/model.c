@@ -355,6 +355,12 @@ static qs_status read_ops(qs_model *m, const uint8_t *rec, const data_section *d
             (binary ? (o.in1 >= m->n_tensors || !defined[o.in1]) : o.in1 != NO_TENSOR)) {
             return QS_ERR_ARG;
         }
+        /* The op's zero points must be its tensors' (int8 range, checked there): the
+         * accumulator bounds of kernels.h rely on |x - zp| <= 255. */
+        if (o.in_zp != m->tensors[o.in0].zero_point || o.out_zp != m->tensors[o.out].zero_point ||
+            (binary && o.in1_zp != m->tensors[o.in1].zero_point)) {
+            return QS_ERR_ARG;
+        }
         op->opcode = o.opcode;
         op->in0 = o.in0;
         op->in1 = binary ? o.in1 : 0u;
