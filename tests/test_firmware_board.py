@@ -229,3 +229,16 @@ def test_board_survives_mutated_messages(board: Board, job: Job) -> None:
         if isinstance(answer, Heartbeat) and answer.nonce == 0x5150:
             break
     assert board.proc.poll() is None
+
+
+def test_board_answers_ping_while_computing(board: Board, job: Job) -> None:
+    """A Ping during a long evaluation gets a busy Heartbeat before the EvalResult."""
+    _load(board, job)
+    big = job_config(job.spec.model_copy(update={"batch_size": 2048}))
+    assert isinstance(board.client.request(big), Loaded)
+    ks = tuple(range(24))
+    board.client.send(EvalRequest(job_id=big.job_id, step=0, batch_size=2048, eps=1.0, estimator="two_sided", ks=ks))
+    board.client.send(Ping(nonce=99))
+    first = board.client.recv(timeout=60)
+    assert first == Heartbeat(nonce=99, uptime_ms=first.uptime_ms, state="busy", job_id=big.job_id, step=0)  # type: ignore[union-attr]
+    assert isinstance(board.client.recv(timeout=120), EvalResult)

@@ -125,6 +125,9 @@ static void reply_loaded(qs_agent *a, uint8_t resource, uint32_t job_id, uint32_
 
 static uint8_t reported_state(const qs_agent *a)
 {
+    if (a->computing) {
+        return QS_STATE_BUSY;
+    }
     if (a->model_rx.active || a->weights_rx.active) {
         return QS_STATE_LOADING;
     }
@@ -133,14 +136,39 @@ static uint8_t reported_state(const qs_agent *a)
 
 static void send_heartbeat(qs_agent *a, uint32_t nonce)
 {
-    qs_msg_init(&a->tx, QS_MSG_HEARTBEAT);
-    a->tx.nonce = nonce;
-    a->tx.uptime_ms = (uint32_t)((qs_port_now_us() - a->boot_us) / 1000u);
-    a->tx.state = reported_state(a);
-    a->tx.job_id = a->config_ok ? a->config.job_id : 0u;
-    a->tx.step = a->state_ok ? a->step : 0u;
+    qs_msg_init(&a->hb, QS_MSG_HEARTBEAT);
+    a->hb.nonce = nonce;
+    a->hb.uptime_ms = (uint32_t)((qs_port_now_us() - a->boot_us) / 1000u);
+    a->hb.state = reported_state(a);
+    a->hb.job_id = a->config_ok ? a->config.job_id : 0u;
+    a->hb.step = a->state_ok ? a->step : 0u;
     a->last_heartbeat_us = qs_port_now_us();
-    send_msg(a, &a->tx);
+    send_msg(a, &a->hb);
+}
+
+/* During a long computation: answer a Ping at the head of the queue at once (state
+ * busy), as the Python board does, so the daemon's liveness check sees the board alive. */
+static void answer_pings(qs_agent *a)
+{
+    while (a->queue_count > 0u) {
+        const qs_rx_slot *slot = &a->queue[a->queue_head];
+        const uint8_t *p = slot->payload;
+        if (slot->len != QS_HEADER_SIZE + 4u || p[0] != 'Q' || p[1] != 'S' || p[2] != QS_PROTOCOL_VERSION ||
+            p[3] != QS_MSG_PING) {
+            return;
+        }
+        const uint32_t nonce = (uint32_t)p[4] | ((uint32_t)p[5] << 8) | ((uint32_t)p[6] << 16) | ((uint32_t)p[7] << 24);
+        a->queue_head = (a->queue_head + 1u) % QS_RX_QUEUE;
+        --a->queue_count;
+        send_heartbeat(a, nonce);
+    }
+}
+
+/* Between samples of a long computation: acknowledge frames, answer pings. */
+static void keep_link_alive(qs_agent *a)
+{
+    poll_link(a, 0);
+    answer_pings(a);
 }
 
 static void send_hello(qs_agent *a)
@@ -436,7 +464,7 @@ static float batch_loss(qs_agent *a, const int8_t *flat, uint32_t batch)
         const int8_t *logits = forward(a, a->dataset.x_train + (size_t)idx * a->dataset.sample, flat);
         sum += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_train[idx], &a->model.loss);
         if ((j & 7u) == 7u) {
-            poll_link(a, 0); /* keep acknowledging frames during a long evaluation */
+            keep_link_alive(a);
         }
     }
     /* Losses are non-negative: C's truncating division is the floor the SPEC asks for. */
@@ -461,6 +489,7 @@ static void on_eval(qs_agent *a, const qs_msg *m)
         return;
     }
     const uint64_t start = qs_port_now_us();
+    a->computing = 1;
     (void)qs_batch_indices(a->config.seed, m->step, m->batch_size, a->dataset.n_train, a->batch);
     const int32_t eps = (int32_t)m->eps;
     const int two_sided = m->estimator == QS_EST_TWO_SIDED;
@@ -475,6 +504,7 @@ static void on_eval(qs_agent *a, const qs_msg *m)
         a->tx.loss_zero = batch_loss(a, a->weights, m->batch_size);
         a->tx.has_loss_zero = 1;
     }
+    a->computing = 0;
     a->tx.type = QS_MSG_EVAL_RESULT;
     a->tx.job_id = m->job_id;
     a->tx.step = m->step;
@@ -562,6 +592,7 @@ static void on_validate(qs_agent *a, const qs_msg *m)
     const uint32_t stop = m->count > n_val - m->start ? n_val : m->start + m->count;
     double loss_sum = 0.0;
     uint32_t correct = 0;
+    a->computing = 1;
     for (uint32_t lo = m->start; lo < stop; lo += QS_VALIDATION_CHUNK) {
         const uint32_t hi = stop - lo > QS_VALIDATION_CHUNK ? lo + QS_VALIDATION_CHUNK : stop;
         int64_t chunk = 0;
@@ -570,11 +601,12 @@ static void on_validate(qs_agent *a, const qs_msg *m)
             chunk += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_val[i], &a->model.loss);
             correct += argmax(logits, a->model.num_classes) == a->dataset.y_val[i];
             if ((i & 7u) == 7u) {
-                poll_link(a, 0);
+                keep_link_alive(a);
             }
         }
         loss_sum += (double)chunk / 65536.0;
     }
+    a->computing = 0;
     qs_msg_init(&a->tx, QS_MSG_VALIDATE_RESULT);
     a->tx.job_id = m->job_id;
     a->tx.step = m->step;

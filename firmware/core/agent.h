@@ -61,6 +61,8 @@ typedef struct {
     uint8_t tx_payload[QS_MAX_PAYLOAD];
     uint8_t rx_bytes[256];
     qs_msg rx, tx;
+    qs_msg hb;     /* heartbeats have their own message: one may go out mid-computation */
+    int computing; /* an EvalRequest / ValidateRequest is running: report busy */
     int link_gone;
     int hello_acked; /* the peer acknowledged our Hello */
     uint64_t last_heartbeat_us;
