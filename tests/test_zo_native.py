@@ -39,6 +39,8 @@ CONV_CASES = [
     (1, 3, (1, 2), "same", 3, "none", 2, 9, 12),
     (2, 2, (1, 1), "valid", 1, "relu6", 1, 5, 7),
     (1, 1, (1, 1), "same", 1, "none", 1, 33, 40),
+    (3, 1, (1, 1), "same", 1, "relu", 1, 16, 24),
+    (1, 2, (1, 1), "valid", 1, "none", 1, 8, 48),
 ]
 
 
@@ -60,10 +62,10 @@ def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, 
 @pytest.mark.parametrize(("sx", "sw", "stride", "padding"), [(1, 4, (1, 1), "same"), (3, 3, (2, 2), "same"),
                                                             (2, 1, (2, 1), "valid"), (1, 2, (1, 2), "same")])
 @pytest.mark.parametrize("mult", [1, 2])
-def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult) -> None:
-    """Depthwise: strides, padding, depth multipliers and set broadcasts."""
-    rng = np.random.default_rng([sx, sw, stride[0], stride[1], mult])
-    c = 5
+@pytest.mark.parametrize("c", [5, 16])
+def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult, c) -> None:
+    """Depthwise: strides, padding, depth multipliers, vector-width channels, set broadcasts."""
+    rng = np.random.default_rng([sx, sw, stride[0], stride[1], mult, c])
     x = _int8(rng, (sx, 2, 8, 9, c))
     w = _int8(rng, (sw, 1, 3, 3, c * mult), -127)
     bias = rng.integers(-3000, 3000, (1, c * mult)).astype(np.int64)

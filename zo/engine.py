@@ -439,17 +439,22 @@ def _first_index(model: Model, names: Iterable[str]) -> int:
     return len(model.nodes)
 
 
-def _chunk_size(model: Model, start: int, batch: int, sets: int, max_bytes: int) -> int:
-    """How many perturbed copies fit the budget: the widest node output plus its patches."""
+def _chunk_size(model: Model, start: int, batch: int, sets: int, max_bytes: int, fn: _NodeFn | None = None) -> int:
+    """How many perturbed copies fit the budget: the widest node output plus its patches.
+
+    The native INT8 kernels build no patches and no wide temporaries: a copy then needs
+    its int8 tensors only (input, output and a skip connection live at once).
+    """
     shapes = infer_shapes(model)
+    lean = fn is _int8_node and native.available()
     widest = 1
     for node in model.nodes[start:]:
         size = int(np.prod(shapes[node.output]))
-        if isinstance(node, Conv2D) and not node.depthwise:
+        if isinstance(node, Conv2D) and not node.depthwise and not lean:
             size += size // node.weight.shape[0] * int(np.prod(node.weight.shape[1:])) * node.groups
         widest = max(widest, size)
     # Float64 intermediates, and a factor for the temporaries of one kernel.
-    per_copy = widest * batch * 8 * 3
+    per_copy = widest * batch * (3 if lean else 8 * 3)
     return int(max(1, min(sets, max_bytes // per_copy)))
 
 
@@ -458,7 +463,7 @@ def _run_by_samples(
 ) -> Env:
     """``_run`` over slices of the samples that fit the budget (results do not depend on it)."""
     n = int(next(iter(env.values())).shape[1])
-    per = _chunk_size(model, start, 1, n, max_bytes)
+    per = _chunk_size(model, start, 1, n, max_bytes, fn)
     last = _last_use(model)
     if per >= n:
         return _run(model, env, start, stop, ctx, fn, last)
@@ -484,7 +489,7 @@ def _evaluate(
     ctx.shared = frozenset(env)
     p = next(iter(sets.values()))[0].shape[0]
     batch = next(iter(env.values())).shape[1]
-    chunk = _chunk_size(model, first, batch, p, max_bytes)
+    chunk = _chunk_size(model, first, batch, p, max_bytes, fn)
     outs = []
     base = dict(ctx.weights)
     for c0 in range(0, p, chunk):

@@ -129,7 +129,7 @@ def _build(cc: str, target: Path) -> None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    conv_args = [_P8, _I, _I, _I, _I, _I, _P8, _I, _I, _I, _I]
+    conv_args: list[Any] = [_P8, _I, _I, _I, _I, _I, _P8, _I, _I, _I, _I]
     lib.qs_conv.argtypes = [*conv_args, _I, _P32, _I, _I, _I, _I, _I, _I, _I, _I, _P64, _I, _I, _I, _P8, _I]
     lib.qs_conv.restype = ctypes.c_int
     lib.qs_depthwise.argtypes = [*conv_args, _P32, _I, _I, _I, _I, _I, _I, _I, _I, _P64, _I, _I, _I, _P8, _I]
@@ -228,6 +228,12 @@ def _requant_table(stage: OutputStage, single_rounding: bool, channels: int) -> 
     half = (np.int64(1) << e) >> 1
     thr = np.where(e > 0, half << 31, never)
     return np.stack([left, m, (1 << 30) + (half << 31), thr, 31 + e])
+
+
+def _fused(multiplier: int, shift: int, single_rounding: bool) -> I64:
+    """One multiplier's ``[left, multiplier, add, threshold, right]`` (see ``_requant_table``)."""
+    stage = OutputStage(np.array([multiplier], np.int64), np.array([shift], np.int64), 0, 0, -128, 127)
+    return _requant_table(stage, single_rounding, 1)[:, 0]
 
 
 def _ptr(a: Array, kind: Any) -> Any:
@@ -381,10 +387,10 @@ def add(a: I8, b: I8, p: AddParams, single_rounding: bool = False) -> I8:
     shape = np.broadcast_shapes(a.shape, b.shape)
     ac = _c8(np.broadcast_to(a, shape))
     bc = _c8(np.broadcast_to(b, shape))
-    params = np.array([
-        p.left_shift, p.in1_zero_point, p.in1_multiplier, p.in1_shift, p.in2_zero_point,
-        p.in2_multiplier, p.in2_shift, p.out_zero_point, p.out_multiplier, p.out_shift,
-        p.act_min, p.act_max, int(single_rounding)], np.int64)
+    fused = [_fused(m, sh, single_rounding) for m, sh in
+             ((p.in1_multiplier, p.in1_shift), (p.in2_multiplier, p.in2_shift), (p.out_multiplier, p.out_shift))]
+    head = [p.left_shift, p.in1_zero_point, p.in2_zero_point, p.out_zero_point, p.act_min, p.act_max]
+    params = np.concatenate([np.array(head, np.int64), *fused])
     out = np.empty(shape, np.int8)
     _check(lib.qs_add(_ptr(ac, _P8), _ptr(bc, _P8), out.size, _ptr(params, _P64), _ptr(out, _P8)), "add")
     return out

@@ -90,21 +90,6 @@ static int64_t *tile_rq(const int64_t *rq, int64_t stride, int64_t n, int64_t ti
     return t;
 }
 
-/* Generic MultiplyByQuantizedMultiplier for scalars (ADD), same arithmetic. */
-static inline int64_t mbqm(int64_t x, int64_t m, int64_t s, int single) {
-    if (single) {
-        if (s > 30) { m = 2147483647; s = 30; }
-        int64_t total = 31 - s;
-        return (x * m + ((int64_t)1 << (total - 1))) >> total;
-    }
-    int64_t left = s > 0 ? s : 0, e = s > 0 ? 0 : -s;
-    int32_t xs = (int32_t)((uint32_t)(int32_t)x << left);
-    int64_t half = ((int64_t)1 << e) >> 1;
-    int64_t t = (int64_t)xs * m + ((int64_t)1 << 30) + (half << 31);
-    if (e > 0 && t < (half << 31)) t -= (int64_t)1 << 31;
-    return t >> (31 + e);
-}
-
 /* ------------------------------------------------------------------- threads */
 
 typedef void (*work_fn)(void *ctx, int64_t lo, int64_t hi);
@@ -224,6 +209,7 @@ typedef struct {
     const int64_t *rq;
     int64_t so;           /* output sets */
     int64_t ig, og, k, kp, opad;
+    int pointwise;        /* 1x1 kernel, stride 1, no padding, groups 1 */
     const int16_t *wpack; /* [sw][groups][kp/2][opad][2] */
     const int64_t *rqt;   /* requantisation tiled MR times (groups == 1, opad == o), or NULL */
     const int32_t *bpack; /* [sb][groups][opad] */
@@ -236,6 +222,16 @@ typedef struct {
 static void gather(const conv_ctx *c, const int8_t *xs, int64_t m0, int64_t rows, int64_t g,
                    int16_t *X) {
     const int64_t ohw = c->oh * c->ow;
+    if (c->pointwise) {  /* 1x1, stride 1, no padding, one group: patches are input rows */
+        const int8_t *restrict src = xs + m0 * c->c;
+        int16_t *restrict dst = X;
+        const int64_t len = rows * c->k, zp = c->in_zp;
+        if (c->kp == c->k) {
+            for (int64_t t = 0; t < len; t++) dst[t] = (int16_t)(src[t] - zp);
+            if (rows < MR) memset(X + len, 0, sizeof(int16_t) * (MR - rows) * c->kp);
+            return;
+        }
+    }
     memset(X, 0, sizeof(int16_t) * MR * c->kp);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t m = m0 + r, nn = m / ohw, oy = (m % ohw) / c->ow, ox = m % c->ow;
@@ -301,7 +297,7 @@ int qs_conv(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_
             int64_t hi, int8_t *out, int64_t threads) {
     conv_ctx cx = {x, sx, n, h, w, c, sw, o, kh, kw, groups, sh, sww, pt, pl, oh, ow,
                    (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rq, 0,
-                   0, 0, 0, 0, 0, NULL, NULL, NULL, sb, out, 0};
+                   0, 0, 0, 0, 0, 0, NULL, NULL, NULL, sb, out, 0};
     cx.so = sx > sw ? sx : sw;
     cx.so = cx.so > sb ? cx.so : sb;
     cx.ig = c / groups;
@@ -309,6 +305,8 @@ int qs_conv(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_
     cx.k = kh * kw * cx.ig;
     cx.kp = round_up(cx.k, 2);
     cx.opad = round_up(cx.og, NR);
+    cx.pointwise = kh == 1 && kw == 1 && sh == 1 && sww == 1 && pt == 0 && pl == 0 && groups == 1 &&
+                   oh == h && ow == w;
     const int64_t wsz = groups * (cx.kp / 2) * cx.opad * 2;
     int16_t *wpack = alloc64(sizeof(int16_t) * sw * wsz);
     int32_t *bpack = alloc64(sizeof(int32_t) * sb * groups * cx.opad);
@@ -383,6 +381,41 @@ static void dw_row(const dw_ctx *d, const int8_t *xrow, int64_t jj, int16_t *res
     }
 }
 
+#if QS_SIMD
+/*
+ * One output row, channels in vectors of NR, taps accumulated in registers. Needs
+ * depth multiplier 1 and o % NR == 0; w32 holds the set's weights widened, [taps][o].
+ */
+static void dw_row_simd(const dw_ctx *d, const int8_t *xs, int64_t nn, int64_t oy,
+                        const int32_t *w32, const int32_t *bs, int32_t *accrow) {
+    const int64_t o = d->o;
+    const __m256i zp = _mm256_set1_epi32(d->in_zp);
+    int64_t i0 = d->pt - oy * d->sh, i1 = d->h + d->pt - oy * d->sh;
+    i0 = i0 < 0 ? 0 : i0;
+    i1 = i1 > d->kh ? d->kh : i1;
+    for (int64_t ox = 0; ox < d->ow; ox++) {
+        int64_t j0 = d->pl - ox * d->sww, j1 = d->w + d->pl - ox * d->sww;
+        j0 = j0 < 0 ? 0 : j0;
+        j1 = j1 > d->kw ? d->kw : j1;
+        const int64_t iy0 = oy * d->sh - d->pt, ix0 = ox * d->sww - d->pl;
+        for (int64_t c0 = 0; c0 < o; c0 += NR) {
+            __m256i acc = _mm256_loadu_si256((const __m256i *)(bs + c0));
+            for (int64_t i = i0; i < i1; i++) {
+                const int8_t *xr = xs + ((nn * d->h + iy0 + i) * d->w + ix0) * o + c0;
+                const int32_t *wr = w32 + i * d->kw * o + c0;
+                for (int64_t j = j0; j < j1; j++) {
+                    __m128i raw = _mm_loadl_epi64((const __m128i *)(xr + j * o));
+                    __m256i xv = _mm256_sub_epi32(_mm256_cvtepi8_epi32(raw), zp);
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + j * o));
+                    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(xv, wv));
+                }
+            }
+            _mm256_storeu_si256((__m256i *)(accrow + ox * o + c0), acc);
+        }
+    }
+}
+#endif
+
 static void dw_work(void *arg, int64_t n0, int64_t n1) {
     dw_ctx *d = (dw_ctx *)arg;
     const int64_t o = d->o, row = d->ow * o, taps = d->kh * d->kw;
@@ -390,9 +423,10 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
     const int fast = d->o == d->c && d->sww == 1;
     int32_t *acc = alloc64(sizeof(int32_t) * row), *btile = alloc64(sizeof(int32_t) * row);
     int16_t *xb = alloc64(sizeof(int16_t) * row), *wtile = alloc64(sizeof(int16_t) * taps * row);
-    if (!acc || !btile || !xb || !wtile) {
+    int32_t *w32 = alloc64(sizeof(int32_t) * taps * o);
+    if (!acc || !btile || !xb || !wtile || !w32) {
         d->status = 1;
-        free(acc); free(btile); free(xb); free(wtile);
+        free(acc); free(btile); free(xb); free(wtile); free(w32);
         return;
     }
     for (int64_t s = 0; s < d->so; s++) {
@@ -407,6 +441,22 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
             for (int64_t ox = 0; ox < d->ow; ox++) memcpy(btile + ox * o, bs, sizeof(int32_t) * o);
         }
         const int8_t *xs = d->x + (d->sx > 1 ? s : 0) * xsz;
+#if QS_SIMD
+        if (d->o == d->c && d->o % NR == 0) {
+            const int32_t *bs = d->bias + (d->sb > 1 ? s : 0) * o;
+            if (s == 0 || d->sw > 1) {
+                const int8_t *ws = d->wt + (d->sw > 1 ? s : 0) * taps * o;
+                for (int64_t t = 0; t < taps * o; t++) w32[t] = ws[t];
+            }
+            for (int64_t nn = n0; nn < n1; nn++)
+                for (int64_t oy = 0; oy < d->oh; oy++) {
+                    dw_row_simd(d, xs, nn, oy, w32, bs, acc);
+                    int8_t *dst = d->out + ((s * d->n + nn) * d->oh + oy) * row;
+                    requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
+                }
+            continue;
+        }
+#endif
         for (int64_t nn = n0; nn < n1; nn++)
             for (int64_t oy = 0; oy < d->oh; oy++) {
                 memcpy(acc, btile, sizeof(int32_t) * row);
@@ -433,7 +483,7 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
                 requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
             }
     }
-    free(acc); free(btile); free(xb); free(wtile);
+    free(acc); free(btile); free(xb); free(wtile); free(w32);
 }
 
 /*
@@ -459,19 +509,33 @@ int qs_depthwise(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, i
 
 /* ------------------------------------------------------------------------ add */
 
+/* MultiplyByQuantizedMultiplier with fused parameters f = [left, m, add, thr, right]. */
+static inline int64_t fused_mbqm(int32_t x, const int64_t *f) {
+    const int32_t xs = (int32_t)((uint32_t)x << f[0]);
+    int64_t t = (int64_t)xs * f[1] + f[2];
+    t -= (t < f[3]) ? ((int64_t)1 << 31) : 0;
+    return t >> f[4];
+}
+
 /*
  * Element-wise int8 ADD (reference_integer_ops::AddElementwise) of count elements.
- *   p: left_shift, in1 zp, m, s, in2 zp, m, s, out zp, m, s, act min, act max, single.
+ *   p: left_shift, in1 zp, in2 zp, out zp, act min, act max, then fused parameters
+ *   (see requant_row) of the in1, in2 and output multipliers, five each.
  */
-int qs_add(const int8_t *a, const int8_t *b, int64_t count, const int64_t *p, int8_t *out) {
-    const int single = (int)p[12];
+int qs_add(const int8_t *restrict a, const int8_t *restrict b, int64_t count, const int64_t *p,
+           int8_t *restrict out) {
+    const int64_t ls = p[0], z1 = p[1], z2 = p[2], zo = p[3], lo = p[4], hi = p[5];
+    const int64_t f1[5] = {p[6], p[7], p[8], p[9], p[10]};
+    const int64_t f2[5] = {p[11], p[12], p[13], p[14], p[15]};
+    const int64_t fo[5] = {p[16], p[17], p[18], p[19], p[20]};
     for (int64_t i = 0; i < count; i++) {
-        const int64_t x1 = ((int64_t)a[i] - p[1]) * ((int64_t)1 << p[0]);
-        const int64_t x2 = ((int64_t)b[i] - p[4]) * ((int64_t)1 << p[0]);
-        const int64_t y = mbqm(x1, p[2], p[3], single) + mbqm(x2, p[5], p[6], single);
-        int64_t r = mbqm(y, p[8], p[9], single) + p[7];
-        r = r < p[10] ? p[10] : r;
-        r = r > p[11] ? p[11] : r;
+        /* |a - zp| <= 255, shifted by 20: below 2^28, an int32 as in the reference. */
+        const int32_t x1 = (int32_t)(((int64_t)a[i] - z1) * ((int64_t)1 << ls));
+        const int32_t x2 = (int32_t)(((int64_t)b[i] - z2) * ((int64_t)1 << ls));
+        const int64_t y = fused_mbqm(x1, f1) + fused_mbqm(x2, f2);
+        int64_t r = fused_mbqm((int32_t)y, fo) + zo;
+        r = r < lo ? lo : r;
+        r = r > hi ? hi : r;
         out[i] = (int8_t)r;
     }
     return 0;
