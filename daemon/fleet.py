@@ -46,6 +46,7 @@ from qsched.protocol.messages import (
     Loaded,
     LoadModel,
     Ping,
+    Reset,
     SelectDataset,
     SetWeights,
     UpdateAck,
@@ -69,6 +70,10 @@ _log = structlog.get_logger("qsched.fleet")
 
 # Requests one board may have outstanding at once; more is a bug in the engine.
 MAX_IN_FLIGHT: Final = 64
+# A board that has not said Hello this long after appearing is asked for one, and again
+# after HELLO_RETRY_S.
+HELLO_GRACE_S: Final = 1.0
+HELLO_RETRY_S: Final = 5.0
 # Requests whose reply is keyed by resource (chunked loads) or by step.
 _LOADED_RESOURCE: Final[dict[type, str]] = {
     LoadModel: "model",
@@ -186,6 +191,8 @@ class BoardSession:
     step: int | None = None  # the step its weights are at, as far as the daemon knows
     faults: int = 0
     retry_at: float = 0.0  # monotonic time before which a failed resync is not retried
+    appeared: float = field(default_factory=time.monotonic)
+    hello_asked: float = 0.0  # when the daemon last asked for a Hello (soft Reset)
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float | None = None
     _waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict, repr=False)
@@ -505,8 +512,13 @@ class Fleet:
     async def _liveness(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # a cancel swallowed by wait_for (3.11)
+                raise asyncio.CancelledError
             now = time.monotonic()
             for session in list(self.sessions.values()):
+                if session.state == "unknown" and now - session.appeared > HELLO_GRACE_S:
+                    await self._ask_hello(session, now)
                 silent = now - session.last_seen
                 if silent > self._silence_limit:
                     _log.warning("board silent; giving up", board=session.board_id, silent_s=round(silent, 1))
@@ -515,6 +527,16 @@ class Fleet:
                     await self._gone(session.address, "silent")
                 elif silent > self._interval and session.state not in ("gone", "unknown"):
                     self._spawn_ping(session)
+
+    async def _ask_hello(self, session: BoardSession, now: float) -> None:
+        """A board that never said Hello (its Hello went out before the daemon listened,
+        e.g. after a daemon restart) is asked for one with a soft Reset."""
+        if now - session.hello_asked < HELLO_RETRY_S:
+            return
+        session.hello_asked = now
+        _log.info("board without hello; asking for one", board=session.address)
+        with contextlib.suppress(BoardFaultError):
+            await session.send(Reset(scope="soft"))
 
     def _spawn_ping(self, session: BoardSession) -> None:
         assert self._tasks is not None

@@ -428,6 +428,7 @@ class Daemon:
 
     async def _publish_events(self) -> None:
         while True:
+            _raise_if_cancelling()
             event = await self._events.get()
             if self._mqtt is None:
                 continue
@@ -441,6 +442,7 @@ class Daemon:
 
     async def _status_loop(self) -> None:
         while True:
+            _raise_if_cancelling()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._status_changed.wait(), STATUS_INTERVAL_S)
             self._status_changed.clear()
@@ -490,6 +492,14 @@ class Daemon:
             )
         except TimeoutError:
             _log.warning("control reply not delivered (broker away)", request_id=reply.request_id)
+
+
+def _raise_if_cancelling() -> None:
+    """End a loop whose cancellation an ``asyncio.wait_for`` swallowed (Python 3.11 race:
+    the inner future finishing as the cancel arrives returns its result instead)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _npz_bytes(workload: Any, state: Any) -> bytes:
