@@ -32,6 +32,7 @@
 #define QS_HEARTBEAT_INTERVAL_US 5000000u   /* unsolicited Heartbeat period */
 #define QS_POLL_US 100000u                  /* idle wait for input */
 #define QS_VALIDATION_CHUNK 1024u           /* loss sums are added per chunk, as Workload.validate */
+#define QS_RX_READ_BYTES 256u               /* bytes taken from the port per read */
 
 typedef struct {
     uint8_t payload[QS_MAX_PAYLOAD];
@@ -59,7 +60,7 @@ typedef struct {
     uint32_t queue_head, queue_count;
     uint8_t wire[QS_MAX_WIRE_FRAME];
     uint8_t tx_payload[QS_MAX_PAYLOAD];
-    uint8_t rx_bytes[256];
+    uint8_t rx_bytes[QS_RX_READ_BYTES];
     qs_msg rx, tx;
     qs_msg hb;     /* heartbeats have their own message: one may go out mid-computation */
     int computing; /* an EvalRequest / ValidateRequest is running: report busy */

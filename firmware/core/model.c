@@ -154,8 +154,9 @@ static qs_status prepare_conv(qs_model *m, qs_op *op, const op_record *o, const 
         return QS_ERR_ARG;
     }
     const uint32_t kh = o->w_dims[1], kw = o->w_dims[2];
+    /* Products in 64 bits: four u16 dims could wrap a u32 and fake a small count. */
     if (kh == 0u || kw == 0u || kh != o->window_h || kw != o->window_w ||
-        o->weight_count != o->w_dims[0] * kh * kw * o->w_dims[3]) {
+        (uint64_t)o->weight_count != (uint64_t)o->w_dims[0] * kh * kw * o->w_dims[3]) {
         return QS_ERR_ARG;
     }
     uint32_t depth;
@@ -173,7 +174,7 @@ static qs_status prepare_conv(qs_model *m, qs_op *op, const op_record *o, const 
         }
         op->conv.groups = (int32_t)o->groups;
         op->conv.depth_multiplier = 1;
-        depth = kh * kw * o->w_dims[3];
+        depth = kh * kw * o->w_dims[3]; /* <= weight_count, which fits u32 */
     }
     if (out->dims[0] != out_size(in->dims[0], kh, o->stride_h, o->padding) ||
         out->dims[1] != out_size(in->dims[1], kw, o->stride_w, o->padding)) {
@@ -204,7 +205,7 @@ static qs_status prepare_dense(qs_model *m, qs_op *op, const op_record *o, const
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
     const uint32_t units = o->w_dims[0], depth = o->w_dims[1];
     if (o->w_dims[2] != 0u || units != o->channels || units != out->size || depth != in->size ||
-        o->weight_count != units * depth || !act_ok(o)) {
+        (uint64_t)o->weight_count != (uint64_t)units * depth || !act_ok(o)) {
         return QS_ERR_ARG;
     }
     qs_status st = prepare_requant(op, o, d);
@@ -446,19 +447,20 @@ qs_status qs_model_prepare(qs_model *m, uint8_t *blob, size_t len, int8_t *scrat
     if (out->size != m->num_classes) {
         return QS_ERR_ARG;
     }
-    /* One arena slot per tensor (a sample at a time keeps the slots small). */
-    size_t arena = 0;
+    /* One arena slot per tensor (a sample at a time keeps the slots small). 256 tensors
+     * of up to 2^24 elements could pass 2^32: sum in 64 bits, then compare. */
+    uint64_t arena = 0;
     for (uint32_t i = 0; i < m->n_tensors; ++i) {
         m->tensors[i].arena_offset = (uint32_t)arena;
         arena += (m->tensors[i].size + 3u) & ~3u;
-    }
-    if (arena > scratch_size) {
-        return QS_ERR_TOO_LARGE;
+        if (arena > scratch_size) {
+            return QS_ERR_TOO_LARGE;
+        }
     }
     m->blob = blob;
     m->blob_len = len;
     m->arena = scratch;
-    m->arena_size = arena;
+    m->arena_size = (size_t)arena;
     return QS_OK;
 }
 

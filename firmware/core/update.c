@@ -6,6 +6,8 @@
 #include "fp16.h"
 #include "prng.h"
 
+#define CRC_CHUNK_BYTES 64u /* values are serialised little-endian through this buffer */
+
 /* Is z_k = -1 at flat index i, given the Philox words of i's block? */
 static int negative_at(const uint32_t bits[4], uint32_t i)
 {
@@ -167,7 +169,7 @@ qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
 
 uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count)
 {
-    uint8_t chunk[64];
+    uint8_t chunk[CRC_CHUNK_BYTES];
     uint32_t used = 0;
     for (uint32_t j = 0; j < count; ++j) {
         chunk[used++] = (uint8_t)(buf[j] & 0xFFu);
@@ -182,7 +184,7 @@ uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count)
 
 uint32_t qs_crc32_f32(uint32_t crc, const float *theta, uint32_t count)
 {
-    uint8_t chunk[64];
+    uint8_t chunk[CRC_CHUNK_BYTES];
     uint32_t used = 0;
     for (uint32_t j = 0; j < count; ++j) {
         uint32_t bits;

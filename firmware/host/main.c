@@ -19,6 +19,23 @@
 
 static qs_agent g_agent;
 
+/* Hello.board_id on the wire: [A-Za-z0-9_.-]{1,32}. */
+static int board_id_ok(const char *id)
+{
+    const size_t n = strlen(id);
+    if (n == 0u || n > 32u) {
+        return 0;
+    }
+    for (size_t i = 0; i < n; ++i) {
+        const char c = id[i];
+        if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' ||
+              c == '.' || c == '-')) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int usage(void)
 {
     fprintf(stderr, "usage: qs_board (<serial device> | --pty LINK) [--dataset FILE.qzds] [--board-id ID]\n");
@@ -41,7 +58,7 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if ((device == NULL) == (pty_link == NULL)) {
+    if ((device == NULL) == (pty_link == NULL) || (board_id != NULL && !board_id_ok(board_id))) {
         return usage();
     }
     if (!qs_host_configure(device, pty_link, dataset, board_id) || qs_port_init(argc, argv) != QS_OK) {
