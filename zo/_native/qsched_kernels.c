@@ -210,6 +210,7 @@ typedef struct {
     int64_t so;           /* output sets */
     int64_t ig, og, k, kp, opad;
     int pointwise;        /* 1x1 kernel, stride 1, no padding, groups 1 */
+    int64_t hp, wp;       /* padded image size */
     const int16_t *wpack; /* [sw][groups][kp/2][opad][2] */
     const int64_t *rqt;   /* requantisation tiled MR times (groups == 1, opad == o), or NULL */
     const int32_t *bpack; /* [sb][groups][opad] */
@@ -218,68 +219,105 @@ typedef struct {
     int status;
 } conv_ctx;
 
-/* Patches of output pixels m0 .. m0+rows-1 (flat over samples) for group g, centred. */
-static void gather(const conv_ctx *c, const int8_t *xs, int64_t m0, int64_t rows, int64_t g,
-                   int16_t *X) {
+/*
+ * Samples [n0, n1) of one set, centred (x - zp) as int16, in an image with the padding
+ * cells around it. The borders are zeroed once, when the buffer is allocated, and never
+ * written: padding contributes 0, as the reference kernel skips it.
+ */
+static void centre_padded(const conv_ctx *c, const int8_t *xs, int64_t n0, int64_t n1,
+                          int16_t *restrict xpad) {
+    const int64_t rowlen = c->w * c->c, zp = c->in_zp;
+    for (int64_t nn = n0; nn < n1; nn++)
+        for (int64_t y = 0; y < c->h; y++) {
+            const int8_t *restrict src = xs + (nn * c->h + y) * rowlen;
+            int16_t *restrict dst = xpad + (((nn - n0) * c->hp + y + c->pt) * c->wp + c->pl) * c->c;
+            for (int64_t t = 0; t < rowlen; t++) dst[t] = (int16_t)(src[t] - zp);
+        }
+}
+
+/*
+ * Patches of output pixels m0 .. m0+rows-1 (flat over samples, the first sample n0) for
+ * group g into X (rows of kp; the zero pad column when K is odd is never written).
+ */
+static void gather(const conv_ctx *c, const int8_t *xs, const int16_t *xpad, int64_t n0,
+                   int64_t m0, int64_t rows, int64_t g, int16_t *restrict X) {
     const int64_t ohw = c->oh * c->ow;
     if (c->pointwise) {  /* 1x1, stride 1, no padding, one group: patches are input rows */
         const int8_t *restrict src = xs + m0 * c->c;
-        int16_t *restrict dst = X;
-        const int64_t len = rows * c->k, zp = c->in_zp;
-        if (c->kp == c->k) {
-            for (int64_t t = 0; t < len; t++) dst[t] = (int16_t)(src[t] - zp);
-            if (rows < MR) memset(X + len, 0, sizeof(int16_t) * (MR - rows) * c->kp);
-            return;
-        }
+        const int64_t zp = c->in_zp;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < c->k; t++) X[r * c->kp + t] = (int16_t)(src[r * c->k + t] - zp);
+        return;
     }
-    memset(X, 0, sizeof(int16_t) * MR * c->kp);
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t m = m0 + r, nn = m / ohw, oy = (m % ohw) / c->ow, ox = m % c->ow;
+        const int64_t m = m0 + r, nn = m / ohw - n0, oy = (m % ohw) / c->ow, ox = m % c->ow;
+        const int16_t *base = xpad + ((nn * c->hp + oy * c->sh) * c->wp + ox * c->sww) * c->c;
         int16_t *row = X + r * c->kp;
         for (int64_t i = 0; i < c->kh; i++) {
-            const int64_t iy = oy * c->sh - c->pt + i;
-            if (iy < 0 || iy >= c->h) continue;
-            for (int64_t j = 0; j < c->kw; j++) {
-                const int64_t ix = ox * c->sww - c->pl + j;
-                if (ix < 0 || ix >= c->w) continue;
-                const int8_t *src = xs + ((nn * c->h + iy) * c->w + ix) * c->c + g * c->ig;
-                int16_t *dst = row + (i * c->kw + j) * c->ig;
-                for (int64_t ci = 0; ci < c->ig; ci++) dst[ci] = (int16_t)(src[ci] - c->in_zp);
+            const int16_t *src = base + i * c->wp * c->c;
+            if (c->groups == 1) {  /* a kernel row's taps are adjacent in the image */
+                memcpy(row + i * c->kw * c->c, src, sizeof(int16_t) * c->kw * c->c);
+                continue;
             }
+            for (int64_t j = 0; j < c->kw; j++)
+                memcpy(row + (i * c->kw + j) * c->ig, src + j * c->c + g * c->ig, sizeof(int16_t) * c->ig);
         }
     }
+}
+
+static void conv_tile(conv_ctx *c, int64_t s, int64_t g, int64_t m0, int64_t rows,
+                      const int16_t *X, int32_t *acc) {
+    const int64_t ohw = c->oh * c->ow;
+    const int64_t wsz = c->groups * (c->kp / 2) * c->opad * 2, bsz = c->groups * c->opad;
+    const int16_t *W = c->wpack + (c->sw > 1 ? s : 0) * wsz + g * (c->kp / 2) * c->opad * 2;
+    const int32_t *B = c->bpack + (c->sb > 1 ? s : 0) * bsz + g * c->opad;
+    gemm_tile(X, c->kp, W, c->opad, B, acc);
+    int8_t *dst = c->out + (s * c->n * ohw + m0) * c->o + g * c->og;
+    if (c->rqt) {  /* the tile's rows are contiguous in the output */
+        requant_row(acc, rows * c->o, c->rqt, MR * c->o, c->zp, c->lo, c->hi, dst);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        requant_row(acc + r * c->opad, c->og, c->rq + g * c->og, c->o, c->zp, c->lo, c->hi,
+                    dst + r * c->o);
 }
 
 static void conv_work(void *arg, int64_t n0, int64_t n1) {
     conv_ctx *c = (conv_ctx *)arg;
     const int64_t ohw = c->oh * c->ow, xsz = c->n * c->h * c->w * c->c;
-    const int64_t wsz = c->groups * (c->kp / 2) * c->opad * 2, bsz = c->groups * c->opad;
+    const int64_t padsz = c->pointwise ? 1 : (n1 - n0) * c->hp * c->wp * c->c;
     int16_t *X = alloc64(sizeof(int16_t) * MR * c->kp);
     int32_t *acc = alloc64(sizeof(int32_t) * MR * c->opad);
-    if (!X || !acc) { c->status = 1; free(X); free(acc); return; }
-    const int64_t mend = n1 * ohw;
-    for (int64_t m0 = n0 * ohw; m0 < mend; m0 += MR) {
-        const int64_t rows = mend - m0 < MR ? mend - m0 : MR;
-        for (int64_t g = 0; g < c->groups; g++) {
-            if (c->sx == 1) gather(c, c->x, m0, rows, g, X);
-            for (int64_t s = 0; s < c->so; s++) {
-                if (c->sx > 1) gather(c, c->x + s * xsz, m0, rows, g, X);
-                const int16_t *W = c->wpack + (c->sw > 1 ? s : 0) * wsz + g * (c->kp / 2) * c->opad * 2;
-                const int32_t *B = c->bpack + (c->sb > 1 ? s : 0) * bsz + g * c->opad;
-                gemm_tile(X, c->kp, W, c->opad, B, acc);
-                int8_t *dst = c->out + (s * c->n * ohw + m0) * c->o + g * c->og;
-                if (c->rqt) {  /* the tile's rows are contiguous in the output */
-                    requant_row(acc, rows * c->o, c->rqt, MR * c->o, c->zp, c->lo, c->hi, dst);
-                    continue;
+    int16_t *xpad = alloc64(sizeof(int16_t) * padsz);
+    if (!X || !acc || !xpad) { c->status = 1; free(X); free(acc); free(xpad); return; }
+    memset(X, 0, sizeof(int16_t) * MR * c->kp);
+    memset(xpad, 0, sizeof(int16_t) * padsz);
+    const int64_t mbeg = n0 * ohw, mend = n1 * ohw;
+    if (c->sx == 1) {  /* shared input: each tile's patches serve every set */
+        if (!c->pointwise) centre_padded(c, c->x, n0, n1, xpad);
+        for (int64_t m0 = mbeg; m0 < mend; m0 += MR) {
+            const int64_t rows = mend - m0 < MR ? mend - m0 : MR;
+            for (int64_t g = 0; g < c->groups; g++) {
+                gather(c, c->x, xpad, n0, m0, rows, g, X);
+                for (int64_t s = 0; s < c->so; s++) conv_tile(c, s, g, m0, rows, X, acc);
+            }
+        }
+    } else {
+        for (int64_t s = 0; s < c->so; s++) {
+            const int8_t *xs = c->x + s * xsz;
+            if (!c->pointwise) centre_padded(c, xs, n0, n1, xpad);
+            for (int64_t m0 = mbeg; m0 < mend; m0 += MR) {
+                const int64_t rows = mend - m0 < MR ? mend - m0 : MR;
+                for (int64_t g = 0; g < c->groups; g++) {
+                    gather(c, xs, xpad, n0, m0, rows, g, X);
+                    conv_tile(c, s, g, m0, rows, X, acc);
                 }
-                for (int64_t r = 0; r < rows; r++)
-                    requant_row(acc + r * c->opad, c->og, c->rq + g * c->og, c->o, c->zp, c->lo,
-                                c->hi, dst + r * c->o);
             }
         }
     }
     free(X);
     free(acc);
+    free(xpad);
 }
 
 /*
@@ -297,7 +335,7 @@ int qs_conv(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_
             int64_t hi, int8_t *out, int64_t threads) {
     conv_ctx cx = {x, sx, n, h, w, c, sw, o, kh, kw, groups, sh, sww, pt, pl, oh, ow,
                    (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rq, 0,
-                   0, 0, 0, 0, 0, 0, NULL, NULL, NULL, sb, out, 0};
+                   0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL, NULL, sb, out, 0};
     cx.so = sx > sw ? sx : sw;
     cx.so = cx.so > sb ? cx.so : sb;
     cx.ig = c / groups;
@@ -305,6 +343,9 @@ int qs_conv(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, int64_
     cx.k = kh * kw * cx.ig;
     cx.kp = round_up(cx.k, 2);
     cx.opad = round_up(cx.og, NR);
+    const int64_t pb = (oh - 1) * sh + kh - pt - h, pr = (ow - 1) * sww + kw - pl - w;
+    cx.hp = h + pt + (pb > 0 ? pb : 0);
+    cx.wp = w + pl + (pr > 0 ? pr : 0);
     cx.pointwise = kh == 1 && kw == 1 && sh == 1 && sww == 1 && pt == 0 && pl == 0 && groups == 1 &&
                    oh == h && ow == w;
     const int64_t wsz = groups * (cx.kp / 2) * cx.opad * 2;
