@@ -183,3 +183,25 @@ def test_core_build_skips_m55_without_toolchain() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "arm-none-eabi-gcc-missing not found; skipping the Cortex-M55 images" in proc.stdout
+
+
+def test_core_int8_accumulator_matches_python(tool: ToolProcess) -> None:
+    """INT8 buffer with per-tensor shifts: 32 steps (a refining and a coarsening rescale)."""
+    from qsched.zo import accum_int8
+
+    rng = np.random.default_rng(12)
+    sizes = [300, 7, 129]
+    weights = rng.integers(-127, 128, sum(sizes), dtype=np.int8)
+    state = accum_int8.initial_state(sizes)
+    size_args = f"{len(sizes)} " + " ".join(map(str, sizes))
+    shifts_seen = []
+    for step in range(32):
+        # Tiny updates first (the buffers stay small: shifts refine), then large (they saturate).
+        scale = 1e-3 if step < 16 else 4.0
+        pairs = [(k, float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(5))]
+        want_w, want_s = accum_int8.apply(weights, state, sizes, 77, step, pairs)
+        got = tool.ask(f"apply_acc8 77 {step} {size_args} {_pairs_args(pairs)} {weights.tobytes().hex()} {state.tobytes().hex()}")
+        assert got == f"{want_w.tobytes().hex()} {want_s.tobytes().hex()}", f"step {step}"
+        weights, state = want_w, want_s
+        shifts_seen.append(state[-3:].tolist())
+    assert shifts_seen[15] == [8, 8, 8] and shifts_seen[31] == [7, 7, 7], shifts_seen

@@ -167,6 +167,123 @@ qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
     return QS_OK;
 }
 
+/*
+ * rint of a float32 with |x| <= 2^24 (nearest, ties to even), in integer code: the
+ * result is exact, as the default rounding mode's rint is, with no libm involved.
+ */
+static int32_t rint_bounded(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const int negative = (bits >> 31) != 0u;
+    const uint32_t exp = (bits >> 23) & 0xFFu;
+    const uint32_t mant = (bits & 0x007FFFFFu) | 0x00800000u;
+    uint32_t mag;
+    if (exp < 126u) {
+        mag = 0; /* |x| < 0.5 (zero and subnormals included) */
+    } else if (exp >= 150u) {
+        mag = mant << (exp - 150u); /* already an integer; exp <= 151 since |x| <= 2^24 */
+    } else {
+        const uint32_t shift = 150u - exp; /* 1..24 */
+        const uint32_t kept = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1u);
+        const uint32_t half = 1u << (shift - 1u);
+        mag = kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+    }
+    return negative ? -(int32_t)mag : (int32_t)mag;
+}
+
+static float pow2f(int32_t e)
+{
+    const uint32_t bits = (uint32_t)(e + 127) << 23; /* e in [7, 15]: a normal float */
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static int32_t clamp_buffer(int32_t v)
+{
+    return v > 127 ? 127 : (v < -127 ? -127 : v);
+}
+
+/* One tensor's elements [first, first + count) with shift sigma. */
+static void apply_acc8_tensor(int8_t *w, int8_t *buf, uint32_t count, uint32_t first, int32_t sigma,
+                              qs_stream stream, const qs_pair *pairs, uint32_t npairs)
+{
+    float delta[QS_PERTURB_BLOCK];
+    const float scale = pow2f(sigma);
+    FOR_EACH_BLOCK(first, count, {
+        block_delta(delta, block, lo, hi, stream, pairs, npairs);
+        for (uint32_t r = lo; r < hi; ++r) {
+            const uint32_t j = base + r;
+            /* delta * 2^sigma is exact in float32 (or overflows to inf, clamped away). */
+            float u = delta[r] * scale;
+            u = u > 16777216.0f ? 16777216.0f : (u < -16777216.0f ? -16777216.0f : u);
+            const int32_t acc = (int32_t)buf[j] + rint_bounded(u); /* |acc| <= 2^24 + 127 */
+            const int32_t mag = (acc < 0 ? -acc : acc) >> sigma;
+            const int32_t m = acc < 0 ? -mag : mag;
+            w[j] = (int8_t)clamp_weight((int32_t)w[j] + m);
+            buf[j] = (int8_t)clamp_buffer(acc - m * (1 << sigma));
+        }
+    });
+}
+
+/* Coarsen a tensor whose buffer saturates, refine one whose buffer stays small. */
+static void rescale_tensor(int8_t *buf, uint32_t count, int8_t *shift)
+{
+    uint32_t saturated = 0;
+    int32_t largest = 0;
+    for (uint32_t j = 0; j < count; ++j) {
+        const int32_t v = buf[j] < 0 ? -buf[j] : buf[j];
+        saturated += v == 127;
+        largest = v > largest ? v : largest;
+    }
+    if ((uint64_t)saturated * QS_ACC8_SATURATION_DIVISOR > count && *shift > QS_ACC8_SHIFT_MIN) {
+        --*shift;
+        for (uint32_t j = 0; j < count; ++j) {
+            const int32_t v = buf[j] < 0 ? -buf[j] : buf[j];
+            buf[j] = (int8_t)(buf[j] < 0 ? -((v + 1) >> 1) : ((v + 1) >> 1));
+        }
+    } else if (count != 0u && largest < 64 && *shift < QS_ACC8_SHIFT_MAX) {
+        ++*shift;
+        for (uint32_t j = 0; j < count; ++j) {
+            buf[j] = (int8_t)(buf[j] * 2);
+        }
+    }
+}
+
+qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint32_t *tensor_sizes,
+                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs)
+{
+    uint64_t total = 0;
+    for (uint32_t t = 0; t < ntensors; ++t) {
+        total += tensor_sizes[t];
+        if (shifts[t] < QS_ACC8_SHIFT_MIN || shifts[t] > QS_ACC8_SHIFT_MAX) {
+            return QS_ERR_ARG;
+        }
+    }
+    if (total > UINT32_MAX) {
+        return QS_ERR_ARG;
+    }
+    const qs_status st = qs_pairs_check(pairs, npairs);
+    if (st != QS_OK) {
+        return st;
+    }
+    uint32_t start = 0;
+    for (uint32_t t = 0; t < ntensors; ++t) {
+        apply_acc8_tensor(w + start, buf + start, tensor_sizes[t], start, shifts[t], stream, pairs, npairs);
+        start += tensor_sizes[t];
+    }
+    if ((stream.step + 1u) % QS_ACC8_RESCALE_EVERY == 0u) {
+        start = 0;
+        for (uint32_t t = 0; t < ntensors; ++t) {
+            rescale_tensor(buf + start, tensor_sizes[t], &shifts[t]);
+            start += tensor_sizes[t];
+        }
+    }
+    return QS_OK;
+}
+
 uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count)
 {
     uint8_t chunk[CRC_CHUNK_BYTES];

@@ -47,6 +47,20 @@ qs_status qs_apply_f32(float *theta, uint32_t count, uint32_t first, qs_stream s
 qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t first,
                              qs_stream stream, const qs_pair *pairs, uint32_t npairs);
 
+/*
+ * The INT8 accumulation buffer (SPEC "INT8 accumulation buffer", qsched.zo.accum_int8):
+ * an int8 buffer per element and a power-of-two shift sigma_t in [7, 15] per tensor of
+ * the flat vector. tensor_sizes[t] elements belong to tensor t, in order; w, buf span
+ * all of them (flat indices from 0). Rescales after the update when (step + 1) is a
+ * multiple of QS_ACC8_RESCALE_EVERY. QS_ERR_ARG for a shift outside [7, 15].
+ */
+#define QS_ACC8_SHIFT_MIN 7
+#define QS_ACC8_SHIFT_MAX 15
+#define QS_ACC8_RESCALE_EVERY 16u
+#define QS_ACC8_SATURATION_DIVISOR 64u
+qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint32_t *tensor_sizes,
+                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs);
+
 /* Continue the weight checksum over binary16 values, little-endian bytes. */
 uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count);
 

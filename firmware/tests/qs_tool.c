@@ -14,6 +14,7 @@
  *   perturb_f32 <seed> <step> <k> <eps bits> <sign> <first> <hex>   -> hex
  *   apply_f32 <seed> <step> <first> <n> (<k> <c bits>)*n <theta hex> -> hex
  *   apply_i8 <seed> <step> <first> <n> (<k> <c bits>)*n <w hex> <buf hex> -> "<w hex> <buf hex>"
+ *   apply_acc8 <seed> <step> <T> <size>*T <n> (<k> <c bits>)*n <w hex> <state hex> -> "<w hex> <state hex>"
  *   ilog2 <v>                                       -> decimal
  *   forward <blob path> <inputs hex>                -> logits hex (samples back to back)
  *   budget <blob path>                              -> "<blob bytes> <params> <arena bytes>"
@@ -206,6 +207,42 @@ static void cmd_apply(int is_f32)
     putchar('\n');
 }
 
+/* INT8 accumulation buffer: state = n buffer bytes then T shifts. */
+static void cmd_apply_acc8(void)
+{
+    static uint32_t sizes[256];
+    qs_stream s;
+    s.seed = num(10);
+    s.step = (uint32_t)num(10);
+    const uint32_t nt = (uint32_t)num(10);
+    if (nt > 256u) {
+        printf("err too many tensors\n");
+        return;
+    }
+    uint64_t n = 0;
+    for (uint32_t t = 0; t < nt; ++t) {
+        sizes[t] = (uint32_t)num(10);
+        n += sizes[t];
+    }
+    const uint32_t npairs = read_pairs();
+    const size_t nw = hex_in(g_a, sizeof g_a);
+    const size_t ns = hex_in(g_b, sizeof g_b);
+    if (nw != n || ns != n + nt) {
+        printf("err sizes\n");
+        return;
+    }
+    const qs_status st = qs_apply_int8_acc8((int8_t *)g_a, (int8_t *)g_b, (int8_t *)g_b + n, sizes, nt, s, g_pairs,
+                                            npairs);
+    if (st != QS_OK) {
+        printf("err %s\n", qs_status_name(st));
+        return;
+    }
+    hex_out(g_a, nw);
+    putchar(' ');
+    hex_out(g_b, ns);
+    putchar('\n');
+}
+
 static void cmd_cobs(int encode)
 {
     const size_t n = hex_in(g_a, sizeof g_a);
@@ -300,6 +337,8 @@ static void dispatch(const char *cmd)
         cmd_perturb(cmd[8] == 'f');
     } else if (strcmp(cmd, "apply_f32") == 0 || strcmp(cmd, "apply_i8") == 0) {
         cmd_apply(cmd[6] == 'f');
+    } else if (strcmp(cmd, "apply_acc8") == 0) {
+        cmd_apply_acc8();
     } else if (strcmp(cmd, "forward") == 0) {
         cmd_forward();
     } else if (strcmp(cmd, "budget") == 0) {
