@@ -242,3 +242,25 @@ def test_board_answers_ping_while_computing(board: Board, job: Job) -> None:
     first = board.client.recv(timeout=60)
     assert first == Heartbeat(nonce=99, uptime_ms=first.uptime_ms, state="busy", job_id=big.job_id, step=0)  # type: ignore[union-attr]
     assert isinstance(board.client.recv(timeout=120), EvalResult)
+
+
+def test_board_int8_accumulator_job_matches_python(board: Board, job: Job) -> None:
+    """With the INT8 accumulation buffer, checksums equal Python's across two rescales."""
+    spec = job.spec.model_copy(update={"accumulator": "int8"})
+    config = job_config(spec)
+    _load(board, job)
+    assert isinstance(board.client.request(config), Loaded)
+    wl = Workload(spec, job.workload.model, job.workload.qmodel, job.workload.dataset, job.workload.trainable_layers)
+    state = wl.initial_state()
+    rng = np.random.default_rng(4)
+    for step in range(33):
+        ks = (0, 1, 2)
+        scale = 2e-3 if step < 16 else 3.0
+        coefficients = tuple(float(np.float32(c)) for c in rng.standard_normal(3) * scale)
+        ack = board.client.request(ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients))
+        state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
+        assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum()), f"step {step}"
+    result = board.client.request(EvalRequest(job_id=config.job_id, step=33, batch_size=16, eps=1.0,
+                                              estimator="two_sided", ks=(4,)))
+    want = wl.perturbed_losses(state, 33, (4,))
+    assert isinstance(result, EvalResult) and result.loss_plus == (want.plus[4],)

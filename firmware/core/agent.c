@@ -188,6 +188,27 @@ static void send_hello(qs_agent *a)
 
 /* ------------------------------------------------------------------ state */
 
+static int acc8(const qs_agent *a)
+{
+    return a->config.accumulator == QS_ACC_INT8;
+}
+
+/* Bytes of the accumulator state: FP16 (2 per weight) or INT8 (1 per weight + shifts). */
+static uint32_t buffer_bytes(const qs_agent *a)
+{
+    return acc8(a) ? a->model.num_params + a->ntensors : 2u * a->model.num_params;
+}
+
+/* The weight checksum (SPEC 5): weights, then the accumulator state's bytes. */
+static uint32_t state_checksum(const qs_agent *a)
+{
+    const uint32_t crc = qs_crc32_update(0, a->weights, a->model.num_params);
+    if (acc8(a)) {
+        return qs_crc32_update(crc, a->buffer, buffer_bytes(a));
+    }
+    return qs_crc32_fp16(crc, a->buffer, a->model.num_params);
+}
+
 static void drop_state(qs_agent *a)
 {
     a->state_ok = 0;
@@ -225,6 +246,9 @@ static void rebuild(qs_agent *a)
     }
     qs_model_get_flat(&a->model, a->weights);
     memset(a->buffer, 0, 2u * (size_t)a->model.num_params);
+    if (acc8(a)) {
+        memset((int8_t *)a->buffer + a->model.num_params, QS_ACC8_SHIFT_MIN, a->ntensors);
+    }
     a->step = 0;
     a->state_ok = 1;
     a->have_last_update = 0;
@@ -263,6 +287,12 @@ static qs_status install_model(qs_agent *a, uint32_t len)
                                           (size_t)(a->region + a->region_size - p));
     if (st == QS_OK && a->model.num_params == 0u) {
         return QS_ERR_ARG; /* the blob marks no layer trainable */
+    }
+    a->ntensors = 0;
+    for (uint32_t i = 0; st == QS_OK && i < a->model.n_ops; ++i) {
+        if (a->model.ops[i].trainable) {
+            a->tensor_sizes[a->ntensors++] = a->model.ops[i].weight_count;
+        }
     }
     return st;
 }
@@ -367,12 +397,10 @@ static void on_job_config(qs_agent *a, const qs_msg *m, const uint8_t *raw, size
         drop_state(a);
     }
     reply_loaded(a, QS_RES_JOB_CONFIG, m->job_id, qs_crc32_update(0, raw, raw_len), (uint32_t)raw_len);
-    /* This firmware computes INT8 with the FP16 buffer; eps is a whole number of steps. */
-    if (m->numerics != QS_NUM_INT8 || m->accumulator != QS_ACC_FP16 || !(m->eps >= 1.0f && m->eps <= 127.0f) ||
-        (float)(int32_t)m->eps != m->eps) {
+    /* This firmware computes INT8 jobs; eps is a whole number of int8 steps. */
+    if (m->numerics != QS_NUM_INT8 || !(m->eps >= 1.0f && m->eps <= 127.0f) || (float)(int32_t)m->eps != m->eps) {
         a->config_ok = 0;
-        reply_error(a, QS_BERR_MODEL_INVALID, m->type, m->job_id, 0,
-                    "this firmware runs int8 jobs with an fp16 buffer and whole eps");
+        reply_error(a, QS_BERR_MODEL_INVALID, m->type, m->job_id, 0, "this firmware runs int8 jobs with whole eps");
         return;
     }
     rebuild(a);
@@ -414,7 +442,7 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
     qs_transfer *t = &a->weights_rx;
     if (!t->active || t->total != m->total || t->crc != m->checksum || t->job_id != m->job_id ||
         t->step != m->step || m->offset == 0u) {
-        if (m->total != 3u * params) {
+        if (m->total != params + buffer_bytes(a)) {
             reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "weights size differs from the job's");
             return;
         }
@@ -434,10 +462,21 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
         reply_error(a, QS_BERR_CRC_MISMATCH, m->type, m->job_id, m->step, "weights CRC differs");
         return;
     }
-    memcpy(a->weights, a->staging, params);
-    for (uint32_t i = 0; i < params; ++i) { /* little-endian binary16 */
-        a->buffer[i] = (uint16_t)(a->staging[params + 2u * i] | (a->staging[params + 2u * i + 1u] << 8));
+    if (acc8(a)) {
+        for (uint32_t tensor = 0; tensor < a->ntensors; ++tensor) {
+            const int8_t shift = (int8_t)a->staging[2u * params + tensor];
+            if (shift < QS_ACC8_SHIFT_MIN || shift > QS_ACC8_SHIFT_MAX) {
+                reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "accumulator shift outside [7, 15]");
+                return;
+            }
+        }
+        memcpy(a->buffer, a->staging + params, buffer_bytes(a));
+    } else {
+        for (uint32_t i = 0; i < params; ++i) { /* little-endian binary16 */
+            a->buffer[i] = (uint16_t)(a->staging[params + 2u * i] | (a->staging[params + 2u * i + 1u] << 8));
+        }
     }
+    memcpy(a->weights, a->staging, params);
     a->step = m->step;
     a->have_last_update = 0;
     reply_loaded(a, QS_RES_WEIGHTS, m->job_id, m->checksum, m->total);
@@ -551,13 +590,16 @@ static void on_apply_update(qs_agent *a, const qs_msg *m)
         pairs[i].c = m->seq_a[i];
     }
     const qs_stream s = {a->config.seed, m->step};
-    if (qs_apply_int8_fp16(a->weights, a->buffer, a->model.num_params, 0, s, pairs, m->nks) != QS_OK) {
-        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "update pairs not ascending");
+    int8_t *buf8 = (int8_t *)a->buffer;
+    const qs_status st = acc8(a) ? qs_apply_int8_acc8(a->weights, buf8, buf8 + a->model.num_params, a->tensor_sizes,
+                                                      a->ntensors, s, pairs, m->nks)
+                                 : qs_apply_int8_fp16(a->weights, a->buffer, a->model.num_params, 0, s, pairs, m->nks);
+    if (st != QS_OK) {
+        reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "update refused");
         return;
     }
     a->step = m->step + 1u;
-    const uint32_t crc = qs_crc32_update(0, a->weights, a->model.num_params);
-    const uint32_t checksum = qs_crc32_fp16(crc, a->buffer, a->model.num_params);
+    const uint32_t checksum = state_checksum(a);
     a->have_last_update = 1;
     a->last_update_job = m->job_id;
     a->last_update_step = m->step;

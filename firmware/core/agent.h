@@ -7,7 +7,7 @@
  * No heap: the agent is one static object; the model, the weights, the accumulation
  * buffer and the activations live in the port's model region, split as
  *
- *   [ blob | weights P | FP16 buffer 2P | perturbed copy P | staging 3P | arena ]
+ *   [ blob | weights P | buffer 2P | perturbed copy P | staging 3P | arena ]
  *
  * where P is the length of the flat trainable vector, laid out after the blob's actual
  * length when a model is installed (a new blob drops the old state anyway; the same
@@ -87,7 +87,9 @@ typedef struct {
     int state_ok;  /* weights, buffer and step are valid */
     uint32_t step;
     int8_t *weights;
-    uint16_t *buffer;
+    uint16_t *buffer; /* FP16 buffer (2P bytes); INT8 accumulator: P int8 values + T shifts */
+    uint32_t tensor_sizes[QS_MODEL_MAX_OPS]; /* the flat vector's tensors (trainable ops) */
+    uint32_t ntensors;
     int8_t *work;
     uint8_t *staging;
     qs_transfer model_rx, weights_rx;
