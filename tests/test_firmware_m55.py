@@ -27,6 +27,7 @@ from qsched.protocol.messages import (
     ValidateResult,
     job_config,
 )
+from qsched.zo import accum_int8
 from qsched.zo.blob import encode_dataset_blob
 from qsched.zo.prng import batch_indices
 from qsched.zo.spec import JobSpec
@@ -71,6 +72,24 @@ def test_m55_selftest_digest_equals_python(selftest_line: str) -> None:
     batch = zlib.crc32(batch_indices(DIGEST_SEED, 3, 64, 1797).astype("<u4").tobytes())
     assert f" digest={digest:x} " in selftest_line
     assert selftest_line.endswith(f" batch={batch:x}")
+
+
+def test_m55_selftest_int8_accumulator_equals_python(selftest_line: str) -> None:
+    """34 updates with the INT8 accumulator (two rescales) on the M55 end as numpy's."""
+    sizes = [600, 7, 393]
+    weights = ((np.arange(DIGEST_WEIGHTS) * 37) % 255 - 127).astype(np.int8)
+    state = accum_int8.initial_state(sizes)
+    refined = []
+    for t in range(34):
+        exponent = 0x3A000000 if t < 16 else 0x40000000
+        bits = [exponent + k * 0x12345 + t * 0x777 + ((k & 1) << 31) for k in range(8)]
+        cs = np.array(bits, dtype=np.uint32).view(np.float32)
+        weights, state = accum_int8.apply(weights, state, sizes, DIGEST_SEED, t, [(3 * k, float(c)) for k, c in enumerate(cs)])
+        if t == 15:
+            refined = state[-3:].tolist()
+    assert min(refined) > 7  # the series does exercise the rescaling
+    digest = zlib.crc32(state.tobytes(), zlib.crc32(weights.tobytes()))
+    assert f" acc8={digest:x} " in selftest_line
 
 
 @pytest.fixture

@@ -3,12 +3,13 @@
  * vector_blob.S) and a determinism digest on the emulated CPU, prints one line on
  * UART0 and exits QEMU through semihosting:
  *
- *   QS-SELFTEST PASS <kind>=<passed>/<failed> ... digest=<crc hex> batch=<crc hex>
+ *   QS-SELFTEST PASS <kind>=<passed>/<failed> ... digest=<crc hex> acc8=<crc hex> batch=<crc hex>
  *   QS-SELFTEST FAIL line=<n> ...
  *
- * The digest is the weight checksum after a fixed series of INT8 + FP16 updates; the
- * test suite computes the same series in Python, so the line proves the M55 computes
- * the same bits as the host.
+ * digest and acc8 are the weight checksums after a fixed series of INT8 updates with the
+ * FP16 and with the INT8 accumulation buffer (34 steps: two rescales); the test suite
+ * computes the same series in Python, so the line proves the M55 computes the same bits
+ * as the host.
  */
 #include <stdint.h>
 #include <string.h>
@@ -78,6 +79,36 @@ static uint32_t update_digest(void)
     return qs_crc32_fp16(crc, buf, DIGEST_WEIGHTS);
 }
 
+/* The same coefficients with the INT8 accumulator over three tensors, 34 steps: tiny
+ * updates until step 15 (the shifts refine), large ones after (they coarsen again). */
+#define ACC8_STEPS 34u
+static uint32_t acc8_digest(void)
+{
+    static const uint32_t sizes[3] = {600u, 7u, 393u};
+    static int8_t w[DIGEST_WEIGHTS];
+    static int8_t buf[DIGEST_WEIGHTS];
+    int8_t shifts[3] = {QS_ACC8_SHIFT_MIN, QS_ACC8_SHIFT_MIN, QS_ACC8_SHIFT_MIN};
+    for (uint32_t i = 0; i < DIGEST_WEIGHTS; ++i) {
+        w[i] = (int8_t)((int32_t)((i * 37u) % 255u) - 127);
+        buf[i] = 0;
+    }
+    for (uint32_t t = 0; t < ACC8_STEPS; ++t) {
+        qs_pair pairs[DIGEST_PAIRS];
+        const uint32_t exponent = t < 16u ? 0x3A000000u : 0x40000000u; /* ~5e-4 or ~2 */
+        for (uint32_t k = 0; k < DIGEST_PAIRS; ++k) {
+            pairs[k].k = 3u * k;
+            pairs[k].c = f32_from_bits(exponent + k * 0x12345u + t * 0x777u + ((k & 1u) << 31));
+        }
+        const qs_stream s = {DIGEST_SEED, t};
+        if (qs_apply_int8_acc8(w, buf, shifts, sizes, 3u, s, pairs, DIGEST_PAIRS) != QS_OK) {
+            return 0;
+        }
+    }
+    uint32_t crc = qs_crc32_update(0, w, DIGEST_WEIGHTS);
+    crc = qs_crc32_update(crc, buf, DIGEST_WEIGHTS);
+    return qs_crc32_update(crc, shifts, sizeof shifts);
+}
+
 static uint32_t batch_digest(void)
 {
     uint32_t idx[64];
@@ -126,6 +157,8 @@ int main(void)
     put_u32(report.skipped, 0);
     put(" digest=");
     put_u32(update_digest(), 1);
+    put(" acc8=");
+    put_u32(acc8_digest(), 1);
     put(" batch=");
     put_u32(batch_digest(), 1);
     put("\r\n");
