@@ -22,6 +22,7 @@
 
 /* Cortex-M system control: CPACR (FPU/MVE access), SysTick. */
 #define SCB_CPACR AN547_REG(0xE000ED88u)
+#define SCB_FPDSCR AN547_REG(0xE000EF3Cu)
 #define SYST_CSR AN547_REG(0xE000E010u)
 #define SYST_RVR AN547_REG(0xE000E014u)
 #define SYST_CVR AN547_REG(0xE000E018u)

@@ -20,6 +20,15 @@ __attribute__((noreturn)) void qs_reset_handler(void)
     /* CP10/CP11 full access: the FPU (and MVE) are usable only after this. */
     SCB_CPACR |= (0xFu << 20);
     __asm__ volatile("dsb\n\tisb" ::: "memory");
+    /* IEEE semantics the update arithmetic relies on: round to nearest even, subnormals
+     * kept (FZ = 0), NaNs propagated (DN = 0), IEEE half precision (AHP = 0) — in FPSCR
+     * and in FPDSCR, its default for exception handlers. */
+    const uint32_t ieee_mask = (0x3u << 22) | (1u << 24) | (1u << 25) | (1u << 26);
+    uint32_t fpscr;
+    __asm__ volatile("vmrs %0, fpscr" : "=r"(fpscr));
+    fpscr &= ~ieee_mask;
+    __asm__ volatile("vmsr fpscr, %0" : : "r"(fpscr));
+    SCB_FPDSCR &= ~ieee_mask;
     memcpy(&__data_start, &__data_load, (size_t)((char *)&__data_end - (char *)&__data_start));
     memset(&__bss_start, 0, (size_t)((char *)&__bss_end - (char *)&__bss_start));
     memset(&__sram_bss_start, 0, (size_t)((char *)&__sram_bss_end - (char *)&__sram_bss_start));
