@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, get_args
+from typing import Any, Final, Protocol, cast, get_args
 
 from pydantic import ValidationError
 
@@ -444,7 +444,8 @@ def decode(data: bytes) -> DataMessage:
             "trailing_bytes", f"{len(data) - reader.pos} bytes after the message", msg_type=code
         )
     try:
-        return cls.model_validate(fields)
+        # TYPE_CODES, hence _BY_CODE, holds exactly the DataMessage classes.
+        return cast(DataMessage, cls.model_validate(fields))
     except ValidationError as exc:
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ProtocolError("invalid_field", detail, msg_type=code) from exc

@@ -10,6 +10,8 @@ from typing import Any
 
 from ai_edge_litert import schema_py_generated as _schema
 
+from qsched.zo.graph import Activation
+
 __all__ = [
     "FILE_IDENTIFIER",
     "METADATA_NAME",
@@ -35,7 +37,7 @@ _OP_NAMES: dict[int, str] = {
     if not key.startswith("_") and isinstance(value, int)
 }
 
-_ACT_CODES: dict[str, int] = {
+_ACT_CODES: dict[Activation, int] = {
     "none": _schema.ActivationFunctionType.NONE,
     "relu": _schema.ActivationFunctionType.RELU,
     "relu6": _schema.ActivationFunctionType.RELU6,
@@ -55,12 +57,12 @@ def op_name(code: int) -> str:
     return _OP_NAMES.get(code, f"builtin operator #{code}")
 
 
-def activation_code(activation: str) -> int:
+def activation_code(activation: Activation) -> int:
     """The schema's fused-activation code for a graph activation name."""
     return int(_ACT_CODES[activation])
 
 
-def activation_name(code: int, where: str) -> str:
+def activation_name(code: int, where: str) -> Activation:
     """The graph activation name for a fused-activation code.
 
     Args:

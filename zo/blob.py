@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, NamedTuple, cast
 
@@ -139,8 +139,8 @@ class _Source:
     model: Model
     qmodel: QuantModel | None
     trainable: list[str]
-    weights: dict[str, npt.NDArray[np.generic]]  # current weights per layer (int8 or float32)
-    biases: dict[str, npt.NDArray[np.generic]]
+    weights: Mapping[str, npt.NDArray[np.generic]]  # current weights per layer (int8 or float32)
+    biases: Mapping[str, npt.NDArray[np.generic]]
 
 
 def _source(

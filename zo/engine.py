@@ -295,7 +295,8 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         return _int8_node_native(node, env, ctx)
     x = env[node.inputs[0]]
     assert ctx.stages is not None
-    stage = ctx.stages.get(node.name)
+    # OutputStage or AddParams by node type; None for the ops that do not rescale.
+    stage: Any = ctx.stages.get(node.name)
     sr = ROUNDING_BY_OP
     y: Array
     if isinstance(node, Conv2D):
@@ -321,7 +322,8 @@ def _int8_node_native(node: Node, env: Env, ctx: _Ctx) -> Array:
     """``_int8_node`` on the C kernels (same bits): one call per layer for all P and N."""
     x = env[node.inputs[0]]
     assert ctx.stages is not None
-    stage = ctx.stages.get(node.name)
+    # OutputStage or AddParams by node type; None for the ops that do not rescale.
+    stage: Any = ctx.stages.get(node.name)
     sr = ROUNDING_BY_OP
     y: Array
     if isinstance(node, Conv2D):

@@ -449,7 +449,7 @@ class Workload:
     def _set_losses(
         self,
         sets: Sequence[Flat],
-        x: Flat,
+        x: Inputs,
         y: npt.NDArray[np.int64],
     ) -> list[float]:
         """Mean batch loss of each flat weight set, in engine calls of bounded size."""
@@ -558,7 +558,9 @@ class Workload:
         for seg in self.segments:
             i = next(j for j, n in enumerate(nodes) if n.name == seg.layer)
             values = state.params[seg.start : seg.stop].reshape(seg.shape).astype(np.float32).copy()
-            nodes[i] = replace(nodes[i], **{seg.kind: values})
+            # Which field is set depends on the segment, so it is not checked per node type.
+            changes: dict[str, Any] = {seg.kind: values}
+            nodes[i] = replace(nodes[i], **changes)
         return replace(self.model, nodes=nodes)
 
     def model_blob(self) -> bytes:
