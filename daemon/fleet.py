@@ -163,7 +163,9 @@ def _error_matches(error: Error, key: Hashable) -> bool:
         return False
     if cls in _LOADED_RESOURCE:
         return key == ("loaded", _LOADED_RESOURCE[cls])
-    kinds = {EvalRequest: "eval", ApplyUpdate: "update", ValidateRequest: "validate", Ping: "ping"}
+    kinds: dict[type, str] = {
+        EvalRequest: "eval", ApplyUpdate: "update", ValidateRequest: "validate", Ping: "ping"
+    }
     kind = kinds.get(cls)
     # Errors carry the step but not the ks or the slice: they refuse every such request.
     return kind is not None and key[0] == kind and (kind == "ping" or key[1] == error.step)
@@ -420,9 +422,9 @@ class Fleet:
     async def _events(self) -> None:
         async for event in self.transport.events():
             if hasattr(event, "link"):
-                await self._appeared(event.board_id, event.link, event.transport)  # type: ignore[union-attr]
+                await self._appeared(event.board_id, event.link, event.transport)
             else:
-                await self._gone(event.board_id, event.reason)  # type: ignore[union-attr]
+                await self._gone(event.board_id, event.reason)
 
     async def _appeared(self, address: str, link: Link, transport: str) -> None:
         old = self.sessions.get(address)
@@ -433,6 +435,7 @@ class Fleet:
         assert self._tasks is not None
         task = self._tasks.create_task(self._reader(session), name=f"fleet[{address}].reader")
         self._readers[address] = task
+        self._tasks.create_task(self._hello_watch(session), name=f"fleet[{address}].hello")
         await self.notify_changed()
 
     async def _gone(self, address: str, reason: str) -> None:
@@ -527,6 +530,11 @@ class Fleet:
                     await self._gone(session.address, "silent")
                 elif silent > self._interval and session.state not in ("gone", "unknown"):
                     self._spawn_ping(session)
+
+    async def _hello_watch(self, session: BoardSession) -> None:
+        await asyncio.sleep(HELLO_GRACE_S)
+        if session.state == "unknown" and self.sessions.get(session.address) is session:
+            await self._ask_hello(session, time.monotonic())
 
     async def _ask_hello(self, session: BoardSession, now: float) -> None:
         """A board that never said Hello (its Hello went out before the daemon listened,

@@ -1,0 +1,201 @@
+"""The determinism contract with real processes and a real broker: a job interrupted by
+SIGKILL of the daemon, by a board process dying mid-step, or by a broker restart ends
+with the weights of an uninterrupted run; SIGTERM checkpoints and exits cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qsched.daemon.broker import MosquittoBroker
+from qsched.daemon.state import StateStore
+from qsched.firmware.faults import CRASH_EXIT_CODE
+from qsched.zo.spec import JobSpec
+from qsched.zo.trainer import train_zo
+from qsched.zo.workload import TrainState
+
+pytestmark = pytest.mark.slow
+
+# Boards that take about 1 ms per inference, so a job lasts long enough to interrupt.
+SLOW = ("--macs", "3000000")
+
+SPEC = {
+    "name": "resume",
+    "steps": 36,
+    "eval_every": 6,
+    "checkpoint_every": 4,
+    "batch_size": 16,
+    "policy": {"name": "qscheduler", "config": {}},
+}
+
+
+class Procs:
+    """Child processes of one test, killed at the end whatever happens."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            child = subprocess.Popen(
+                [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "info", *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )
+        self.children.append(child)
+        return child
+
+    def close(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait(10)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """Children started by a test; all killed afterwards."""
+    keeper = Procs(tmp_path)
+    try:
+        yield keeper
+    finally:
+        keeper.close()
+
+
+def _daemon(procs: Procs, broker: MosquittoBroker, state: Path, fleet: str) -> subprocess.Popen[bytes]:
+    return procs.start(
+        "daemon", "daemon", "--state-dir", str(state), "--mqtt", f"{broker.host}:{broker.port}",
+        "--fleet", fleet, "--step-deadline", "2",
+    )
+
+
+def _boards(procs: Procs, broker: MosquittoBroker, fleet: str, count: int, prefix: str, *extra: str) -> subprocess.Popen[bytes]:
+    return procs.start(
+        f"boards-{prefix}", "board", "--mqtt", f"{broker.host}:{broker.port}", "--fleet", fleet,
+        "--count", str(count), "--id-prefix", prefix, "--model-latency", "off", "--heartbeat", "1", *extra,
+    )
+
+
+def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "warning", "ctl", "--mqtt",
+         f"{broker.host}:{broker.port}", "--fleet", fleet, "--timeout", "20", *args],
+        capture_output=True, timeout=60, check=False,
+    )
+    assert out.returncode in (0, 1), out.stderr.decode()
+    return dict(json.loads(out.stdout))
+
+
+def _start_job(broker: MosquittoBroker, fleet: str, spec: dict[str, object], tmp: Path) -> None:
+    # A command published before the daemon subscribed is lost: wait for its connection.
+    log = tmp / "daemon.log"
+    _wait_for(lambda: log.exists() and b"mqtt connected" in log.read_bytes(), 30, "the daemon's connection")
+    path = tmp / "spec.json"
+    path.write_text(json.dumps(spec))
+    reply = _ctl(broker, fleet, "start", str(path))
+    assert reply["ok"] is True, reply
+
+
+def _steps_logged(state: Path, name: str) -> int:
+    log = state / "jobs" / name / "metrics.jsonl"
+    if not log.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"kind":"step"' in line]
+    return max(steps) + 1 if steps else 0
+
+
+def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainState, list[int]]:
+    job = StateStore(state).job(name)
+    _wait_for(lambda: job.status()["status"] in ("completed", "failed", "stopped"), timeout, "the job to end")
+    assert job.status()["status"] == "completed", job.status()
+    checkpoint = job.load_checkpoint()
+    assert checkpoint is not None
+    return TrainState.from_bytes(checkpoint.train_state), [int(r["q"]) for r in checkpoint.metrics]
+
+
+def _reference(spec: dict[str, object]) -> tuple[int, list[int]]:
+    result = train_zo(JobSpec.model_validate(spec))
+    return result.state.checksum(), [s.q for s in result.steps]
+
+
+def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+    """SIGKILL of the daemon at a random step, then a restart: the reference weights and q's."""
+    state, fleet = tmp_path / "state", "kill"
+    _boards(procs, mqtt_broker, fleet, 2, "kb", *SLOW)
+    daemon = _daemon(procs, mqtt_broker, state, fleet)
+    _start_job(mqtt_broker, fleet, SPEC, tmp_path)
+    kill_at = random.Random().randint(5, 25)
+    _wait_for(lambda: _steps_logged(state, "resume") >= kill_at, 60, f"step {kill_at}")
+    daemon.send_signal(signal.SIGKILL)
+    daemon.wait(10)
+    assert StateStore(state).job("resume").status()["status"] == "running"
+    _daemon(procs, mqtt_broker, state, fleet)
+    final, qs = _final_state(state, "resume")
+    checksum, reference_qs = _reference(SPEC)
+    assert final.checksum() == checksum, f"killed at step {kill_at}"
+    assert qs == reference_qs
+
+
+def test_resume_board_killed_mid_step(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+    """A board process that dies mid-step loses nothing: its keys go to the others."""
+    state, fleet = tmp_path / "state", "crash"
+    spec = {**SPEC, "policy": {"name": "fixed", "config": {"q": 6}}, "steps": 16}
+    _boards(procs, mqtt_broker, fleet, 2, "ok")
+    crasher = _boards(procs, mqtt_broker, fleet, 1, "doomed", "--fault", "crash-at-step:5")
+    _daemon(procs, mqtt_broker, state, fleet)
+    _start_job(mqtt_broker, fleet, spec, tmp_path)
+    final, _ = _final_state(state, "resume")
+    assert crasher.poll() == CRASH_EXIT_CODE  # it did die, on purpose
+    assert final.checksum() == _reference(spec)[0]
+
+
+def test_resume_broker_restart_mid_job(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+    """The broker restarts mid-job; daemon and boards reconnect and the weights are exact."""
+    state, fleet = tmp_path / "state", "restart"
+    spec = {**SPEC, "policy": {"name": "fixed", "config": {"q": 4}}, "steps": 30}
+    _boards(procs, mqtt_broker, fleet, 2, "rb", *SLOW)
+    _daemon(procs, mqtt_broker, state, fleet)
+    _start_job(mqtt_broker, fleet, spec, tmp_path)
+    _wait_for(lambda: _steps_logged(state, "resume") >= 8, 60, "step 8")
+    mqtt_broker.restart()
+    assert _steps_logged(state, "resume") < spec["steps"]  # type: ignore[operator]
+    final, _ = _final_state(state, "resume", timeout=120)
+    assert final.checksum() == _reference(spec)[0]
+
+
+def test_service_sigterm_checkpoints_and_resumes(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+    """SIGTERM: a checkpoint, exit status 0, the job still 'running'; a restart finishes it exactly."""
+    state, fleet = tmp_path / "state", "term"
+    spec = {**SPEC, "checkpoint_every": 1000}
+    _boards(procs, mqtt_broker, fleet, 1, "tb")
+    daemon = _daemon(procs, mqtt_broker, state, fleet)
+    _start_job(mqtt_broker, fleet, spec, tmp_path)
+    _wait_for(lambda: _steps_logged(state, "resume") >= 6, 60, "step 6")
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(30) == 0
+    job = StateStore(state).job("resume")
+    checkpoint = job.load_checkpoint()
+    assert job.status()["status"] == "running"
+    assert checkpoint is not None and checkpoint.step >= 6
+    _daemon(procs, mqtt_broker, state, fleet)
+    final, qs = _final_state(state, "resume")
+    checksum, reference_qs = _reference(spec)
+    assert final.checksum() == checksum and qs == reference_qs
