@@ -417,7 +417,8 @@ static int ready(qs_agent *a, const qs_msg *m)
         reply_error(a, QS_BERR_UNKNOWN_JOB, m->type, m->job_id, 0, "another job is configured");
         return 0;
     }
-    if (!a->state_ok) {
+    /* model_ok drops while a new blob is being received over the old one. */
+    if (!a->state_ok || !a->model_ok) {
         reply_error(a, QS_BERR_NOT_READY, m->type, m->job_id, 0, "missing model or dataset");
         return 0;
     }
