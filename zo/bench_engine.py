@@ -5,11 +5,15 @@ the same quantised model, batch and ``2q`` weight sets (``w ± eps z_k``, satura
 ``[-127, 127]``, ``z_k`` from the job PRNG), built before timing:
 
 - the engine evaluates all ``2q`` sets in one ``run_int8_perturbed`` call (TFLite
-  reference-kernel semantics in numpy);
+  reference-kernel semantics; the native C kernels when built, else numpy);
 - LiteRT runs the model exported with its weights as graph inputs, with the default
   (optimised) op resolver: per perturbation, ``set_tensor`` of every weight, ``invoke``
   and a copy of the logits. A constant-weight model would need a new interpreter per
   weight set, which is slower still, so this is the fair comparison.
+
+Both sides run with the same thread count (``--threads``, default 1): that ratio is
+the floor's. ``--extra-threads N`` (default 2) measures both sides again with N threads,
+reported in extra columns. Each side gets one untimed warm-up call.
 
 Wall time is the best of a few repetitions, both measured in one run. LiteRT's
 reference resolver (the bit-exactness oracle) runs once too, for context and to check
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from qsched.zo import prng
+from qsched.zo import native, prng
 from qsched.zo.engine import run_int8_perturbed
 from qsched.zo.graph import QuantModel
 from qsched.zo.quantize import quantize_input, quantize_model
@@ -71,6 +75,12 @@ class BenchResult:
     max_abs_diff: int
     reference_rate: float
     reference_exact: bool
+    threads: int = 1
+    engine_backend: str = "numpy"
+    extra_threads: int = 0
+    engine_rate_extra: float = 0.0
+    litert_rate_extra: float = 0.0
+    ratio_extra: float = 0.0
 
 
 def _weight_sets(qm: QuantModel, names: list[str], q: int, eps: int, seed: int) -> dict[str, I8]:
@@ -90,8 +100,10 @@ def _weight_sets(qm: QuantModel, names: list[str], q: int, eps: int, seed: int) 
     return out
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+def _best(fn: Callable[[], Any], repeats: int, warm_up: bool = False) -> tuple[float, Any]:
     """Best wall time of ``repeats`` calls (fewer when one call exceeds the budget)."""
+    if warm_up:
+        fn()
     best, result, spent = float("inf"), None, 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -132,8 +144,19 @@ def _litert_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int,
     return run
 
 
+def _engine_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int) -> Callable[[], I8]:
+    def run() -> I8:
+        native.set_threads(threads)
+        try:
+            return run_int8_perturbed(qm, x, sets)
+        finally:
+            native.set_threads(None)
+
+    return run
+
+
 def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, threads: int = 1,
-                seed: int = 0, trainable: str = "all") -> BenchResult:
+                seed: int = 0, trainable: str = "all", extra_threads: int = 0) -> BenchResult:
     """Time one model's ``2q`` perturbed passes on the engine and on LiteRT.
 
     Args:
@@ -141,10 +164,12 @@ def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, thread
         q: perturbations per step (``2q`` forward passes).
         batch: samples per forward pass.
         repeats: timing repetitions per side (the best counts).
-        threads: LiteRT interpreter threads.
+        threads: threads of both sides (LiteRT interpreter, native engine kernels).
         seed: seeds the calibration data, the batch and the perturbations.
         trainable: ``"all"`` layers perturbed, or ``"head"`` (the last layer only, the
             transfer-learning setting, where the engine runs the frozen prefix once).
+        extra_threads: when positive and not ``threads``, both sides are timed again
+            with this many threads.
 
     Returns:
         The measurement.
@@ -156,8 +181,13 @@ def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, thread
     x = quantize_input(qm, rng.normal(size=(batch, *shape)).astype(np.float32))
     names = [n.name for n in model.param_nodes()]
     sets = _weight_sets(qm, names if trainable == "all" else names[-1:], q, eps=1, seed=seed)
-    engine_s, ours = _best(lambda: run_int8_perturbed(qm, x, sets), repeats)
-    litert_s, theirs = _best(_litert_runner(qm, x, sets, threads), repeats)
+    native.available()  # build the native kernels (first use) before any timing
+    engine_s, ours = _best(_engine_runner(qm, x, sets, threads), repeats, warm_up=True)
+    litert_s, theirs = _best(_litert_runner(qm, x, sets, threads), repeats, warm_up=True)
+    extra = (0.0, 0.0)
+    if extra_threads > 0 and extra_threads != threads:
+        extra = (_best(_engine_runner(qm, x, sets, extra_threads), repeats, warm_up=True)[0],
+                 _best(_litert_runner(qm, x, sets, extra_threads), repeats, warm_up=True)[0])
     # The reference resolver once: its speed for context, and the engine's bits checked.
     reference_s, exact = _best(_litert_runner(qm, x, sets, threads, reference=True), 1)
     params, macs = model_summary(model)
@@ -167,18 +197,32 @@ def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, thread
         litert_s=litert_s, engine_rate=passes / engine_s, litert_rate=passes / litert_s,
         ratio=litert_s / engine_s,
         max_abs_diff=int(np.abs(ours.astype(np.int16) - theirs.astype(np.int16)).max()),
-        reference_rate=passes / reference_s, reference_exact=bool(np.array_equal(ours, exact)))
+        reference_rate=passes / reference_s, reference_exact=bool(np.array_equal(ours, exact)),
+        threads=threads, engine_backend=native.build_info(),
+        extra_threads=extra_threads if extra[0] else 0,
+        engine_rate_extra=passes / extra[0] if extra[0] else 0.0,
+        litert_rate_extra=passes / extra[1] if extra[1] else 0.0,
+        ratio_extra=extra[1] / extra[0] if extra[0] else 0.0)
 
 
 def _table(results: Sequence[BenchResult]) -> str:
-    head = ("model", "perturbed", "params", "MACs/sample", "engine pass/s", "LiteRT pass/s",
-            "engine step ms", "LiteRT step ms", "ratio", "max|diff|", "LiteRT-ref pass/s",
-            "ref bit-exact")
-    rows = [head] + [
-        (r.model, r.trainable, f"{r.params:,}", f"{r.macs:,}", f"{r.engine_rate:.1f}", f"{r.litert_rate:.1f}",
-         f"{1e3 * r.engine_s:.1f}", f"{1e3 * r.litert_s:.1f}", f"{r.ratio:.2f}",
-         str(r.max_abs_diff), f"{r.reference_rate:.1f}", "yes" if r.reference_exact else "NO")
-        for r in results]
+    t = results[0].threads if results else 1
+    head: tuple[str, ...] = (
+        "model", "perturbed", "params", "MACs/sample", f"engine pass/s {t}T", f"LiteRT pass/s {t}T",
+        "engine step ms", "LiteRT step ms", f"ratio {t}T", "max|diff|", "LiteRT-ref pass/s",
+        "ref bit-exact")
+    extra = next((r.extra_threads for r in results if r.extra_threads), 0)
+    if extra:
+        head += (f"engine pass/s {extra}T", f"LiteRT pass/s {extra}T", f"ratio {extra}T")
+    rows = [head]
+    for r in results:
+        row: tuple[str, ...] = (
+            r.model, r.trainable, f"{r.params:,}", f"{r.macs:,}", f"{r.engine_rate:.1f}", f"{r.litert_rate:.1f}",
+            f"{1e3 * r.engine_s:.1f}", f"{1e3 * r.litert_s:.1f}", f"{r.ratio:.2f}",
+            str(r.max_abs_diff), f"{r.reference_rate:.1f}", "yes" if r.reference_exact else "NO")
+        if extra:
+            row += (f"{r.engine_rate_extra:.1f}", f"{r.litert_rate_extra:.1f}", f"{r.ratio_extra:.2f}")
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths, strict=True)))
@@ -194,7 +238,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--q", type=int, default=16, help="perturbations per step; 2q passes")
     p.add_argument("--batch", type=int, default=32, help="samples per forward pass")
     p.add_argument("--repeats", type=int, default=3, help="timing repetitions (best counts)")
-    p.add_argument("--threads", type=int, default=1, help="LiteRT interpreter threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of both sides (the floor compares equal thread counts)")
+    p.add_argument("--extra-threads", type=int, default=2,
+                   help="also time both sides with this many threads (0: skip)")
     p.add_argument("--trainable", default="all,head",
                    help="comma-separated: all (every layer perturbed), head (last layer only)")
     p.add_argument("--seed", type=int, default=0)
@@ -204,16 +251,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _header(args: argparse.Namespace) -> str:
+def _header(args: argparse.Namespace, keys: Sequence[str]) -> str:
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    backend = native.build_info()
+    kernels = (f"native C kernels ({backend}), {args.threads} thread(s)" if backend != "numpy"
+               else f"numpy {np.__version__} kernels (native unavailable), BLAS threads: {blas}")
+    extra = (f"; extra columns: both sides with {args.extra_threads} threads"
+             if args.extra_threads > 0 and args.extra_threads != args.threads else "")
+    models = ", ".join(f"{k} ({MODELS[k][0]}, input {'x'.join(map(str, MODELS[k][1]))})" for k in keys)
     return "\n".join([
-        f"INT8 perturbed forward passes: q={args.q} ({2 * args.q} passes per step), "
-        f"batch {args.batch}, best of {args.repeats}",
-        "engine: qsched run_int8_perturbed, TFLite reference-kernel semantics "
-        f"(numpy {np.__version__}, BLAS threads: {blas})",
+        f"INT8 perturbed forward passes: models {models}; q={args.q} ({2 * args.q} passes per "
+        f"step), batch {args.batch}, best of {args.repeats}, one warm-up call per side",
+        f"engine: qsched run_int8_perturbed, TFLite reference-kernel semantics, {kernels}",
         f"LiteRT: ai-edge-litert {metadata.version('ai-edge-litert')} Interpreter, default "
         f"(optimised) op resolver, {args.threads} thread(s), weights as graph inputs, "
-        "set_tensor per perturbation",
+        f"set_tensor per perturbation{extra}",
         "ratio = engine pass/s / LiteRT pass/s; max|diff| = logits, engine vs optimised "
         "LiteRT (only the reference resolver is bit-exact); LiteRT-ref = the reference "
         "resolver (BUILTIN_REF), one repetition, and whether the engine equals it",
@@ -234,16 +286,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     modes = [m.strip() for m in args.trainable.split(",") if m.strip()]
     unknown = [k for k in keys if k not in MODELS] + [m for m in modes if m not in ("all", "head")]
-    if unknown or args.q < 1 or args.batch < 1 or args.repeats < 1 or args.threads < 1:
+    if unknown or args.q < 1 or args.batch < 1 or args.repeats < 1 or args.threads < 1 or args.extra_threads < 0:
         print(f"bad arguments: unknown models or modes {unknown}" if unknown else
               "bad arguments: q, batch, repeats and threads must be positive", file=sys.stderr)
         return 2
-    print(_header(args), flush=True)
-    results = [bench_model(k, args.q, args.batch, args.repeats, args.threads, args.seed, m)
+    native.available()
+    print(_header(args, keys), flush=True)
+    results = [bench_model(k, args.q, args.batch, args.repeats, args.threads, args.seed, m,
+                           args.extra_threads)
                for k in keys for m in modes]
     print(_table(results))
     below = [f"{r.model}/{r.trainable}" for r in results if r.ratio < FLOOR]
-    print(f"floor (ratio >= {FLOOR}): " + ("met" if not below else f"NOT met for {below}"))
+    print(f"floor (ratio >= {FLOOR}, {args.threads} thread(s) each side): "
+          + ("met" if not below else f"NOT met for {below}"))
     inexact = [f"{r.model}/{r.trainable}" for r in results if not r.reference_exact]
     print("engine vs LiteRT reference kernels: "
           + ("bit-exact" if not inexact else f"DIFFERENT for {inexact}"))

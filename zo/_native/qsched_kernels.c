@@ -387,6 +387,7 @@ typedef struct {
     int64_t sh, sww, pt, pl, oh, ow, so;
     int32_t in_zp, zp, lo, hi;
     const int64_t *rqt;                        /* requantisation, tiled to ow * o */
+    const int64_t *offs;                       /* tap t's input offset from the window's corner */
     int8_t *out;
     int status;
 } dw_ctx;
@@ -424,11 +425,60 @@ static void dw_row(const dw_ctx *d, const int8_t *xrow, int64_t jj, int16_t *res
 
 #if QS_SIMD
 /*
+ * Weights of one set for the interior path: taps in pairs (t, t+1; a zero tap completes
+ * an odd count), 16 channels per block, interleaved as unpacklo/unpackhi interleave the
+ * inputs so that one pairwise multiply-add covers two taps of 8 channels.
+ * w2: [pairs][o / 16][2][16] int16.
+ */
+static void dw_pair_weights(const int8_t *ws, int64_t taps, int64_t o, int16_t *w2) {
+    const int64_t pairs = (taps + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t cb = 0; cb < o / 16; cb++) {
+            const int8_t *w0 = ws + 2 * p * o + cb * 16;
+            __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w0));
+            __m256i b = _mm256_setzero_si256();
+            if (2 * p + 1 < taps) b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + o)));
+            int16_t *dst = w2 + (p * (o / 16) + cb) * 32;
+            _mm256_storeu_si256((__m256i *)dst, _mm256_unpacklo_epi16(a, b));
+            _mm256_storeu_si256((__m256i *)(dst + 16), _mm256_unpackhi_epi16(a, b));
+        }
+}
+
+/*
+ * An output pixel whose window lies inside the image: every tap valid, two taps per
+ * multiply-add. |x - zp| * |w| * 2 < 2^17, exact in the int32 lanes.
+ */
+static void dw_interior(const dw_ctx *d, const int8_t *base, const int16_t *w2, const int32_t *bs,
+                        int32_t *accpix) {
+    const int64_t o = d->o, taps = d->kh * d->kw, pairs = (taps + 1) / 2;
+    const __m256i zp = _mm256_set1_epi16((int16_t)d->in_zp);
+    for (int64_t cb = 0; cb < o / 16; cb++) {
+        __m256i alo = _mm256_setzero_si256(), ahi = _mm256_setzero_si256();
+        for (int64_t p = 0; p < pairs; p++) {
+            const int8_t *x0 = base + d->offs[2 * p] + cb * 16;
+            const int8_t *x1 = base + d->offs[2 * p + 1 < taps ? 2 * p + 1 : 2 * p] + cb * 16;
+            __m256i a = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x0)), zp);
+            __m256i b = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x1)), zp);
+            const int16_t *wp = w2 + (p * (o / 16) + cb) * 32;
+            alo = DOT2(alo, _mm256_unpacklo_epi16(a, b), _mm256_loadu_si256((const __m256i *)wp));
+            ahi = DOT2(ahi, _mm256_unpackhi_epi16(a, b), _mm256_loadu_si256((const __m256i *)(wp + 16)));
+        }
+        /* alo holds channels 0-3 and 8-11, ahi 4-7 and 12-15 */
+        __m256i c0 = _mm256_permute2x128_si256(alo, ahi, 0x20);
+        __m256i c1 = _mm256_permute2x128_si256(alo, ahi, 0x31);
+        c0 = _mm256_add_epi32(c0, _mm256_loadu_si256((const __m256i *)(bs + cb * 16)));
+        c1 = _mm256_add_epi32(c1, _mm256_loadu_si256((const __m256i *)(bs + cb * 16 + 8)));
+        _mm256_storeu_si256((__m256i *)(accpix + cb * 16), c0);
+        _mm256_storeu_si256((__m256i *)(accpix + cb * 16 + 8), c1);
+    }
+}
+
+/*
  * One output row, channels in vectors of NR, taps accumulated in registers. Needs
  * depth multiplier 1 and o % NR == 0; w32 holds the set's weights widened, [taps][o].
  */
 static void dw_row_simd(const dw_ctx *d, const int8_t *xs, int64_t nn, int64_t oy,
-                        const int32_t *w32, const int32_t *bs, int32_t *accrow) {
+                        const int32_t *w32, const int16_t *w2, const int32_t *bs, int32_t *accrow) {
     const int64_t o = d->o;
     const __m256i zp = _mm256_set1_epi32(d->in_zp);
     int64_t i0 = d->pt - oy * d->sh, i1 = d->h + d->pt - oy * d->sh;
@@ -439,6 +489,10 @@ static void dw_row_simd(const dw_ctx *d, const int8_t *xs, int64_t nn, int64_t o
         j0 = j0 < 0 ? 0 : j0;
         j1 = j1 > d->kw ? d->kw : j1;
         const int64_t iy0 = oy * d->sh - d->pt, ix0 = ox * d->sww - d->pl;
+        if (w2 && i0 == 0 && i1 == d->kh && j0 == 0 && j1 == d->kw) {
+            dw_interior(d, xs + ((nn * d->h + iy0) * d->w + ix0) * o, w2, bs, accrow + ox * o);
+            continue;
+        }
         for (int64_t c0 = 0; c0 < o; c0 += NR) {
             __m256i acc = _mm256_loadu_si256((const __m256i *)(bs + c0));
             for (int64_t i = i0; i < i1; i++) {
@@ -465,9 +519,10 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
     int32_t *acc = alloc64(sizeof(int32_t) * row), *btile = alloc64(sizeof(int32_t) * row);
     int16_t *xb = alloc64(sizeof(int16_t) * row), *wtile = alloc64(sizeof(int16_t) * taps * row);
     int32_t *w32 = alloc64(sizeof(int32_t) * taps * o);
-    if (!acc || !btile || !xb || !wtile || !w32) {
+    int16_t *w2 = alloc64(sizeof(int16_t) * (taps + 1) * o);
+    if (!acc || !btile || !xb || !wtile || !w32 || !w2) {
         d->status = 1;
-        free(acc); free(btile); free(xb); free(wtile); free(w32);
+        free(acc); free(btile); free(xb); free(wtile); free(w32); free(w2);
         return;
     }
     for (int64_t s = 0; s < d->so; s++) {
@@ -488,10 +543,11 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
             if (s == 0 || d->sw > 1) {
                 const int8_t *ws = d->wt + (d->sw > 1 ? s : 0) * taps * o;
                 for (int64_t t = 0; t < taps * o; t++) w32[t] = ws[t];
+                if (o % 16 == 0) dw_pair_weights(ws, taps, o, w2);
             }
             for (int64_t nn = n0; nn < n1; nn++)
                 for (int64_t oy = 0; oy < d->oh; oy++) {
-                    dw_row_simd(d, xs, nn, oy, w32, bs, acc);
+                    dw_row_simd(d, xs, nn, oy, w32, o % 16 == 0 ? w2 : NULL, bs, acc);
                     int8_t *dst = d->out + ((s * d->n + nn) * d->oh + oy) * row;
                     requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
                 }
@@ -524,7 +580,7 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
                 requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
             }
     }
-    free(acc); free(btile); free(xb); free(wtile); free(w32);
+    free(acc); free(btile); free(xb); free(wtile); free(w32); free(w2);
 }
 
 /*
@@ -538,13 +594,16 @@ int qs_depthwise(const int8_t *x, int64_t sx, int64_t n, int64_t h, int64_t w, i
                  int64_t oh, int64_t ow, int64_t in_zp, const int64_t *rq, int64_t zp, int64_t lo,
                  int64_t hi, int8_t *out, int64_t threads) {
     int64_t *rqt = tile_rq(rq, o, o, ow);
-    if (!rqt) return 1;
+    int64_t *offs = alloc64(sizeof(int64_t) * kh * kw);
+    if (!rqt || !offs) { free(rqt); free(offs); return 1; }
+    for (int64_t t = 0; t < kh * kw; t++) offs[t] = ((t / kw) * w + t % kw) * c;
     int64_t so = sx > sw ? sx : sw;
     so = so > sb ? so : sb;
     dw_ctx d = {x, sx, n, h, w, c, weight, sw, o, kh, kw, bias, sb, sh, sww, pt, pl, oh, ow, so,
-                (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rqt, out, 0};
+                (int32_t)in_zp, (int32_t)zp, (int32_t)lo, (int32_t)hi, rqt, offs, out, 0};
     parallel_for(dw_work, &d, n, threads);
     free(rqt);
+    free(offs);
     return d.status;
 }
 
