@@ -109,7 +109,7 @@ async def send_command(
 async def _await_reply(client: aiomqtt.Client, token: str, request_id: str | None, v5: bool) -> Reply | ErrorReply:
     async for message in client.messages:
         try:
-            reply = parse_control(message.payload)  # type: ignore[arg-type]
+            reply = parse_control(message.payload)
         except ProtocolError:
             continue
         if not isinstance(reply, Reply | ErrorReply):

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, Self
+from typing import IO, Any, Final, Self, TextIO
 
 import structlog
 
@@ -419,7 +419,7 @@ async def _transport(options: DemoOptions, ports: list[PtyPort], fleet_name: str
         yield mqtt
 
 
-async def run_demo(options: DemoOptions, stream: IO[str] | None = None) -> DemoSummary:
+async def run_demo(options: DemoOptions, stream: TextIO | None = None) -> DemoSummary:
     """Run the demo: boards, training, files.
 
     Args:

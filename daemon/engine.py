@@ -30,7 +30,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import numpy as np
 import structlog
@@ -655,10 +655,15 @@ class StepEngine:
             request = self._request(t, ks)
             flight = _Flight(session, request.ks, now, self._deadline(session, len(ks), now))
             remaining = flight.deadline - now
-            task = asyncio.create_task(
-                session.request(request, remaining + self.config.step_deadline_s * 4), name=f"fleet[{address}].eval[{t}]"
+            # The waiter is keyed by the request's step and ks: only an EvalResult answers it.
+            task = cast(
+                "asyncio.Task[EvalResult]",
+                asyncio.create_task(
+                    session.request(request, remaining + self.config.step_deadline_s * 4),
+                    name=f"fleet[{address}].eval[{t}]",
+                ),
             )
-            flights[task] = flight  # type: ignore[assignment]
+            flights[task] = flight
             session.set_state("busy", "eval")
 
     async def _await_some(self, t: int, got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight]) -> None:

@@ -512,7 +512,7 @@ def _npz_bytes(workload: Any, state: Any) -> bytes:
         if getattr(node, "bias", None) is not None:
             arrays[f"{node.name}/bias"] = np.asarray(node.bias)
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy stubs: **kwds also meets allow_pickle: bool
     return buffer.getvalue()
 
 

@@ -151,6 +151,8 @@ def _agents(args: argparse.Namespace, count: int, serial: bool) -> list[BoardAge
 
 
 def _mqtt_config(args: argparse.Namespace) -> Any:
+    from pydantic import SecretStr
+
     from qsched.daemon.config import MqttConfig, TlsConfig
 
     host, sep, port = args.mqtt.rpartition(":")
@@ -159,7 +161,8 @@ def _mqtt_config(args: argparse.Namespace) -> Any:
     tls = TlsConfig(enabled=args.tls, ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
                     insecure=args.tls_insecure)
     password = args.password if args.password is not None else os.environ.get("QSCHED_MQTT_PASSWORD")
-    return MqttConfig(host=host.strip("[]"), port=int(port), username=args.username, password=password,
+    secret = SecretStr(password) if password is not None else None
+    return MqttConfig(host=host.strip("[]"), port=int(port), username=args.username, password=secret,
                       tls=tls, protocol=args.mqtt_protocol, prefix=args.prefix)
 
 
