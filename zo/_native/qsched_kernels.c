@@ -33,7 +33,12 @@
 #define QS_SIMD 0
 #endif
 
-#define MR 4          /* output pixels per GEMM tile */
+/* Output pixels per GEMM tile: 16 accumulators fit AVX-512's 32 vector registers. */
+#if defined(__AVX512VL__)
+#define MR 8
+#else
+#define MR 4
+#endif
 #define NR 8          /* output channels per vector (int32 x 8) */
 #define MAX_THREADS 64
 
@@ -145,43 +150,40 @@ static void gemm_tile(const int16_t *X, int64_t kp, const int16_t *W, int64_t op
     const int64_t kh = kp / 2;
     int64_t o0 = 0;
     for (; o0 + 2 * NR <= opad; o0 += 2 * NR) {
-        __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)(bias + o0 + NR));
-        __m256i a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bias + o0 + NR));
+        __m256i a[MR][2];
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) { a[r][0] = b0; a[r][1] = b1; }
         for (int64_t k = 0; k < kh; k++) {
             const int16_t *wp = W + (k * opad + o0) * 2;
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 2 * NR));
-            __m256i x0 = bcast_pair(X + 2 * k), x1 = bcast_pair(X + kp + 2 * k);
-            __m256i x2 = bcast_pair(X + 2 * kp + 2 * k), x3 = bcast_pair(X + 3 * kp + 2 * k);
-            a00 = DOT2(a00, x0, w0); a01 = DOT2(a01, x0, w1);
-            a10 = DOT2(a10, x1, w0); a11 = DOT2(a11, x1, w1);
-            a20 = DOT2(a20, x2, w0); a21 = DOT2(a21, x2, w1);
-            a30 = DOT2(a30, x3, w0); a31 = DOT2(a31, x3, w1);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 2 * NR));
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const __m256i x = bcast_pair(X + r * kp + 2 * k);
+                a[r][0] = DOT2(a[r][0], x, w0);
+                a[r][1] = DOT2(a[r][1], x, w1);
+            }
         }
-        _mm256_storeu_si256((__m256i *)(acc + o0), a00);
-        _mm256_storeu_si256((__m256i *)(acc + o0 + NR), a01);
-        _mm256_storeu_si256((__m256i *)(acc + opad + o0), a10);
-        _mm256_storeu_si256((__m256i *)(acc + opad + o0 + NR), a11);
-        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0), a20);
-        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0 + NR), a21);
-        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0), a30);
-        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0 + NR), a31);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            _mm256_storeu_si256((__m256i *)(acc + r * opad + o0), a[r][0]);
+            _mm256_storeu_si256((__m256i *)(acc + r * opad + o0 + NR), a[r][1]);
+        }
     }
     for (; o0 < opad; o0 += NR) {
-        __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
-        __m256i a0 = b0, a1 = b0, a2 = b0, a3 = b0;
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)(bias + o0));
+        __m256i a[MR];
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) a[r] = b0;
         for (int64_t k = 0; k < kh; k++) {
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)(W + (k * opad + o0) * 2));
-            a0 = DOT2(a0, bcast_pair(X + 2 * k), w0);
-            a1 = DOT2(a1, bcast_pair(X + kp + 2 * k), w0);
-            a2 = DOT2(a2, bcast_pair(X + 2 * kp + 2 * k), w0);
-            a3 = DOT2(a3, bcast_pair(X + 3 * kp + 2 * k), w0);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(W + (k * opad + o0) * 2));
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) a[r] = DOT2(a[r], bcast_pair(X + r * kp + 2 * k), w0);
         }
-        _mm256_storeu_si256((__m256i *)(acc + o0), a0);
-        _mm256_storeu_si256((__m256i *)(acc + opad + o0), a1);
-        _mm256_storeu_si256((__m256i *)(acc + 2 * opad + o0), a2);
-        _mm256_storeu_si256((__m256i *)(acc + 3 * opad + o0), a3);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) _mm256_storeu_si256((__m256i *)(acc + r * opad + o0), a[r]);
     }
 }
 #else
