@@ -13,7 +13,8 @@ the same quantised model, batch and ``2q`` weight sets (``w ± eps z_k``, satura
 
 Both sides run with the same thread count (``--threads``, default 1): that ratio is
 the floor's. ``--extra-threads N`` (default 2) measures both sides again with N threads,
-reported in extra columns. Each side gets one untimed warm-up call.
+reported in extra columns. Each side gets one untimed warm-up call, then the two sides
+are called alternately, so background load on a shared machine hits both alike.
 
 Wall time is the best of a few repetitions, both measured in one run. LiteRT's
 reference resolver (the bit-exactness oracle) runs once too, for context and to check
@@ -100,10 +101,8 @@ def _weight_sets(qm: QuantModel, names: list[str], q: int, eps: int, seed: int) 
     return out
 
 
-def _best(fn: Callable[[], Any], repeats: int, warm_up: bool = False) -> tuple[float, Any]:
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     """Best wall time of ``repeats`` calls (fewer when one call exceeds the budget)."""
-    if warm_up:
-        fn()
     best, result, spent = float("inf"), None, 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -144,6 +143,30 @@ def _litert_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int,
     return run
 
 
+def _best_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, Any, float, Any]:
+    """Best wall times of ``a`` and ``b`` called alternately (after one warm-up call each).
+
+    Alternating puts both sides under the same background load on a shared machine, so
+    their ratio is fairer than two back-to-back series.
+    """
+    a()
+    b()
+    best_a = best_b = float("inf")
+    out_a = out_b = None
+    spent = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out_a = a()
+        t1 = time.perf_counter()
+        out_b = b()
+        t2 = time.perf_counter()
+        best_a, best_b = min(best_a, t1 - t0), min(best_b, t2 - t1)
+        spent += t2 - t0
+        if spent > 2 * _SIDE_BUDGET_S:
+            break
+    return best_a, out_a, best_b, out_b
+
+
 def _engine_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int) -> Callable[[], I8]:
     def run() -> I8:
         native.set_threads(threads)
@@ -155,7 +178,7 @@ def _engine_runner(qm: QuantModel, x: I8, sets: dict[str, I8], threads: int) -> 
     return run
 
 
-def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, threads: int = 1,
+def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 5, threads: int = 1,
                 seed: int = 0, trainable: str = "all", extra_threads: int = 0) -> BenchResult:
     """Time one model's ``2q`` perturbed passes on the engine and on LiteRT.
 
@@ -182,12 +205,13 @@ def bench_model(key: str, q: int = 16, batch: int = 32, repeats: int = 3, thread
     names = [n.name for n in model.param_nodes()]
     sets = _weight_sets(qm, names if trainable == "all" else names[-1:], q, eps=1, seed=seed)
     native.available()  # build the native kernels (first use) before any timing
-    engine_s, ours = _best(_engine_runner(qm, x, sets, threads), repeats, warm_up=True)
-    litert_s, theirs = _best(_litert_runner(qm, x, sets, threads), repeats, warm_up=True)
+    engine_s, ours, litert_s, theirs = _best_pair(
+        _engine_runner(qm, x, sets, threads), _litert_runner(qm, x, sets, threads), repeats)
     extra = (0.0, 0.0)
     if extra_threads > 0 and extra_threads != threads:
-        extra = (_best(_engine_runner(qm, x, sets, extra_threads), repeats, warm_up=True)[0],
-                 _best(_litert_runner(qm, x, sets, extra_threads), repeats, warm_up=True)[0])
+        e_s, _, l_s, _ = _best_pair(_engine_runner(qm, x, sets, extra_threads),
+                                    _litert_runner(qm, x, sets, extra_threads), repeats)
+        extra = (e_s, l_s)
     # The reference resolver once: its speed for context, and the engine's bits checked.
     reference_s, exact = _best(_litert_runner(qm, x, sets, threads, reference=True), 1)
     params, macs = model_summary(model)
@@ -237,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {sorted(MODELS)} (default: all)")
     p.add_argument("--q", type=int, default=16, help="perturbations per step; 2q passes")
     p.add_argument("--batch", type=int, default=32, help="samples per forward pass")
-    p.add_argument("--repeats", type=int, default=3, help="timing repetitions (best counts)")
+    p.add_argument("--repeats", type=int, default=5, help="timing repetitions (best counts)")
     p.add_argument("--threads", type=int, default=1,
                    help="threads of both sides (the floor compares equal thread counts)")
     p.add_argument("--extra-threads", type=int, default=2,
@@ -261,7 +285,8 @@ def _header(args: argparse.Namespace, keys: Sequence[str]) -> str:
     models = ", ".join(f"{k} ({MODELS[k][0]}, input {'x'.join(map(str, MODELS[k][1]))})" for k in keys)
     return "\n".join([
         f"INT8 perturbed forward passes: models {models}; q={args.q} ({2 * args.q} passes per "
-        f"step), batch {args.batch}, best of {args.repeats}, one warm-up call per side",
+        f"step), batch {args.batch}, best of {args.repeats} alternating calls per side after a "
+        "warm-up call each",
         f"engine: qsched run_int8_perturbed, TFLite reference-kernel semantics, {kernels}",
         f"LiteRT: ai-edge-litert {metadata.version('ai-edge-litert')} Interpreter, default "
         f"(optimised) op resolver, {args.threads} thread(s), weights as graph inputs, "
