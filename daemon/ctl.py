@@ -4,7 +4,7 @@
     qsched ctl start job.toml --set steps=200
     qsched ctl pause | resume | stop [JOB]
     qsched ctl checkpoint [JOB]
-    qsched ctl policy qscheduler --config '{"q_max": 64}'
+    qsched ctl policy qscheduler --config '{"qmax": 64}'
     qsched ctl boards
     qsched ctl drain board-07 [--undo]
     qsched ctl export [JOB] --format npz

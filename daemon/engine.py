@@ -78,6 +78,10 @@ _log = structlog.get_logger("qsched.engine")
 _WAIT_POLL_S: Final = 1.0
 
 
+class _Interrupted(Exception):
+    """A stop arrived while the step waited for boards; nothing of the step was applied."""
+
+
 class JobError(Exception):
     """The job cannot go on (``reason``: ``numeric``, ``no_workload``, ``internal`` ...)."""
 
@@ -362,7 +366,10 @@ class StepEngine:
                 await self._between_steps()
                 if self._stop.is_set():
                     break
-                await self._step()
+                try:
+                    await self._step()
+                except _Interrupted:  # stopped while no board could finish the step
+                    break
                 self._after_step()
         except JobError as exc:
             self._finish_failed(exc, started)
@@ -572,7 +579,9 @@ class StepEngine:
         while True:
             await self._sync_boards()
             workers = self.workers()
-            if workers or self._stop.is_set():
+            if not workers and self._stop.is_set():
+                raise _Interrupted
+            if workers:
                 if announced:
                     _log.info("boards available again", job=self.spec.name, boards=len(workers))
                 return workers
@@ -640,9 +649,9 @@ class StepEngine:
         busy = {f.session.address for f in flights.values()}
         workers = self.workers(got.excluded | busy)
         if not workers:
-            if any(not f.late for f in flights.values()):
-                return  # someone is still working: wait for them first
-            workers = [w for w in await self._wait_for_workers() if w.address not in got.excluded | busy]
+            if flights:
+                return  # someone is still working (late answers count too): wait for them
+            workers = [w for w in await self._wait_for_workers() if w.address not in got.excluded]
             if not workers:
                 got.excluded.clear()  # everyone failed once this step: give all another chance
                 return
