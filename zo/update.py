@@ -24,7 +24,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from qsched.zo.prng import rademacher_bits
+from qsched.zo.prng import DOMAIN_PERTURB, philox4x32, rademacher_bits
 
 __all__ = [
     "FP16_MAX",
@@ -40,6 +40,8 @@ __all__ = [
 FP16_MAX: Final = np.float32(65504.0)
 # Symmetric int8 weights, as TFLite's per-channel quantisation: -128 is never used.
 INT8_WEIGHT_MAX: Final = 127
+# Sign bits generated per Philox call in accumulate_delta (bounds its memory).
+_BITS_PER_CALL: Final = 1 << 22
 
 F32 = npt.NDArray[np.float32]
 
@@ -51,13 +53,34 @@ def _sorted_pairs(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, np.floa
     return [(k, np.float32(c)) for k, c in sorted(pairs, key=lambda kc: kc[0])]
 
 
+def _bits_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArray[np.bool_]:
+    """``rademacher_bits`` of several k from one Philox call: shape (len(ks), size)."""
+    if not 0 <= step < 2**32 or not all(0 <= k < 2**32 for k in ks) or not 0 <= seed < 2**64:
+        raise ValueError("seed, step and k out of range (SPEC: u64 seed, u32 step and k)")
+    blocks = (size + 127) // 128
+    counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
+    counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)
+    counters[:, :, 1] = step
+    counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
+    counters[:, :, 3] = DOMAIN_PERTURB
+    words = philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(len(ks), -1)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :size].astype(np.bool_)
+
+
 def accumulate_delta(seed: int, step: int, pairs: Sequence[tuple[int, float]], size: int) -> F32:
     """delta = sum_k c_k z_k in float32, summed in ascending k."""
     delta = np.zeros(size, dtype=np.float32)
-    for k, c in _sorted_pairs(pairs):
-        negative = rademacher_bits(seed, step, k, size)
-        # z is +-1, so c*z is exact; only the sums round, in the specified order.
-        delta += np.where(negative, -c, c).astype(np.float32)
+    ordered = _sorted_pairs(pairs)
+    # The bits of many k come from one Philox call (per-call overhead dominates small
+    # models); the sums still run one k at a time, in the specified order.
+    per_call = max(1, _BITS_PER_CALL // max(size, 1))
+    for start in range(0, len(ordered), per_call):
+        chunk = ordered[start : start + per_call]
+        rows = _bits_rows(seed, step, [k for k, _ in chunk], size)
+        for negative, (_, c) in zip(rows, chunk, strict=True):
+            # z is +-1, so c*z is exact; only the sums round, in the specified order.
+            delta += np.where(negative, -c, c).astype(np.float32)
     return delta
 
 
