@@ -21,6 +21,7 @@ firmware:
 
 test: install firmware
 	$(BIN)/ruff check .
+	$(BIN)/python .ci/typecheck
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # mypy cannot follow the folder -> qsched.<folder> mapping: .ci/typecheck links the tree.
