@@ -175,3 +175,53 @@ def test_native_build_failure_logs_one_warning(tmp_path, monkeypatch, caplog) ->
         native._state.update(saved)
     warnings = [r for r in caplog.records if r.name == "qsched.zo.native"]
     assert len(warnings) == 1 and "broken compiler" in warnings[0].getMessage()
+
+
+def _variant(tmp_path, flags: list[str]):
+    """The kernels built with other flags (another SIMD path), loaded beside the default."""
+    import ctypes
+    import shutil
+
+    cc = shutil.which(os.environ.get("CC", "gcc"))
+    assert cc is not None
+    lib = tmp_path / f"variant{len(flags)}.so"
+    cmd = [cc, "-O2", *flags, "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread",
+           str(native.SOURCE), "-o", str(lib)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    handle = ctypes.CDLL(str(lib))
+    native._declare(handle)
+    return handle
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx2"], ["-mavx2", "-mno-avx512f"]], ids=["portable", "avx2"])
+def test_native_simd_paths_equal_numpy(tmp_path, flags: list[str]) -> None:
+    """The portable and the AVX2 builds give the numpy kernels' bits too (conv, depthwise)."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("x86 SIMD flags")
+    if "-mavx2" in flags and not _has_avx2():
+        pytest.skip("CPU without AVX2")
+    handle = _variant(tmp_path, flags)
+    rng = np.random.default_rng(11)
+    x = _int8(rng, (2, 3, 9, 9, 16))
+    w = _int8(rng, (2, 24, 3, 3, 16), -127)
+    wd = _int8(rng, (2, 1, 3, 3, 16), -127)
+    bias = rng.integers(-3000, 3000, (1, 24)).astype(np.int64)
+    stage, dstage = _stage(rng, 24, "relu"), _stage(rng, 16, "relu6")
+    saved = dict(native._state)
+    native._state.update(lib=handle, tried=True)
+    try:
+        assert native.build_info() == ("portable" if "-mno-avx2" in flags else "avx2")
+        conv = native.conv2d(x, w, bias, stage, (2, 1), "same")
+        dw = native.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same")
+    finally:
+        native._state.update(saved)
+    np.testing.assert_array_equal(conv, ki.conv2d(x, w, bias, stage, (2, 1), "same"))
+    np.testing.assert_array_equal(dw, ki.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same"))
