@@ -103,7 +103,9 @@ class EngineConfig:
         reply_timeout_s: how long update acks, loads and validations may take.
         load_timeout_s: how long loading a model or weights onto one board may take.
         resync_backoff_s: wait this long before retrying a board whose resync failed.
-        audit: evaluate one key of every shard on a second board (needs two boards).
+        audit_every: every this many steps (0: never) one key of every shard is also
+            evaluated by a second board (needs two boards). An audited step costs about
+            one key per board more; between audits a lying board goes unnoticed.
         validate_on: ``boards`` (data-parallel slices) or ``daemon`` (local).
         checkpoint_every: steps between checkpoints (default: the spec's).
     """
@@ -113,7 +115,7 @@ class EngineConfig:
     reply_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
     resync_backoff_s: float = 2.0
-    audit: bool = True
+    audit_every: int = 1
     validate_on: Literal["boards", "daemon"] = "boards"
     checkpoint_every: int | None = None
 
@@ -612,7 +614,8 @@ class StepEngine:
     def _plan(self, missing: Sequence[int], workers: list[BoardSession], audit: bool) -> dict[str, list[int]]:
         rates = _planning_rates(workers)
         plan = plan_shards(list(missing), rates)
-        if audit and self.config.audit and len(plan) >= 2:
+        every = self.config.audit_every
+        if audit and every > 0 and self.step % every == 0 and len(plan) >= 2:
             order = sorted(plan)
             extra = {b: plan[order[(i - 1) % len(order)]][0] for i, b in enumerate(order)}
             plan = {b: sorted({*plan[b], extra[b]}) for b in order}

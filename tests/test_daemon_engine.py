@@ -50,8 +50,8 @@ async def test_engine_qscheduler_trajectory_matches_trainer() -> None:
 async def test_engine_shards_follow_throughput() -> None:
     """A board modelled four times faster is given more keys than a slow one."""
     spec = _spec(steps=6, policy=PolicySpec(name="fixed", config={"q": 16}), batch_size=16)
-    latency = LatencyProfile(macs_per_forward=400_000)
-    result = await run_job_inprocess(spec, boards=2, latency=latency, speeds=[1.0, 4.0], config=EngineConfig(audit=False))
+    latency = LatencyProfile(macs_per_forward=2_000_000)
+    result = await run_job_inprocess(spec, boards=2, latency=latency, speeds=[1.0, 4.0], config=EngineConfig(audit_every=0))
     assert result.work["vb-01"] > 2 * result.work["vb-00"]
     assert result.state.checksum() == train_zo(spec).state.checksum()
 
@@ -161,3 +161,26 @@ async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFac
     assert result.status == "completed"
     assert result.state.checksum() == reference.state.checksum()
     assert result.steps == reference.steps
+
+
+async def test_engine_drained_board_gets_no_work() -> None:
+    """A drained board keeps its weights in step but is given no keys."""
+    spec = _spec(steps=4)
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        endpoints = [transport.attach(name) for name in ("keep", "drain")]
+        boards = [
+            asyncio.create_task(serve_link(BoardAgent(e.board_id, latency=LatencyProfile.off()), e)) for e in endpoints
+        ]
+        while len([s for s in fleet.boards() if s.hello is not None]) < 2:
+            await fleet.wait_changed(0.1)
+        drained = fleet.find("drain")
+        assert drained is not None
+        drained.draining = True
+        engine = StepEngine(spec, fleet)
+        result = await engine.run()
+        assert drained.step == spec.steps  # it followed every update
+        for endpoint in endpoints:
+            await endpoint.close()
+        await asyncio.gather(*boards)
+    assert engine.work == {"keep": 4 * 8}
+    assert result.state.checksum() == train_zo(spec).state.checksum()

@@ -4,12 +4,17 @@ boards in its status, stop with a checkpoint, resume of a running job on start."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from pathlib import Path
+
+import pytest
 
 from qsched.daemon.config import DaemonConfig
 from qsched.daemon.control import handle_payload
 from qsched.daemon.links.inproc import InProcTransport
+from qsched.daemon.notify import Notifier
 from qsched.daemon.service import Daemon
 from qsched.daemon.state import StateStore
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
@@ -77,3 +82,27 @@ async def test_service_resumes_running_job_on_start(tmp_path: Path) -> None:
     final = TrainState.from_bytes(checkpoint.train_state)
     assert final.checksum() == train_zo(JobSpec.model_validate(SPEC)).state.checksum()
     assert (tmp_path / "jobs" / "svc" / "export" / "svc.tflite").exists()
+
+
+async def test_service_sd_notify_ready_status_watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd hears READY, STATUS and WATCHDOG from the event loop, then STOPPING."""
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    try:
+        async with Daemon(_config(tmp_path / "state"), notifier=Notifier(path)):
+            await asyncio.sleep(0.4)
+        await asyncio.sleep(0.05)
+        received = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                received.append(sock.recv(4096).decode())
+    finally:
+        sock.close()
+    text = "\n".join(received)
+    assert "READY=1" in text and "STATUS=idle" in text
+    assert text.count("WATCHDOG=1") >= 3
+    assert received[-1].startswith("STOPPING=1") or any(r.startswith("STOPPING=1") for r in received)
