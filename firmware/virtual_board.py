@@ -592,11 +592,15 @@ class BoardAgent:
         assert self._shared is not None
         lock = self._shared.lock
 
+        # The board is busy from now: time spent waiting for the lock (another board of
+        # this process computing) counts, so the modelled time absorbs the host's
+        # serialisation instead of adding to it, as boards of a real fleet run in parallel.
+        start = time.perf_counter()
+
         def run() -> tuple[_T, float]:
             # One computation per shared workload at a time. Non-finite losses become
             # Error(numeric), so numpy's floating-point warnings are noise here.
             with lock, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                start = time.perf_counter()
                 result = fn(*args)
                 return result, time.perf_counter() - start
 
