@@ -452,11 +452,24 @@ class ExperimentResult:
         }
 
 
+def _paired(policy: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any] | None:
+    """Per-seed accuracy differences (same seed: same initial weights and minibatches), in points."""
+    mine = {r["seed"]: r["final_accuracy"] for r in policy.get("runs", [])}
+    theirs = {r["seed"]: r["final_accuracy"] for r in fixed.get("runs", [])}
+    seeds = sorted(set(mine) & set(theirs))
+    if not seeds:
+        return None
+    stats = _stats([100.0 * (mine[s] - theirs[s]) for s in seeds])
+    stats["standard_error"] = stats["std"] / math.sqrt(len(seeds))
+    return stats
+
+
 def _compare(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str, Any]:
     best = max(fixed, key=lambda c: c["final_accuracy"]["mean"])
     diff_pp = 100.0 * (policy["final_accuracy"]["mean"] - best["final_accuracy"]["mean"])
     share = policy["forward_passes"]["mean"] / best["forward_passes"]["mean"]
     return {
+        "paired_difference_pp": _paired(policy, best),
         "numerics_token": policy["numerics_token"], "policy": policy["key"], "best_fixed": best["key"],
         "best_fixed_q": best["policy"]["config"].get("q"),
         "policy_final_accuracy": policy["final_accuracy"]["mean"],
@@ -740,12 +753,15 @@ def results_markdown(doc: dict[str, Any]) -> str:
         lines += ["", "## Against the best fixed q (equal steps)", "",
                   f"Floor: within {doc['floors']['within_pp']} points with at most "
                   f"{100 * doc['floors']['max_forward_pass_share']:.0f}% of its forward passes.", "",
-                  "| policy | best fixed | policy acc | fixed acc | difference (points) | forward-pass share | floor |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+                  "| policy | best fixed | policy acc | fixed acc | difference (points) | paired std err "
+                  "| forward-pass share | floor |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
         for m in doc["comparisons"]:
+            paired = m.get("paired_difference_pp")
+            sem = f"{paired['standard_error']:.2f}" if paired else "-"
             lines.append(
                 f"| {m['policy']} | {m['best_fixed']} | {100 * m['policy_final_accuracy']:.2f} | "
-                f"{100 * m['best_fixed_final_accuracy']:.2f} | {m['difference_pp']:+.2f} | "
+                f"{100 * m['best_fixed_final_accuracy']:.2f} | {m['difference_pp']:+.2f} | {sem} | "
                 f"{100 * m['forward_pass_share']:.1f}% | {'met' if m['floor_met'] else 'NOT met'} |"
             )
     if doc.get("baseline"):

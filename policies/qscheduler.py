@@ -55,8 +55,8 @@ class QSchedulerConfig(LadderConfig):
     direction: Literal["auto", "max", "min"] = Field(
         default="auto", description="auto: max for accuracy, min for losses"
     )
-    patience: int = Field(default=3, ge=1, description="validations without improvement before a raise")
-    min_delta: float = Field(default=0.002, ge=0, description="smallest change that counts as improvement")
+    patience: int = Field(default=2, ge=1, description="validations without improvement before a raise")
+    min_delta: float = Field(default=0.01, ge=0, description="smallest change that counts as improvement")
     threshold_mode: Literal["auto", "abs", "rel"] = Field(
         default="auto", description="min_delta absolute or relative to |best|; auto: abs for accuracy, rel for losses"
     )

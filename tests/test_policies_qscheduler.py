@@ -49,7 +49,7 @@ def test_qscheduler_raises_after_patience() -> None:
 def test_qscheduler_steady_improvement_keeps_q() -> None:
     """A metric that improves by more than min_delta at every validation never raises q."""
     policy = make(patience=1, cooldown=0)
-    assert evals(policy, [0.5 + 0.01 * i for i in range(20)]) == [1] * 20
+    assert evals(policy, [0.5 + 0.02 * i for i in range(20)]) == [1] * 20
 
 
 def test_qscheduler_min_delta_margin() -> None:
@@ -94,7 +94,7 @@ def test_qscheduler_cooldown_ignores_stalls_after_raise() -> None:
 
 def test_qscheduler_best_kept_across_raise() -> None:
     """After a raise the metric must beat the old best: a partial recovery is still a stall."""
-    policy = make(patience=1, cooldown=0)
+    policy = make(patience=1, cooldown=0, min_delta=0.002)
     assert evals(policy, [0.8, 0.7, 0.75, 0.81]) == [1, 2, 4, 4]
 
 

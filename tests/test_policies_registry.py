@@ -120,7 +120,7 @@ def test_registry_bad_config_names_parameter(name: str, config: dict[str, object
 def test_registry_config_schema() -> None:
     """Each policy publishes a JSON Schema of its config with defaults."""
     schema = policy_config_schema("qscheduler")
-    assert schema["properties"]["patience"]["default"] == 3
+    assert schema["properties"]["patience"]["default"] == 2
     assert schema["additionalProperties"] is False
     with pytest.raises(PolicyError, match="unknown policy"):
         policy_config_schema("nope")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = ["FP32_DEFAULTS", "JobSpec", "PolicySpec"]
 
 # Defaults of an FP32 job for the fields whose unit depends on the numerics.
-FP32_DEFAULTS: dict[str, float] = {"lr": 0.01, "eps": 0.001}
+FP32_DEFAULTS: dict[str, float] = {"lr": 0.02, "eps": 0.001}
 
 _LAST_N = re.compile(r"^last:([1-9][0-9]*)$")
 
@@ -47,7 +47,7 @@ class JobSpec(_Frozen):
     batch_size: int = Field(default=64, ge=1, le=4096)
     lr: float = Field(
         default=3000.0, gt=0,
-        description="learning rate; INT8: in int8 steps per unit gradient (default 3000; FP32 default 0.01)",
+        description="learning rate; INT8: in int8 steps per unit gradient (default 3000; FP32 default 0.02)",
     )
     eps: float = Field(
         default=1.0, gt=0, description="perturbation size; INT8: whole int8 steps (default 1; FP32 default 0.001)"
