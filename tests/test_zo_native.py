@@ -52,7 +52,7 @@ def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, 
     x = _int8(rng, (sx, 3, 9, 7, c))
     w = _int8(rng, (sw, o, k, k, c // groups), -127)
     bias = rng.integers(-3000, 3000, (1, o)).astype(np.int64)
-    stage = _stage(rng, o, act, wide=o == 7)
+    stage = _stage(rng, o, act, wide=o in (7, 24))
     expected = ki.conv2d(x, w, bias, stage, stride, padding, groups, single)
     got = native.conv2d(x, w, bias, stage, stride, padding, groups, single)
     assert got.dtype == np.int8
@@ -69,7 +69,7 @@ def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult, c) -> None
     x = _int8(rng, (sx, 2, 8, 9, c))
     w = _int8(rng, (sw, 1, 3, 3, c * mult), -127)
     bias = rng.integers(-3000, 3000, (1, c * mult)).astype(np.int64)
-    stage = _stage(rng, c * mult, "relu6")
+    stage = _stage(rng, c * mult, "relu6", wide=mult == 2)
     expected = ki.depthwise_conv2d(x, w, bias, stage, stride, padding)
     got = native.depthwise_conv2d(x, w, bias, stage, stride, padding)
     np.testing.assert_array_equal(got, expected)

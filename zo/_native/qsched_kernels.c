@@ -85,15 +85,74 @@ static void requant_row(const int32_t *restrict acc, int64_t n, const int64_t *r
     }
 }
 
-/* rq (rows of `stride`) for channels [0, n) repeated `times` times: rows of n * times. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RQ_SPLIT 1
+#else
+#define RQ_SPLIT 0
+#endif
+
+/* Row length of a tiled requantisation table for len values (whole blocks of 16). */
+static int64_t rq_stride(int64_t len) { return round_up(len, 16); }
+
+/*
+ * rq (rows of `stride`) for channels [0, n) repeated `times` times, in rows of
+ * rq_stride(n * times). With AVX-512 each block of 16 values is stored split, the 8 even
+ * positions first, then the 8 odd ones: the layout of the two int64 halves that
+ * requant_tiled computes in.
+ */
 static int64_t *tile_rq(const int64_t *rq, int64_t stride, int64_t n, int64_t times) {
-    int64_t *t = alloc64(sizeof(int64_t) * 5 * n * times);
+    const int64_t len = n * times, rs = rq_stride(len);
+    int64_t *t = alloc64(sizeof(int64_t) * 5 * rs);
     if (!t) return NULL;
+    memset(t, 0, sizeof(int64_t) * 5 * rs);
     for (int64_t r = 0; r < 5; r++)
-        for (int64_t k = 0; k < times; k++)
-            memcpy(t + r * n * times + k * n, rq + r * stride, sizeof(int64_t) * n);
+        for (int64_t i = 0; i < len; i++) {
+            const int64_t k = i % 16;
+            const int64_t pos = RQ_SPLIT ? i - k + (k % 2 ? 8 + k / 2 : k / 2) : i;
+            t[r * rs + pos] = rq[r * stride + i % n];
+        }
     return t;
 }
+
+#if RQ_SPLIT
+/*
+ * requant_row over a table from tile_rq, 16 values per step: the even and the odd int32
+ * lanes are taken as int64 lanes in place (a signed 32 x 32 -> 64 multiply reads the low
+ * half of each 64-bit lane, and the left shift happens in that half, so it wraps as in
+ * int32), clamped in int64 (a single-rounding result may exceed int32), then interleaved
+ * back.
+ */
+static void requant_tiled(const int32_t *restrict acc, int64_t n, const int64_t *restrict rq,
+                          int64_t stride, int32_t zp, int32_t lo, int32_t hi,
+                          int8_t *restrict out) {
+    const __m512i c31 = _mm512_set1_epi64((int64_t)1 << 31);
+    const __m512i vlo = _mm512_set1_epi64((int64_t)lo - zp);
+    const __m512i vhi = _mm512_set1_epi64((int64_t)hi - zp);
+    const __m512i vzp = _mm512_set1_epi32(zp);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512i x = _mm512_maskz_loadu_epi32(k, acc + j);
+        __m512i half[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t *q = rq + j + 8 * h;
+            __m512i v = h ? _mm512_srli_epi64(x, 32) : x;
+            v = _mm512_sllv_epi64(v, _mm512_loadu_si512(q));
+            __m512i t = _mm512_mul_epi32(v, _mm512_loadu_si512(q + stride));
+            t = _mm512_add_epi64(t, _mm512_loadu_si512(q + 2 * stride));
+            const __mmask8 neg = _mm512_cmplt_epi64_mask(t, _mm512_loadu_si512(q + 3 * stride));
+            t = _mm512_mask_sub_epi64(t, neg, t, c31);
+            t = _mm512_srav_epi64(t, _mm512_loadu_si512(q + 4 * stride));
+            half[h] = _mm512_min_epi64(_mm512_max_epi64(t, vlo), vhi);
+        }
+        __m512i r = _mm512_mask_blend_epi32((__mmask16)0xAAAA, half[0],
+                                            _mm512_slli_epi64(half[1], 32));
+        r = _mm512_add_epi32(r, vzp);
+        _mm512_mask_cvtepi32_storeu_epi8(out + j, k, r);
+    }
+}
+#else
+#define requant_tiled requant_row
+#endif
 
 /* ------------------------------------------------------------------- threads */
 
@@ -276,7 +335,7 @@ static void conv_tile(conv_ctx *c, int64_t s, int64_t g, int64_t m0, int64_t row
     gemm_tile(X, c->kp, W, c->opad, B, acc);
     int8_t *dst = c->out + (s * c->n * ohw + m0) * c->o + g * c->og;
     if (c->rqt) {  /* the tile's rows are contiguous in the output */
-        requant_row(acc, rows * c->o, c->rqt, MR * c->o, c->zp, c->lo, c->hi, dst);
+        requant_tiled(acc, rows * c->o, c->rqt, rq_stride(MR * c->o), c->zp, c->lo, c->hi, dst);
         return;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -551,7 +610,7 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
                 for (int64_t oy = 0; oy < d->oh; oy++) {
                     dw_row_simd(d, xs, nn, oy, w32, o % 16 == 0 ? w2 : NULL, bs, acc);
                     int8_t *dst = d->out + ((s * d->n + nn) * d->oh + oy) * row;
-                    requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
+                    requant_tiled(acc, row, d->rqt, rq_stride(row), d->zp, d->lo, d->hi, dst);
                 }
             continue;
         }
@@ -579,7 +638,7 @@ static void dw_work(void *arg, int64_t n0, int64_t n1) {
                     }
                 }
                 int8_t *dst = d->out + ((s * d->n + nn) * d->oh + oy) * row;
-                requant_row(acc, row, d->rqt, row, d->zp, d->lo, d->hi, dst);
+                requant_tiled(acc, row, d->rqt, rq_stride(row), d->zp, d->lo, d->hi, dst);
             }
     }
     free(acc); free(btile); free(xb); free(wtile); free(w32); free(w2);
