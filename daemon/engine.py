@@ -42,6 +42,7 @@ from qsched.policies import EvalReport, StepReport, create_policy
 from qsched.protocol.control import Event, EventKind
 from qsched.protocol.messages import (
     MAX_CHUNK,
+    PROTOCOL_VERSION,
     ApplyUpdate,
     EvalRequest,
     EvalResult,
@@ -512,7 +513,7 @@ class StepEngine:
         if not session.alive or session.state in ("unknown", "loading", "resync", "busy"):
             return False
         if session.state in ("hello", "faulty"):
-            return session.hello is not None and session.hello.protocol_version >= 1 and not _refused(session)
+            return session.hello is not None and not _refused(session)
         return session.job_id != self.job_id or session.step != self.step
 
     async def _prepare(self, session: BoardSession) -> None:
@@ -872,7 +873,7 @@ def _planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:
 
 
 def _refused(session: BoardSession) -> bool:
-    return session.hello is not None and session.hello.protocol_version < 1
+    return session.hello is not None and session.hello.protocol_version < PROTOCOL_VERSION
 
 
 def _crc32(data: bytes) -> int:

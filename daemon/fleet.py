@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
 import structlog
 
@@ -353,6 +353,7 @@ class Fleet:
         self._tasks: asyncio.TaskGroup | None = None
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._main: list[asyncio.Task[None]] = []
+        self._helpers: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Self:
         self._tasks = asyncio.TaskGroup()
@@ -364,7 +365,7 @@ class Fleet:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for task in [*self._main, *self._readers.values()]:
+        for task in [*self._main, *self._readers.values(), *self._helpers]:
             task.cancel()
         for session in self.sessions.values():
             session.fail_all("daemon shutting down")
@@ -435,7 +436,7 @@ class Fleet:
         assert self._tasks is not None
         task = self._tasks.create_task(self._reader(session), name=f"fleet[{address}].reader")
         self._readers[address] = task
-        self._tasks.create_task(self._hello_watch(session), name=f"fleet[{address}].hello")
+        self._spawn(self._hello_watch(session), f"fleet[{address}].hello")
         await self.notify_changed()
 
     async def _gone(self, address: str, reason: str) -> None:
@@ -547,8 +548,14 @@ class Fleet:
             await session.send(Reset(scope="soft"))
 
     def _spawn_ping(self, session: BoardSession) -> None:
+        self._spawn(self._ping(session), f"fleet[{session.address}].ping")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        """A short-lived helper task, cancelled when the fleet closes."""
         assert self._tasks is not None
-        self._tasks.create_task(self._ping(session), name=f"fleet[{session.address}].ping")
+        task = self._tasks.create_task(coro, name=name)
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
 
     async def _ping(self, session: BoardSession) -> None:
         with contextlib.suppress(BoardFaultError):

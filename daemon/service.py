@@ -306,7 +306,8 @@ class Daemon:
         try:
             folder = self.store.create_job(spec.name, spec.model_dump(mode="json"), status="running")
         except StateError as exc:
-            raise ControlError("conflict", f"a job named {spec.name!r} exists in the state directory; choose another name") from exc
+            code = "conflict" if "exists" in exc.detail else "invalid_command"
+            raise ControlError(code, f"job {spec.name!r}: {exc.detail}; choose another name") from exc
         try:
             await asyncio.to_thread(lambda: None)  # yield before the (CPU-bound) workload build
             self._launch(spec, folder)

@@ -184,3 +184,16 @@ async def test_engine_drained_board_gets_no_work() -> None:
         await asyncio.gather(*boards)
     assert engine.work == {"keep": 4 * 8}
     assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+@pytest.mark.parametrize(
+    ("numerics", "estimator", "accumulator"),
+    [("fp32", "two_sided", "fp16"), ("fp32", "one_sided", "fp16"), ("int8", "one_sided", "fp16"), ("int8", "two_sided", "int8")],
+)
+async def test_engine_numerics_variants_match_trainer(numerics: str, estimator: str, accumulator: str) -> None:
+    """FP32, the one-sided estimator and the INT8 accumulator also reach the reference weights."""
+    spec = _spec(steps=5, numerics=numerics, estimator=estimator, accumulator=accumulator, batch_size=16)
+    result = await run_job_inprocess(spec, boards=3)
+    reference = train_zo(spec)
+    assert result.state.checksum() == reference.state.checksum()
+    assert result.evals == reference.evals and result.faults == 0

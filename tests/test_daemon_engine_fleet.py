@@ -1,0 +1,93 @@
+"""Fleet membership and board sessions, with a scripted board on an in-process link."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from qsched.daemon.fleet import BoardErrorReply, BoardFaultError, BoardSession, Fleet
+from qsched.daemon.links.inproc import InProcLink, InProcTransport
+from qsched.protocol.codec import decode, encode
+from qsched.protocol.messages import Error, EvalRequest, EvalResult, Hello, Reset
+
+HELLO = Hello(board_id="scripted", firmware_version="test-1", npu="virtual", ram_kib=1, max_batch=64)
+REQUEST = EvalRequest(job_id=7, step=3, batch_size=8, eps=1.0, estimator="two_sided", ks=(0, 1))
+
+
+async def _session(fleet: Fleet) -> BoardSession:
+    for _ in range(100):
+        if fleet.sessions:
+            return next(iter(fleet.sessions.values()))
+        await fleet.wait_changed(0.05)
+    raise AssertionError("no session appeared")
+
+
+async def _next(board: InProcLink) -> object:
+    return decode(await asyncio.wait_for(anext(board.incoming()), 5))
+
+
+async def test_fleet_unsupported_version_is_refused() -> None:
+    """A board speaking another protocol version gets a typed Error and is marked faulty."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        raw = bytearray(encode(HELLO))
+        raw[2] = 9  # the header's version byte
+        await board.send(bytes(raw))
+        reply = await _next(board)
+        session = await _session(fleet)
+        assert isinstance(reply, Error) and reply.code == "unsupported_version"
+        assert session.state == "faulty"
+
+
+async def test_fleet_error_reply_and_result_resolve_requests() -> None:
+    """A typed Error fails the request it refers to; the matching result resolves the next one."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        await board.send(encode(HELLO))
+        session = await _session(fleet)
+        pending = asyncio.create_task(session.request(REQUEST, timeout=5))
+        assert await _next(board) == REQUEST
+        await board.send(encode(Error(code="stale_step", ref_type=0x45, job_id=7, step=3, detail="board at 2")))
+        with pytest.raises(BoardErrorReply) as refused:
+            await pending
+        assert refused.value.reason == "stale_step"
+        pending = asyncio.create_task(session.request(REQUEST, timeout=5))
+        await _next(board)
+        result = EvalResult(
+            job_id=7, step=3, compute_us=1, estimator="two_sided", ks=(0, 1), loss_plus=(1.0, 2.0), loss_minus=(3.0, 4.0)
+        )
+        await board.send(encode(result.model_copy(update={"step": 4})))  # nobody waits for step 4
+        await board.send(encode(result))
+        assert await pending == result
+
+
+async def test_fleet_request_timeout_and_lost_board() -> None:
+    """No answer is a timeout; a board that goes away fails its waiters at once."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        await board.send(encode(HELLO))
+        session = await _session(fleet)
+        with pytest.raises(BoardFaultError) as late:
+            await session.request(REQUEST, timeout=0.1)
+        assert late.value.reason == "timeout"
+        pending = asyncio.create_task(session.request(REQUEST, timeout=5))
+        await asyncio.sleep(0.05)
+        transport.detach("scripted", "unplugged")
+        with pytest.raises(BoardFaultError):
+            await pending
+        await fleet.wait_changed(0.5)
+        assert "scripted" not in fleet.sessions
+
+
+async def test_fleet_asks_a_silent_board_for_hello() -> None:
+    """A board whose Hello was missed (daemon restart) is asked for one with a soft Reset."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        session = await _session(fleet)
+        assert session.state == "unknown"
+        message = await _next(board)
+        assert isinstance(message, Reset) and message.scope == "soft"
+        await board.send(encode(HELLO))
+        await fleet.wait_changed(1)
+        assert session.state == "hello" and session.board_id == "scripted"
