@@ -60,6 +60,7 @@ __all__ = [
     "parse_host_port",
     "q_trajectory",
     "run_demo",
+    "sigterm_as_interrupt",
     "wait_for_boards",
 ]
 
@@ -261,6 +262,21 @@ def _stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
             _log.warning("board process did not stop; killing it", pid=proc.pid)
             proc.kill()
             proc.wait(BOARD_STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so cleanup runs (board processes are
+    stopped) as after Ctrl-C instead of being orphaned."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def wait_for_boards(fleet: Any, count: int, timeout: float = BOARD_START_TIMEOUT_S) -> None:
@@ -633,7 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.verbose:
             stack.enter_context(_log_to_file(options.out / "demo.log"))
         try:
-            summary = asyncio.run(run_demo(options))
+            with sigterm_as_interrupt():
+                summary = asyncio.run(run_demo(options))
         except DemoError as exc:
             print(f"qsched demo: {exc} (see {options.out}/boards.log)", file=sys.stderr)
             return 1

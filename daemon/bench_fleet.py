@@ -1,0 +1,521 @@
+"""``qsched bench fleet``: how step throughput scales with the number of boards.
+
+    qsched bench fleet                               # 1, 2, 4, 8 boards; MQTT and serial
+    qsched bench fleet --boards 1,8 --links mqtt --q 64 --check
+
+For each link (a private Mosquitto on loopback, started here; serial pseudo-terminals)
+and each fleet size, one ``qsched board`` process hosts the boards and the daemon's step
+engine runs a fixed-q job on them for a few seconds. The boards sleep for the time an
+STM32N6 NPU takes (``firmware/latency.py``, MobileNetV2-0.35 at 128x128 by default)
+while computing a much smaller model (the default job's MLP), so the host's CPU is not
+what is measured. Printed per configuration:
+
+- forward passes per second (2q per step, each over a minibatch);
+- scaling efficiency: that rate over N times the one-board rate of the same link;
+- coordination overhead per step: measured step time minus the modelled NPU time of the
+  largest shard (planning, messages, the update broadcast and its acks);
+- data-plane payload bytes per step (all boards, both directions), next to what shipping
+  gradients would cost (every board sends a gradient and receives the update).
+
+The shard audit (one key of every shard evaluated twice) is off unless ``--audit``: it
+is a correctness check that costs one extra key per board and step by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+import structlog
+
+from qsched.daemon.demo import board_processes, sigterm_as_interrupt, wait_for_boards
+from qsched.daemon.links.base import BoardAppeared, LinkEvent
+
+__all__ = [
+    "BenchConfig",
+    "BenchRow",
+    "ByteCounter",
+    "CountingLink",
+    "CountingTransport",
+    "bench_one",
+    "format_notes",
+    "format_report",
+    "main",
+    "model_facts",
+    "run_bench",
+]
+
+_log = structlog.get_logger("qsched.bench.fleet")
+
+LINKS: Final = ("mqtt", "serial")
+EFFICIENCY_FLOOR: Final = 0.9
+FLOOR_BOARDS: Final = 8
+# Type codes of the step's own messages (protocol/messages.py TYPE_CODES).
+STEP_TYPES: Final = {0x45: "eval_request", 0x03: "eval_result", 0x46: "apply_update", 0x04: "update_ack"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the benchmark runs.
+
+    Args:
+        boards: fleet sizes.
+        links: ``mqtt`` and/or ``serial``.
+        q: perturbations per step (a fixed-q policy).
+        batch: samples per forward pass.
+        window_s: measured seconds per configuration (steps derived from the model).
+        warmup_steps: steps run before measuring (loading, first throughput estimates).
+        min_steps: fewest measured steps.
+        max_steps: most measured steps.
+        model_latency: the boards' latency model (``qsched board --model-latency``).
+        audit: keep the engine's shard audit on.
+        mqtt: an existing broker ``HOST:PORT`` instead of a private one.
+    """
+
+    boards: tuple[int, ...] = (1, 2, 4, 8)
+    links: tuple[str, ...] = LINKS
+    q: int = 64
+    batch: int = 1
+    window_s: float = 3.0
+    warmup_steps: int = 2
+    min_steps: int = 3
+    max_steps: int = 60
+    model_latency: str = "mobilenetv2-0.35-128"
+    audit: bool = False
+    mqtt: str | None = None
+
+
+@dataclass
+class BenchRow:
+    """One configuration's figures."""
+
+    link: str
+    boards: int
+    steps: int
+    step_s: float
+    ideal_step_s: float
+    forward_passes_per_s: float
+    payload_bytes_per_step: float
+    bytes_by_type: dict[str, float] = field(default_factory=dict)
+    work: dict[str, int] = field(default_factory=dict)
+    efficiency: float | None = None
+
+    @property
+    def overhead_s(self) -> float:
+        """Step time beyond the modelled NPU time of the largest shard."""
+        return self.step_s - self.ideal_step_s
+
+
+# --------------------------------------------------------------------------- byte counting
+
+
+class ByteCounter:
+    """Data-plane bytes by message type, counted only while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.bytes: Counter[str] = Counter()
+
+    def add(self, payload: bytes) -> None:
+        """Count one message (its type from the header's fourth byte)."""
+        if self.active:
+            code = payload[3] if len(payload) >= 4 else -1
+            self.bytes[STEP_TYPES.get(code, "other")] += len(payload)
+
+
+class CountingLink:
+    """A link that counts what passes through it; everything else is the wrapped link's."""
+
+    def __init__(self, link: Any, counter: ByteCounter) -> None:
+        self._link = link
+        self._counter = counter
+        self.board_id = link.board_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether the wrapped link is gone."""
+        return bool(self._link.closed)
+
+    async def send(self, payload: bytes) -> None:
+        """Count, then send."""
+        self._counter.add(payload)
+        await self._link.send(payload)
+
+    async def incoming(self) -> AsyncIterator[bytes]:
+        """The wrapped link's messages, counted."""
+        async for data in self._link.incoming():
+            self._counter.add(data)
+            yield data
+
+    async def close(self) -> None:
+        """Close the wrapped link."""
+        await self._link.close()
+
+
+class CountingTransport:
+    """A view of an entered transport whose board links count their bytes.
+
+    Entering and leaving it does nothing: the wrapped transport's owner does that.
+
+    Args:
+        transport: the wrapped transport, already entered.
+        counter: where the bytes go.
+    """
+
+    def __init__(self, transport: Any, counter: ByteCounter) -> None:
+        self.transport = transport
+        self.counter = counter
+        self.name = transport.name
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None
+
+    async def events(self) -> AsyncIterator[LinkEvent]:
+        """The wrapped transport's events, with counting links."""
+        async for event in self.transport.events():
+            if isinstance(event, BoardAppeared):
+                event = BoardAppeared(event.board_id, CountingLink(event.link, self.counter), event.transport)
+            yield event
+
+
+# --------------------------------------------------------------------------- one configuration
+
+
+def _spec(config: BenchConfig, steps: int) -> Any:
+    from qsched.zo.spec import JobSpec, PolicySpec
+
+    # eval_every beyond the run and one step more than measured: no validation runs.
+    return JobSpec(name="bench", steps=steps + 1, batch_size=config.batch, eval_every=10**6,
+                   checkpoint_every=10**6, policy=PolicySpec(name="fixed", config={"q": config.q}))
+
+
+def _ideal_step_s(config: BenchConfig, boards: int, computed_macs: int) -> float:
+    from qsched.firmware.virtual_board import LatencyProfile
+
+    largest = math.ceil(config.q / boards) + (1 if config.audit and boards > 1 else 0)
+    return LatencyProfile.named(config.model_latency).forward_seconds(computed_macs, 2 * largest * config.batch)
+
+
+class _Clock:
+    """Step completion times; stops the engine after the last measured step."""
+
+    def __init__(self, warmup: int, measured: int, counter: ByteCounter) -> None:
+        self.warmup, self.measured, self.counter = warmup, measured, counter
+        self.times: dict[int, float] = {}
+        self.engine: Any = None
+
+    def on_event(self, event: Any) -> None:
+        if event.kind != "step" or event.step is None:
+            return
+        done = event.step + 1
+        self.times[done] = time.perf_counter()
+        if done == self.warmup:
+            self.counter.active = True
+        elif done == self.warmup + self.measured:
+            self.counter.active = False
+            self.engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def _daemon_transport(link: str, ports: list[Any], broker: str | None, fleet: str) -> AsyncIterator[Any]:
+    if link == "serial":
+        from qsched.daemon.demo import PtyTransport
+
+        async with PtyTransport(ports) as transport:
+            yield transport
+        return
+    from qsched.daemon.config import MqttConfig
+    from qsched.daemon.demo import parse_host_port
+    from qsched.daemon.links.mqtt import MqttTransport
+    from qsched.protocol.topics import TopicMap
+
+    assert broker is not None
+    host, port = parse_host_port(broker)
+    async with MqttTransport(MqttConfig(host=host, port=port), TopicMap(fleet=fleet)) as transport:
+        await transport.wait_connected(10.0)
+        yield transport
+
+
+async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | None = None) -> BenchRow:
+    """Time one fleet size on one link.
+
+    Args:
+        config: the benchmark's settings.
+        link: ``mqtt`` or ``serial``.
+        boards: how many boards.
+        broker: ``HOST:PORT`` of the broker (MQTT only).
+
+    Returns:
+        The configuration's figures (``efficiency`` is filled in by ``run_bench``).
+    """
+    from qsched.daemon.engine import EngineConfig, StepEngine
+    from qsched.daemon.fleet import Fleet
+    from qsched.zo.workload import Workload
+    from qsched.zo.zoo import model_summary
+
+    computed_macs = model_summary(Workload.from_spec(_spec(config, 1)).model)[1]
+    ideal = _ideal_step_s(config, boards, computed_macs)
+    measured = min(config.max_steps, max(config.min_steps, math.ceil(config.window_s / max(ideal, 1e-3))))
+    spec = _spec(config, config.warmup_steps + measured)
+    counter = ByteCounter()
+    clock = _Clock(config.warmup_steps, measured, counter)
+    fleet_name = f"bench-{link}-{boards}-{int(time.time() * 1000) % 10**9}"
+    extra = ["--model-latency", config.model_latency]
+    async with (
+        board_processes(boards, mqtt=broker if link == "mqtt" else None, fleet=fleet_name, one_process=True,
+                        extra=extra, id_prefix="bench") as ports,
+        _daemon_transport(link, ports, broker, fleet_name) as inner,
+        CountingTransport(inner, counter) as transport,
+        Fleet(transport) as fleet,
+    ):
+        await wait_for_boards(fleet, boards)
+        engine = StepEngine(spec, fleet, config=EngineConfig(audit_every=1 if config.audit else 0, validate_on="daemon"),
+                            on_event=clock.on_event)
+        clock.engine = engine
+        result = await engine.run()
+    start, end = clock.times[config.warmup_steps], clock.times[config.warmup_steps + measured]
+    step_s = (end - start) / measured
+    per_type = {kind: count / measured for kind, count in sorted(counter.bytes.items())}
+    return BenchRow(
+        link=link, boards=boards, steps=measured, step_s=step_s, ideal_step_s=ideal,
+        forward_passes_per_s=2 * config.q / step_s,
+        payload_bytes_per_step=sum(v for k, v in per_type.items() if k != "other"),
+        bytes_by_type=per_type, work=dict(sorted(result.work.items())),
+    )
+
+
+@contextlib.asynccontextmanager
+async def _broker(config: BenchConfig) -> AsyncIterator[str | None]:
+    if "mqtt" not in config.links:
+        yield None
+    elif config.mqtt is not None:
+        yield config.mqtt
+    else:
+        from qsched.daemon.broker import MosquittoBroker
+
+        async with MosquittoBroker() as broker:
+            yield f"{broker.host}:{broker.port}"
+
+
+async def run_bench(config: BenchConfig, on_row: Any = None) -> list[BenchRow]:
+    """Run every (link, fleet size) of ``config`` in turn.
+
+    Args:
+        config: the benchmark's settings.
+        on_row: called with each row as it is measured (progress output).
+
+    Returns:
+        The rows, with scaling efficiency against N times the one-board rate of the same
+        link (or, without a one-board row, against the modelled one-board rate).
+    """
+    rows: list[BenchRow] = []
+    async with _broker(config) as broker:
+        for link in config.links:
+            for boards in config.boards:
+                row = await bench_one(config, link, boards, broker)
+                rows.append(row)
+                _fill_efficiency(rows, config)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def _fill_efficiency(rows: list[BenchRow], config: BenchConfig) -> None:
+    for row in rows:
+        single = next((r for r in rows if r.link == row.link and r.boards == 1), None)
+        one_rate = single.forward_passes_per_s if single is not None else 2 * config.q / _one_board_ideal(config, rows)
+        row.efficiency = row.forward_passes_per_s / (row.boards * one_rate)
+
+
+def _one_board_ideal(config: BenchConfig, rows: list[BenchRow]) -> float:
+    row = rows[0]
+    # Ideal times are linear in the shard size: scale this row's down to one board.
+    largest = math.ceil(config.q / row.boards) + (1 if config.audit and row.boards > 1 else 0)
+    return row.ideal_step_s * config.q / largest
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The modelled and the computed model, for the report."""
+
+    modelled: str
+    modelled_macs: int
+    modelled_params: int
+    modelled_seconds: float
+    computed: str
+    computed_macs: int
+
+
+def model_facts(config: BenchConfig) -> ModelFacts:
+    """What the boards model and what they compute.
+
+    Args:
+        config: the benchmark's settings.
+
+    Returns:
+        Names, MACs, parameters and the modelled time per inference.
+    """
+    from qsched.firmware.virtual_board import LatencyProfile
+    from qsched.zo.workload import Workload
+    from qsched.zo.zoo import build_model, model_summary
+
+    spec = _spec(config, 1)
+    computed_params, computed_macs = model_summary(Workload.from_spec(spec).model)
+    profile = LatencyProfile.named(config.model_latency)
+    if profile.macs_per_forward is None:  # the boards model the model they compute
+        return ModelFacts(f"{spec.model} (computed)", computed_macs, computed_params,
+                          profile.forward_seconds(computed_macs, 1), f"{spec.model} on {spec.dataset}", computed_macs)
+    params = computed_params
+    if config.model_latency == "mobilenetv2-0.35-128":
+        params = model_summary(build_model("mobilenetv2", (128, 128, 3), 1000, 0, width=0.35))[0]
+    return ModelFacts(config.model_latency, profile.macs_per_forward, params, profile.forward_seconds(0, 1),
+                      f"{spec.model} on {spec.dataset}", computed_macs)
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def _header(config: BenchConfig, facts: ModelFacts) -> list[str]:
+    return [
+        f"qsched bench fleet: q = {config.q} perturbations per step, two-sided, batch {config.batch}, "
+        f"shard audit {'on' if config.audit else 'off'}",
+        f"boards model the STM32N6 NPU running {facts.modelled} ({_si(facts.modelled_macs, 'MAC')}, "
+        f"{facts.modelled_seconds * 1e3:.2f} ms per inference, {_si(facts.modelled_params, 'parameters')})",
+        f"and compute {facts.computed} ({_si(facts.computed_macs, 'MAC')}) instead, sleeping the rest, "
+        "so the host CPU is not the bottleneck",
+    ]
+
+
+def format_row(row: BenchRow, facts: ModelFacts) -> str:
+    """One table line (see ``format_report`` for the columns)."""
+    gradient = 2 * row.boards * facts.modelled_params
+    efficiency = "" if row.efficiency is None else f"{row.efficiency:.3f}"
+    return (
+        f"{row.link:<7}{row.boards:>6}{row.steps:>6}{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
+        f"{row.overhead_s * 1e3:>10.1f}{row.forward_passes_per_s:>10.1f}{efficiency:>8}"
+        f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}{gradient:>14,}"
+    )
+
+
+_COLUMNS: Final = (
+    f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}{'overhead':>10}{'fwd/s':>10}{'eff.':>8}"
+    f"{'payload B':>12}{'grad fp32 B':>15}{'grad int8 B':>14}"
+)
+
+
+def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
+    """The lines under the table: what the columns mean and the efficiency floor."""
+    lines = [
+        "step ms: mean measured step; ideal: modelled NPU time of the largest shard; overhead: the difference",
+        "eff.: forward passes per second over N x the one-board rate of the same link",
+        "payload B: codec bytes of eval requests and results, updates and acks per step (all boards, both ways)",
+        f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters x 4 (fp32) or 1 (int8)",
+    ]
+    floor = _floor(rows)
+    if floor is not None:
+        verdict = "met" if floor >= EFFICIENCY_FLOOR else "NOT met"
+        lines.append(f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: {verdict} ({floor:.3f})")
+    return lines
+
+
+def format_report(rows: Sequence[BenchRow], config: BenchConfig, facts: ModelFacts) -> str:
+    """The whole report: header, table, notes and the efficiency floor."""
+    table = [_COLUMNS, *(format_row(r, facts) for r in rows)]
+    return "\n".join([*_header(config, facts), "", *table, "", *format_notes(rows, facts)])
+
+
+def _floor(rows: Sequence[BenchRow]) -> float | None:
+    row = next((r for r in rows if r.link == "mqtt" and r.boards == FLOOR_BOARDS), None)
+    return row.efficiency if row is not None else None
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(part) for part in text.split(","))
+    if not values or any(v < 1 or v > 64 for v in values):
+        raise argparse.ArgumentTypeError(f"want a comma list of board counts in 1..64, got {text!r}")
+    return values
+
+
+def _links(text: str) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(","))
+    if not values or any(v not in LINKS for v in values):
+        raise argparse.ArgumentTypeError(f"want a comma list of {', '.join(LINKS)}, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qsched bench fleet", description="Time ZO steps on fleets of virtual boards.")
+    p.add_argument("--boards", type=_int_list, default=(1, 2, 4, 8), help="fleet sizes (default 1,2,4,8)")
+    p.add_argument("--links", type=_links, default=LINKS, help="mqtt, serial or both (default)")
+    p.add_argument("--q", type=int, default=64, help="perturbations per step (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="samples per forward pass (default 1)")
+    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per configuration (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
+    p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
+    p.add_argument("--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model")
+    p.add_argument("--audit", action="store_true", help="keep the shard audit on")
+    p.add_argument("--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto")
+    p.add_argument("--json", type=Path, help="also write the rows as JSON")
+    p.add_argument("--check", action="store_true", help="exit 1 when the 8-board MQTT efficiency floor is missed")
+    return p
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    if args.q < 1 or args.batch < 1 or args.seconds <= 0 or args.warmup < 1 or args.min_steps < 1:
+        raise ValueError("--q, --batch, --warmup and --min-steps must be at least 1, --seconds positive")
+    return BenchConfig(boards=args.boards, links=args.links, q=args.q, batch=args.batch, window_s=args.seconds,
+                       warmup_steps=args.warmup, min_steps=args.min_steps, model_latency=args.model_latency,
+                       audit=args.audit, mqtt=args.mqtt)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``qsched bench fleet``.
+
+    Args:
+        argv: the arguments after ``qsched bench fleet``.
+
+    Returns:
+        0; 1 with ``--check`` when the floor is missed; 2 on bad options.
+    """
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        config = _config(args)
+        facts = model_facts(config)
+    except ValueError as exc:
+        print(f"qsched bench fleet: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join([*_header(config, facts), "", _COLUMNS]), flush=True)
+    started = time.perf_counter()
+    with sigterm_as_interrupt():
+        rows = asyncio.run(run_bench(config, on_row=lambda row: print(format_row(row, facts), flush=True)))
+    print("\n".join(["", *format_notes(rows, facts), f"({time.perf_counter() - started:.0f} s in all)"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps([{**asdict(r), "overhead_s": r.overhead_s} for r in rows], indent=2) + "\n")
+    floor = _floor(rows)
+    return 1 if args.check and floor is not None and floor < EFFICIENCY_FLOOR else 0
