@@ -255,6 +255,18 @@ def _progress(record: Any, evaluation: Any) -> None:
         )
 
 
+def _spec_errors() -> tuple[type[Exception], ...]:
+    """The typed errors a job spec's names and paths raise (unknown model, data set, policy...)."""
+    from qsched.policies.errors import PolicyError
+    from qsched.zo.datasets import DatasetError
+    from qsched.zo.graph import GraphError
+    from qsched.zo.tflite_io import TFLiteError
+    from qsched.zo.workload import WorkloadError
+    from qsched.zo.zoo import ZooError
+
+    return (DatasetError, GraphError, PolicyError, TFLiteError, WorkloadError, ZooError)
+
+
 def train_main(argv: list[str]) -> int:
     """``qsched train``: run a job spec in this process (the reference loop, no boards).
 
@@ -262,17 +274,24 @@ def train_main(argv: list[str]) -> int:
         argv: ``[--spec FILE] [--set KEY=VALUE ...]``.
 
     Returns:
-        0, or 2 when the spec is invalid.
+        0, or 2 when the spec is invalid or names a model, data set, policy or file that
+        does not resolve (one line on stderr, no traceback).
     """
-    parser = argparse.ArgumentParser(prog="qsched train", description=train_main.__doc__)
+    from qsched.zo.spec import JobSpec
+
+    parser = argparse.ArgumentParser(
+        prog="qsched train",
+        description="Run a job spec in this process (the reference loop, no boards). Spec fields: "
+        f"{', '.join(JobSpec.model_fields)} (policy.name, policy.config.KEY).",
+        epilog="example: qsched train --set model=cnn --set steps=200 --set policy.name=fixed "
+        "--set policy.config.q=4",
+    )
     parser.add_argument("--spec", type=Path, help="job spec, JSON or TOML (default: the built-in defaults)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (JSON value)"
     )
     args = parser.parse_args(argv)
     from pydantic import ValidationError
-
-    from qsched.zo.spec import JobSpec
 
     try:
         spec = JobSpec.model_validate(_load_spec_data(args.spec, args.set))
@@ -281,7 +300,11 @@ def train_main(argv: list[str]) -> int:
         return EXIT_USAGE
     # Not a command: the signature resolve() states does not apply.
     train_zo: Callable[..., Any] = resolve("qsched.zo.trainer:train_zo")
-    result = train_zo(spec, on_step=_progress)
+    try:
+        result = train_zo(spec, on_step=_progress)
+    except (OSError, *_spec_errors()) as exc:  # a name or path in the spec that does not resolve
+        print(f"qsched train: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(json.dumps(_summary(result), indent=2))
     return 0
 

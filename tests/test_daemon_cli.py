@@ -118,6 +118,20 @@ def test_cli_train_rejects_invalid_spec(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["train", "--set", "no-equals-sign"]) == 2
 
 
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("model=nosuch", "nosuch"), ("dataset=nosuch", "nosuch"), ("policy.name=nosuch", "nosuch"),
+     ("model_options.width=2", "width"), ("backbone=missing.tflite", "missing.tflite")],
+)
+def test_cli_train_unresolved_name_is_one_line(
+    capsys: pytest.CaptureFixture[str], override: str, named: str
+) -> None:
+    """A model, data set, policy, option or file that does not resolve: status 2, one named line."""
+    assert main(["train", "--set", "steps=1", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qsched train: ") and named in err and "Traceback" not in err
+
+
 def test_logging_json_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     """Records are JSON lines on a non-terminal stderr, with level, timestamp and fields."""
     from qsched.daemon.logging import configure_logging
