@@ -11,6 +11,10 @@ computed once:
 - the suffix runs on stacked tensors ``(P, N, ...)``, in chunks of P sized to a memory
   budget.
 
+INT8 layers run on the native C kernels (``native``) when they are built, else on the
+numpy kernels (``kernels_int8``); both give the same bits, and the native ones need no
+wide temporaries, so chunks of P are then sized by the int8 tensors alone.
+
 INT8 arithmetic is exact, so batching changes no bit. FP32 results are also
 independent of batching: the kernels only use per-slice BLAS calls and fixed-order
 element-wise sums (see ``kernels_fp32``), so ``run_fp32_perturbed(...)[p]`` equals
