@@ -97,19 +97,26 @@ def test_native_add_equals_numpy(single: bool) -> None:
 
 
 def test_native_threads_do_not_change_bits() -> None:
-    """Two threads (work split over samples) give the same bits as one."""
+    """Two threads (work split over samples) give the same bits as one (conv, depthwise)."""
     rng = np.random.default_rng(9)
     x = _int8(rng, (1, 7, 6, 6, 8))
     w = _int8(rng, (5, 12, 3, 3, 8), -127)
     bias = rng.integers(-3000, 3000, (1, 12)).astype(np.int64)
-    stage = _stage(rng, 12, "relu")
-    one = native.conv2d(x, w, bias, stage, (1, 1), "same")
+    wd = _int8(rng, (5, 1, 3, 3, 8), -127)
+    stage, dstage = _stage(rng, 12, "relu"), _stage(rng, 8, "none")
+
+    def both() -> tuple[np.ndarray, np.ndarray]:
+        conv = native.conv2d(x, w, bias, stage, (1, 1), "same")
+        return conv, native.depthwise_conv2d(x, wd, bias[:, :8], dstage, (2, 2), "same")
+
+    one = both()
     native.set_threads(2)
     try:
-        two = native.conv2d(x, w, bias, stage, (1, 1), "same")
+        two = both()
     finally:
         native.set_threads(None)
-    np.testing.assert_array_equal(one, two)
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_native_rejects_mismatched_sets() -> None:
