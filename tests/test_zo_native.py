@@ -232,3 +232,13 @@ def test_native_simd_paths_equal_numpy(tmp_path, flags: list[str]) -> None:
         native._state.update(saved)
     np.testing.assert_array_equal(conv, ki.conv2d(x, w, bias, stage, (2, 1), "same"))
     np.testing.assert_array_equal(dw, ki.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same"))
+
+
+def test_native_refuses_accumulator_overflow() -> None:
+    """A bias that could push the int32 accumulator past its range is refused."""
+    rng = np.random.default_rng(12)
+    x = _int8(rng, (1, 1, 4, 4, 8))
+    w = _int8(rng, (1, 2, 3, 3, 8))
+    bias = np.array([[2**31 - 1000, 0]], np.int64)
+    with pytest.raises(ValueError, match="overflow"):
+        native.conv2d(x, w, bias, _stage(rng, 2, "none"), (1, 1), "same")

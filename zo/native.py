@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 CFLAGS: Final = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing",
                  "-fPIC", "-shared", "-pthread")
 SOURCE: Final = Path(__file__).with_name("_native") / "qsched_kernels.c"
-# int32 accumulation is exact while K * 2^15 + |bias| < 2^31 (see the C file).
-_MAX_K: Final = 2**16 - 1
+# Largest |w * (x - zp)|: the int32 accumulator holds K of them plus the bias (C file).
+_MAX_PRODUCT: Final = 128 * 255
 I8 = npt.NDArray[np.int8]
 I64 = npt.NDArray[np.int64]
 Array = npt.NDArray[Any]
@@ -258,6 +258,13 @@ def _sets(*counts: int) -> int:
     return total
 
 
+def _check_range(k: int, bias: npt.NDArray[np.int32]) -> None:
+    """Refuse a layer whose int32 accumulator could overflow (TFLite's would too)."""
+    peak = int(np.abs(bias.astype(np.int64)).max(initial=0))
+    if k * _MAX_PRODUCT + peak >= 2**31:
+        raise ValueError(f"dot-product length {k} with bias up to {peak} can overflow the int32 accumulator")
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise NativeError(f"native {what} could not allocate its scratch memory")
@@ -293,9 +300,8 @@ def conv2d(
     sw, o, kh, kw, ig = weight.shape
     if ig * groups != c or o % groups:
         raise ValueError(f"weight {weight.shape} with groups={groups} does not fit {c} channels")
-    if kh * kw * ig > _MAX_K:
-        raise ValueError(f"dot-product length {kh * kw * ig} exceeds the int32 accumulator's range")
     b32 = np.ascontiguousarray(bias, dtype=np.int32).reshape(-1, o)
+    _check_range(kh * kw * ig, b32)
     so = _sets(s, sw, b32.shape[0])
     oh, ow, pt, pl = _geometry(h, w, (kh, kw), stride, padding)
     xc, wc = _c8(x), _c8(weight)
@@ -358,6 +364,7 @@ def depthwise_conv2d(
     if o % c:
         raise ValueError(f"depthwise weight {weight.shape} does not fit {c} channels")
     b32 = np.ascontiguousarray(bias, dtype=np.int32).reshape(-1, o)
+    _check_range(kh * kw, b32)
     so = _sets(s, sw, b32.shape[0])
     oh, ow, pt, pl = _geometry(h, w, (kh, kw), stride, padding)
     xc, wc = _c8(x), _c8(weight)

@@ -14,10 +14,11 @@
  *
  * Bounds. |x - zp| <= 255 and |w| <= 128, so a product is below 2^15 and the sum of a
  * pair below 2^16: int16 operands and the pairwise int32 multiply-add (vpmaddwd) are
- * exact. An int32 accumulator of K products and a bias stays exact while
- * K * 2^15 + |bias| < 2^31, i.e. any K < 65536 with TFLite's int32 bias; the Python
- * side checks K before calling.
+ * exact. The int32 accumulator of K products and the bias (TFLite's too) cannot overflow
+ * while K * 128 * 255 + |bias| < 2^31; the Python side refuses layers beyond that.
  *
+ * Convolution patches come from a centred int16 copy of the input with its padding
+ * cells (zero) around it; depthwise interior pixels take two taps per multiply-add.
  * No allocation happens per pixel: each call allocates its packed weights and one
  * scratch block per thread, and frees them before returning.
  */
