@@ -18,6 +18,7 @@ it).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -213,10 +214,26 @@ def _requant_table(stage: OutputStage, single_rounding: bool, channels: int) -> 
     """Per-channel ``[left, multiplier, add, threshold, right]`` for the C requantiser.
 
     The same integers as ``fixedpoint.multiply_by_quantized_multiplier`` (see the C
-    file's requant_row for the formula and its bounds).
+    file's requant_row for the formula and its bounds). Tables are cached by value: the
+    engine prepares its stages anew on every call, with the same multipliers.
     """
-    m = np.broadcast_to(np.asarray(stage.multiplier, np.int64), (channels,)).copy()
-    s = np.broadcast_to(np.asarray(stage.shift, np.int64), (channels,)).copy()
+    m = np.ascontiguousarray(stage.multiplier, np.int64)
+    s = np.ascontiguousarray(stage.shift, np.int64)
+    return _cached_table(m.tobytes(), s.tobytes(), m.shape, s.shape, single_rounding, channels)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_table(m_bytes: bytes, s_bytes: bytes, m_shape: tuple[int, ...], s_shape: tuple[int, ...],
+                  single_rounding: bool, channels: int) -> I64:
+    m = np.broadcast_to(np.frombuffer(m_bytes, np.int64).reshape(m_shape), (channels,)).copy()
+    s = np.broadcast_to(np.frombuffer(s_bytes, np.int64).reshape(s_shape), (channels,)).copy()
+    table = _build_table(m, s, single_rounding, channels)
+    table.flags.writeable = False  # shared by every caller
+    return table
+
+
+def _build_table(m: I64, s: I64, single_rounding: bool, channels: int) -> I64:
+    """The table from per-channel multipliers and shifts (m and s are modified)."""
     never = np.full(channels, -(2**62), np.int64)  # below every x * m + add
     if single_rounding:
         big = s > 30
