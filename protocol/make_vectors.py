@@ -135,7 +135,7 @@ def _bad_messages() -> list[tuple[str, bytes, str]]:
         ("bad_kset_mode", request[:kset_at] + b"\x07" + request[kset_at + 1 :], "invalid_field"),
         ("kset_not_ascending", request[:kset_at + 3] + b"\x02\x00\x00\x00", "invalid_field"),
         ("zero_keys", request[:kset_at] + b"\x00\x00\x00\x00\x00", "invalid_field"),
-        ("nan_eps", request[:18] + struct.pack("<f", float("nan")) + request[22:], "invalid_field"),
+        ("nan_eps", request[:14] + struct.pack("<f", float("nan")) + request[18:], "invalid_field"),
         ("oversized_chunk", encode(LoadModel(total=0, offset=0, crc32=0, chunk=b""))[:16]
          + struct.pack("<H", MAX_CHUNK + 1), "invalid_field"),
     ]

@@ -102,6 +102,26 @@ def test_vectors_bad_messages_are_refused() -> None:
         assert info.value.kind == fields["error"], name
 
 
+# What each bad.* input breaks, in the decoder's words: an input refused for another
+# reason (a field patched at the wrong offset, say) would not test its case.
+_BAD_REASONS = {
+    "empty": "0 bytes", "short_header": "3 bytes", "bad_magic": "header starts", "future_version": "version",
+    "unknown_type": "type code", "truncated_body": "layout needs", "trailing_byte": "after the message",
+    "bad_enum": "scope code", "bad_kset_mode": "k set mode", "kset_not_ascending": "ascending",
+    "zero_keys": "k count 0", "nan_eps": "eps", "oversized_chunk": "chunk is",
+}
+
+
+def test_vectors_bad_messages_fail_for_their_named_reason() -> None:
+    """Each bad.* input is refused for the fault its name gives, not for a side effect."""
+    groups = _groups(_read_txt("messages"), "bad")
+    assert set(groups) == set(_BAD_REASONS)
+    for name, fields in groups.items():
+        with pytest.raises(ProtocolError) as info:
+            decode(bytes.fromhex(fields["hex"]))
+        assert _BAD_REASONS[name] in str(info.value), (name, str(info.value))
+
+
 def _summary(item: Frame | ProtocolError) -> str:
     if isinstance(item, ProtocolError):
         return "error"
