@@ -300,9 +300,10 @@ def train_main(argv: list[str]) -> int:
         return EXIT_USAGE
     # Not a command: the signature resolve() states does not apply.
     train_zo: Callable[..., Any] = resolve("qsched.zo.trainer:train_zo")
+    unresolved: tuple[type[Exception], ...] = (OSError, *_spec_errors())
     try:
         result = train_zo(spec, on_step=_progress)
-    except (OSError, *_spec_errors()) as exc:  # a name or path in the spec that does not resolve
+    except unresolved as exc:  # a name or path in the spec that does not resolve
         print(f"qsched train: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(_summary(result), indent=2))
