@@ -47,9 +47,13 @@ from qsched.protocol.control import (
     Reply,
     StartJob,
     StatusReport,
+    error_reply,
+    parse_command,
 )
+from qsched.protocol.errors import ProtocolError
 from qsched.protocol.topics import TopicMap
 from qsched.zo.spec import JobSpec
+from qsched.zo.workload import Workload
 
 __all__ = ["EVENT_QUEUE_SIZE", "STATUS_INTERVAL_S", "ActiveJob", "Daemon", "main", "status_topic"]
 
@@ -57,7 +61,9 @@ _log = structlog.get_logger("qsched.daemon")
 
 EVENT_QUEUE_SIZE: Final = 1024
 STATUS_INTERVAL_S: Final = 1.0
+STATUS_MIN_INTERVAL_S: Final = 0.25
 _CONTROL_CONCURRENCY: Final = 8  # commands handled at once; more wait their turn
+_CONTROL_BACKLOG: Final = 256  # commands waiting beyond this are answered "busy" at once
 
 
 def status_topic(topics: TopicMap) -> str:
@@ -119,6 +125,7 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._status_changed = asyncio.Event()
         self._control_slots = asyncio.Semaphore(_CONTROL_CONCURRENCY)
+        self._control_backlog = 0
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: asyncio.TaskGroup | None = None
         self._background: list[asyncio.Task[Any]] = []
@@ -240,11 +247,14 @@ class Daemon:
                 _log.error("job cannot be resumed", job=folder.job_id, error=str(exc))
                 folder.set_status("failed", f"cannot resume: {exc}")
 
-    def _launch(self, spec: JobSpec, folder: JobDir, *, paused: bool = False) -> ActiveJob:
+    def _launch(
+        self, spec: JobSpec, folder: JobDir, *, paused: bool = False, workload: Workload | None = None
+    ) -> ActiveJob:
         assert self.fleet is not None
         checkpoint = folder.load_checkpoint()
         engine = StepEngine(
-            spec, self.fleet, config=self.engine_config, resume=checkpoint, job_dir=folder, on_event=self._on_event
+            spec, self.fleet, config=self.engine_config, workload=workload, resume=checkpoint,
+            job_dir=folder, on_event=self._on_event,
         )
         job = ActiveJob(spec, engine, folder)
         self.job = job
@@ -309,8 +319,11 @@ class Daemon:
             code = "conflict" if "exists" in exc.detail else "invalid_command"
             raise ControlError(code, f"job {spec.name!r}: {exc.detail}; choose another name") from exc
         try:
-            await asyncio.to_thread(lambda: None)  # yield before the (CPU-bound) workload build
-            self._launch(spec, folder)
+            workload = await asyncio.to_thread(Workload.from_spec, spec)  # CPU-bound: off the loop
+            if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
+                folder.set_status("stopped", "another job started first")
+                raise ControlError("conflict", f"job {self.job.spec.name!r} started meanwhile")
+            self._launch(spec, folder, workload=workload)
         except ValueError as exc:
             folder.set_status("failed", str(exc))
             raise ControlError("invalid_command", f"job {spec.name!r} cannot run: {exc}") from exc
@@ -448,6 +461,7 @@ class Daemon:
                 await asyncio.wait_for(self._status_changed.wait(), STATUS_INTERVAL_S)
             self._status_changed.clear()
             await self._flush_status()
+            await asyncio.sleep(STATUS_MIN_INTERVAL_S)  # steps can be milliseconds apart
 
     async def _flush_status(self) -> None:
         text = self._status_text()
@@ -477,8 +491,15 @@ class Daemon:
         self._tasks.create_task(self._answer(payload, response_topic, correlation), name="control.command")
 
     async def _answer(self, payload: bytes | str, response_topic: str | None, correlation: bytes | None) -> None:
-        async with self._control_slots:
-            reply = await handle_payload(self, payload)
+        if self._control_backlog >= _CONTROL_BACKLOG:
+            reply: Reply | ErrorReply = _busy_reply(payload)
+        else:
+            self._control_backlog += 1
+            try:
+                async with self._control_slots:
+                    reply = await handle_payload(self, payload)
+            finally:
+                self._control_backlog -= 1
         await self._send_reply(reply, response_topic, correlation)
 
     async def _send_reply(self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None) -> None:
@@ -493,6 +514,18 @@ class Daemon:
             )
         except TimeoutError:
             _log.warning("control reply not delivered (broker away)", request_id=reply.request_id)
+
+
+def _busy_reply(payload: bytes | str) -> ErrorReply:
+    """The answer to a command the daemon has no room for (it still gets exactly one)."""
+    try:
+        command = parse_command(payload)
+    except ProtocolError as exc:
+        return error_reply(exc)
+    return ErrorReply(
+        command=command.type, request_id=command.request_id, code="busy",
+        message=f"more than {_CONTROL_BACKLOG} commands are waiting; retry later",
+    )
 
 
 def _raise_if_cancelling() -> None:

@@ -56,7 +56,8 @@ async def _exchange(broker: MosquittoBroker, documents: list[str], settle: float
         reader = asyncio.create_task(collect())
         for document in documents:
             await client.publish("qsched/v1/ctl/control/request", document, qos=1)
-            await asyncio.sleep(0.05)
+            # A start builds the job's workload first: let it finish before the next command.
+            await asyncio.sleep(0.6 if "start_job" in document else 0.05)
         await asyncio.sleep(settle)
         reader.cancel()
     return replies

@@ -142,7 +142,7 @@ def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_pa
     _boards(procs, mqtt_broker, fleet, 2, "kb", *SLOW)
     daemon = _daemon(procs, mqtt_broker, state, fleet)
     _start_job(mqtt_broker, fleet, SPEC, tmp_path)
-    kill_at = random.Random().randint(5, 25)
+    kill_at = random.Random().randint(5, 18)
     _wait_for(lambda: _steps_logged(state, "resume") >= kill_at, 60, f"step {kill_at}")
     daemon.send_signal(signal.SIGKILL)
     daemon.wait(10)
