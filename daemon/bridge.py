@@ -1,0 +1,271 @@
+"""``qsched bridge``: this host's serial boards, exposed on an MQTT broker.
+
+    qsched bridge --serial /dev/ttyACM0 --serial /dev/ttyACM1 --mqtt broker:1883
+    qsched bridge --serial '/dev/qsched/stlink-*' --mqtt broker:1883 --fleet lab
+
+A fleet can span many hosts behind one broker: each host with USB boards runs a bridge,
+one daemon somewhere trains on all of them. For every serial port the bridge opens the
+link (COBS frames, acks, retransmission: ``SerialTransport``, which also reopens a port
+after an unplug and watches glob patterns for new ones), learns the board's id from its
+``Hello`` (asking with a soft ``Reset`` when the board said it before the port was
+opened), and then acts as that board on MQTT: a birth message and a Last Will on the
+board's presence topic, its data-plane messages relayed unchanged between the serial link
+and ``boards/<id>/out`` / ``boards/<id>/in``. To the daemon a bridged board is an MQTT
+board like any other; the bridge never decodes more than a Hello.
+
+Settings (broker, TLS, credentials, prefix, fleet, ports) come from the daemon
+configuration (``--config`` / ``$QSCHED_CONFIG``); the options override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, Final
+
+import structlog
+
+from qsched.daemon.links.base import INCOMING_QUEUE_SIZE, BoardAppeared, LinkClosedError, LinkError
+from qsched.protocol.codec import decode, encode, peek_header
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.messages import TYPE_CODES, Hello, Reset
+
+__all__ = ["HELLO_ASK_AFTER_S", "HELLO_RETRY_S", "bridge_board", "main", "run_bridge"]
+
+_log = structlog.get_logger("qsched.bridge")
+
+# A board that said nothing resembling a Hello this long after its port opened is asked
+# for one (soft Reset), and again every HELLO_RETRY_S.
+HELLO_ASK_AFTER_S: Final = 1.0
+HELLO_RETRY_S: Final = 5.0
+_HELLO_CODE: Final = TYPE_CODES[Hello]
+_END: Final = b""  # the serial link ended (a real message is never empty)
+SHUTDOWN_TIMEOUT_S: Final = 10.0
+RECANCEL_S: Final = 0.5
+
+
+def _hello_of(data: bytes) -> Hello | None:
+    """The Hello in ``data``, or None for any other (or undecodable) message."""
+    try:
+        if peek_header(data)[1] != _HELLO_CODE:
+            return None
+        msg = decode(data)
+    except ProtocolError:
+        return None
+    return msg if isinstance(msg, Hello) else None
+
+
+async def _pump(link: Any, queue: asyncio.Queue[bytes]) -> None:
+    """Serial -> queue, ending with ``_END`` (the queue applies the link's back-pressure)."""
+    try:
+        async for data in link.incoming():
+            await queue.put(data)
+    finally:
+        with contextlib.suppress(asyncio.QueueFull):
+            queue.put_nowait(_END)
+
+
+async def _await_hello(link: Any, queue: asyncio.Queue[bytes], ask_after: float) -> tuple[Hello, bytes] | None:
+    """The board's next Hello (other messages dropped: no session exists yet); None: link gone."""
+    wait = ask_after
+    while True:
+        try:
+            data = await asyncio.wait_for(queue.get(), wait)
+        except TimeoutError:
+            _log.info("no hello from the board; asking for one", port=link.board_id)
+            with contextlib.suppress(LinkError):
+                await link.send(encode(Reset(scope="soft")))
+            wait = HELLO_RETRY_S
+            continue
+        if data == _END:
+            return None
+        hello = _hello_of(data)
+        if hello is not None:
+            return hello, data
+
+
+async def _downlink(endpoint: Any, link: Any) -> None:
+    """MQTT -> serial, until either side ends."""
+    async for data in endpoint.incoming():
+        try:
+            await link.send(data)
+        except LinkClosedError:
+            return
+        except LinkError as exc:  # not acknowledged: the daemon re-asks after its deadline
+            _log.warning("message to the board not delivered", port=link.board_id, error=str(exc))
+
+
+async def _serve_as(
+    hello: Hello, raw: bytes, link: Any, queue: asyncio.Queue[bytes], cfg: Any, topics: Any
+) -> tuple[Hello, bytes] | None:
+    """Act as ``hello.board_id`` on MQTT until the link ends (None) or a Hello names
+    another board (returned, to serve that one instead)."""
+    from qsched.daemon.links.mqtt import MqttEndpoint
+
+    board = hello.board_id
+    async with MqttEndpoint(cfg, topics, board, protocol_version=hello.protocol_version) as endpoint:
+        await endpoint.wait_connected()
+        _log.info("board bridged", board=board, port=link.board_id, fleet=topics.fleet)
+        down = asyncio.create_task(_downlink(endpoint, link), name=f"bridge[{board}].downlink")
+        try:
+            data = raw
+            while data != _END:
+                other = _hello_of(data) if data is not raw else None
+                if other is not None and other.board_id != board:
+                    _log.info("board renamed itself", old=board, new=other.board_id)
+                    return other, data
+                try:
+                    await endpoint.send(data)
+                except LinkError as exc:  # broker away longer than send_timeout_s
+                    _log.warning("message from the board not delivered", board=board, error=str(exc))
+                data = await queue.get()
+            return None
+        finally:
+            down.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await down
+            _log.info("board unbridged", board=board, port=link.board_id)
+
+
+async def bridge_board(link: Any, cfg: Any, topics: Any, *, ask_after: float = HELLO_ASK_AFTER_S) -> str:
+    """Expose the board on one serial link as an MQTT board until the link ends.
+
+    Args:
+        link: an open serial link (``SerialLink``) to the board.
+        cfg: the broker settings (``MqttConfig``).
+        topics: the fleet's ``TopicMap``.
+        ask_after: seconds to wait for a Hello before asking for one.
+
+    Returns:
+        ``"closed"`` once the serial link is gone (the board's presence is then offline).
+    """
+    queue: asyncio.Queue[bytes] = asyncio.Queue(INCOMING_QUEUE_SIZE)
+    reader = asyncio.create_task(_pump(link, queue), name=f"bridge[{link.board_id}].uplink")
+    try:
+        got = await _await_hello(link, queue, ask_after)
+        while got is not None:
+            got = await _serve_as(*got, link, queue, cfg, topics)
+        return "closed"
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def run_bridge(devices: Sequence[str], cfg: Any, topics: Any, *, baudrate: int = 921600,
+                     reopen_interval: float = 1.0) -> None:
+    """Bridge every port in ``devices`` (paths or glob patterns) until cancelled.
+
+    Args:
+        devices: serial ports; patterns are rescanned for new ports.
+        cfg: the broker settings.
+        topics: the fleet's topic map.
+        baudrate: the ports' line speed.
+        reopen_interval: seconds between attempts to (re)open a port.
+    """
+    from qsched.daemon.links.serial import SerialTransport
+
+    bridges: set[asyncio.Task[str]] = set()
+    async with SerialTransport(devices, baudrate=baudrate, reopen_interval=reopen_interval) as transport:
+        try:
+            async for event in transport.events():
+                if isinstance(event, BoardAppeared):
+                    task = asyncio.create_task(bridge_board(event.link, cfg, topics), name=f"bridge[{event.board_id}]")
+                    bridges.add(task)
+                    task.add_done_callback(_finished)
+                    task.add_done_callback(bridges.discard)
+        finally:
+            await _cancel_until_done(bridges)
+
+
+def _finished(task: asyncio.Task[str]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("bridge task failed", task=task.get_name(), error=repr(task.exception()))
+
+
+async def _cancel_until_done(tasks: set[asyncio.Task[str]]) -> None:
+    """Cancel the tasks again and again until they end (bounded): on Python 3.11 a
+    cancellation that races with a result inside ``asyncio.wait_for`` (aiomqtt's publish
+    uses it) is swallowed, and one ``cancel()`` would leave the task running."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SHUTDOWN_TIMEOUT_S
+    pending = {t for t in tasks if not t.done()}
+    while pending and loop.time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    if pending:
+        _log.error("bridges did not stop", tasks=sorted(t.get_name() for t in pending))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qsched bridge", description="Expose this host's serial boards on MQTT.")
+    p.add_argument("--serial", action="append", default=[], metavar="DEVICE",
+                   help="a serial port or glob pattern (repeatable; default: the configuration's serial.devices)")
+    p.add_argument("--mqtt", metavar="HOST:PORT", help="the broker (default: the configuration's mqtt.host/port)")
+    p.add_argument("--fleet", help="fleet name (default: the configuration's)")
+    p.add_argument("--baud", type=int, help="line speed (default: the configuration's serial.baudrate)")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], Any, Any, int, float]:
+    from qsched.daemon.config import load_config
+    from qsched.daemon.demo import parse_host_port
+    from qsched.protocol.topics import TopicMap
+
+    config = load_config()
+    mqtt = config.mqtt
+    if args.mqtt is not None:
+        host, port = parse_host_port(args.mqtt)
+        mqtt = mqtt.model_copy(update={"host": host, "port": port})
+    devices = args.serial or list(config.serial.devices)
+    if not devices:
+        raise ValueError("no serial ports: give --serial DEVICE or set serial.devices in the configuration")
+    topics = TopicMap(prefix=mqtt.prefix, fleet=args.fleet or config.fleet)
+    baud = args.baud if args.baud is not None else config.serial.baudrate
+    if baud <= 0:
+        raise ValueError("--baud must be positive")
+    return devices, mqtt, topics, baud, config.serial.reopen_interval_s
+
+
+async def _run(devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: float) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    _log.info("bridge starting", ports=devices, broker=f"{mqtt.host}:{mqtt.port}", fleet=topics.fleet)
+    try:
+        await run_bridge(devices, mqtt, topics, baudrate=baud, reopen_interval=reopen)
+    except asyncio.CancelledError:
+        _log.info("bridge stopping")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``qsched bridge`` until SIGINT or SIGTERM.
+
+    Args:
+        argv: the arguments after ``qsched bridge``.
+
+    Returns:
+        0 when stopped by a signal; 2 on bad options.
+    """
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        devices, mqtt, topics, baud, reopen = _settings(args)
+    except ValueError as exc:
+        print(f"qsched bridge: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_run(devices, mqtt, topics, baud, reopen))
+    return 0
