@@ -9,6 +9,7 @@ from qsched.zo.zoo import (
     available_models,
     build_model,
     infer_shapes,
+    model_options,
     model_summary,
     replace_classifier,
     zoo_table,
@@ -171,6 +172,20 @@ def test_zoo_table_lists_every_model():
         params, _ = model_summary(build_model(name))
         row = next(line for line in table.splitlines() if line.startswith(name + " "))
         assert f"{params:,}" in row
+
+
+def test_zoo_table_lists_options_with_their_defaults():
+    """Each model's options line names every option; building with them changes nothing."""
+    table = zoo_table()
+    for name in available_models():
+        options = model_options(name)
+        line = next(line for line in table.splitlines() if line.startswith(f"  {name} "))
+        assert all(f"{key}={value!r}" in line for key, value in options.items())
+        spelled_out = build_model(name, **options)
+        assert model_summary(spelled_out) == model_summary(build_model(name))
+    assert model_options("mobilenetv2")["width"] == 0.35
+    with pytest.raises(ZooError, match="unknown model"):
+        model_options("vgg")
 
 
 def test_dense_classifier_is_last():

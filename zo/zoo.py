@@ -48,6 +48,7 @@ __all__ = [
     "build_model",
     "conv_output_size",
     "infer_shapes",
+    "model_options",
     "model_summary",
     "replace_classifier",
     "zoo_table",
@@ -497,6 +498,33 @@ def _entries() -> list[_Entry]:
     return out
 
 
+def model_options(name: str) -> dict[str, Any]:
+    """The options :func:`build_model` takes for a model, with their defaults.
+
+    Args:
+        name: one of :func:`available_models`.
+
+    Returns:
+        Option name -> default value, in the builder's order.
+
+    Raises:
+        ZooError: unknown name.
+    """
+    if name not in _BUILDERS:
+        raise ZooError(f"unknown model {name!r}; available: {available_models()}")
+    params = inspect.signature(_BUILDERS[name]).parameters.values()
+    return {p.name: p.default for p in params if p.name != "b"}
+
+
+def _options_lines() -> list[str]:
+    # Sizes in the table depend on these (ResNet-18 at width 0.25 is not the 11M-parameter net).
+    lines = ["", "options (JobSpec.model_options), defaults as above; the input size follows the data set:"]
+    for name in available_models():
+        text = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items())
+        lines.append(f"  {name:<12} {text}")
+    return lines
+
+
 def zoo_table() -> str:
     """A printable table of every model at its default size: input, layers, parameters, MACs."""
     rows = [("model", "input", "param layers", "params", "MACs")]
@@ -510,4 +538,4 @@ def zoo_table() -> str:
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([*lines, *_options_lines()])
