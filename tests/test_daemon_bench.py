@@ -1,0 +1,84 @@
+"""``qsched bench fleet`` on a tiny configuration: the command runs and its figures add up
+(no timing assertions: timings belong to the machine, not to the code)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from qsched.daemon.bench_fleet import ByteCounter, CountingTransport, main
+from qsched.daemon.links.base import BoardAppeared
+from qsched.daemon.links.inproc import InProcTransport
+from qsched.protocol.codec import encode
+from qsched.protocol.messages import ApplyUpdate, EvalRequest, Heartbeat, UpdateAck
+
+Q = 8
+
+
+def _size(msg: object) -> int:
+    return len(encode(msg))  # type: ignore[arg-type]
+
+
+def test_bench_fleet_tiny_run_prints_and_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """1 and 2 boards over a private Mosquitto and over ptys: a table, notes, and exact byte counts."""
+    out = tmp_path / "bench.json"
+    status = main(["--boards", "1,2", "--q", str(Q), "--seconds", "0.1", "--min-steps", "2", "--warmup", "1",
+                   "--json", str(out)])
+    printed = capsys.readouterr().out
+
+    assert status == 0
+    rows = json.loads(out.read_text())
+    assert [(r["link"], r["boards"]) for r in rows] == [("mqtt", 1), ("mqtt", 2), ("serial", 1), ("serial", 2)]
+    update = _size(ApplyUpdate(job_id=1, step=0, ks=tuple(range(Q)), coefficients=(0.5,) * Q))
+    ack = _size(UpdateAck(job_id=1, step=0, checksum=0))
+    for row in rows:
+        boards, by_type = row["boards"], row["bytes_by_type"]
+        assert row["steps"] >= 2 and row["step_s"] > 0 and row["forward_passes_per_s"] > 0
+        assert sum(row["work"].values()) == Q * (1 + row["steps"])  # no audits: every key once
+        assert by_type["apply_update"] == boards * update and by_type["update_ack"] == boards * ack
+        shard = _size(EvalRequest(job_id=1, step=0, batch_size=1, eps=1.0, estimator="two_sided",
+                                  ks=tuple(range(Q // boards))))
+        assert by_type["eval_request"] == boards * shard
+        assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
+        assert row["efficiency"] == (1.0 if boards == 1 else pytest.approx(
+            row["forward_passes_per_s"] / (2 * next(r for r in rows if r["link"] == row["link"]
+                                                    and r["boards"] == 1)["forward_passes_per_s"])))
+    lines = printed.splitlines()
+    assert "the host CPU is not the bottleneck" in printed
+    assert sum(1 for line in lines if line.startswith(("mqtt ", "serial "))) == 4
+    assert "grad B: shipping gradients instead" in printed
+    assert "floor:" not in printed  # no 8-board MQTT row, so no verdict
+
+
+async def test_bench_counting_transport_counts_by_type() -> None:
+    """Links of a counting view add each message's bytes under its type, only while active."""
+    counter = ByteCounter()
+    async with InProcTransport() as inner:
+        endpoint = inner.attach("b0")
+        events = CountingTransport(inner, counter).events()
+        appeared = await asyncio.wait_for(anext(events), 5)
+        assert isinstance(appeared, BoardAppeared)
+        ack = encode(UpdateAck(job_id=1, step=3, checksum=7))
+        beat = encode(Heartbeat(uptime_ms=1, state="idle"))
+        incoming = appeared.link.incoming()
+        await endpoint.send(beat)
+        await asyncio.wait_for(anext(incoming), 5)  # received while inactive: not counted
+        counter.active = True
+        await endpoint.send(ack)
+        await endpoint.send(beat)
+        for _ in range(2):
+            await asyncio.wait_for(anext(incoming), 5)
+        await appeared.link.send(ack)  # the daemon's sends count too
+        await endpoint.close()
+    assert counter.bytes == {"update_ack": 2 * len(ack), "other": len(beat)}
+
+
+def test_bench_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """A zero q is a usage error; an unknown link is refused by the parser."""
+    assert main(["--q", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["--links", "carrier-pigeon"])
+    assert "qsched bench fleet" in capsys.readouterr().err
