@@ -165,7 +165,7 @@ class PtyTransport:
     async def __aenter__(self) -> Self:
         for port in self.ports:
             address = f"serial:{port.path}"
-            link = SerialLink(address, FdStream(port.take_master()), **self._options)  # type: ignore[arg-type]
+            link = SerialLink(address, FdStream(port.take_master()), **self._options)
             await link.__aenter__()
             self.links.append(link)
             self._events.put_nowait(BoardAppeared(address, link, self.name))
