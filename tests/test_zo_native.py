@@ -17,7 +17,7 @@ from qsched.zo.graph import TensorQuant
 IN = TensorQuant(scale=0.05, zero_point=-3)
 OUT = TensorQuant(scale=0.1, zero_point=5)
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels not built")
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernels not built or disabled")
 
 
 def _stage(rng: np.random.Generator, channels: int, activation: str, wide: bool = False) -> ki.OutputStage:
@@ -44,6 +44,7 @@ CONV_CASES = [
 ]
 
 
+@needs_native
 @pytest.mark.parametrize(("sx", "sw", "stride", "padding", "groups", "act", "k", "c", "o"), CONV_CASES)
 @pytest.mark.parametrize("single", [False, True])
 def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, o, single) -> None:
@@ -61,6 +62,7 @@ def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, 
 
 @pytest.mark.parametrize(("sx", "sw", "stride", "padding"), [(1, 4, (1, 1), "same"), (3, 3, (2, 2), "same"),
                                                             (2, 1, (2, 1), "valid"), (1, 2, (1, 2), "same")])
+@needs_native
 @pytest.mark.parametrize("mult", [1, 2])
 @pytest.mark.parametrize("c", [5, 16])
 def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult, c) -> None:
@@ -75,6 +77,7 @@ def test_native_depthwise_equals_numpy(sx, sw, stride, padding, mult, c) -> None
     np.testing.assert_array_equal(got, expected)
 
 
+@needs_native
 @pytest.mark.parametrize("single", [False, True])
 def test_native_dense_equals_numpy(single: bool) -> None:
     """Dense with P weight sets against a shared input, odd feature count."""
@@ -86,6 +89,7 @@ def test_native_dense_equals_numpy(single: bool) -> None:
     np.testing.assert_array_equal(native.dense(x, w, bias, stage, single), ki.dense(x, w, bias, stage, single))
 
 
+@needs_native
 @pytest.mark.parametrize("single", [False, True])
 def test_native_add_equals_numpy(single: bool) -> None:
     """Element-wise add, with one operand broadcast over the set axis."""
@@ -96,6 +100,7 @@ def test_native_add_equals_numpy(single: bool) -> None:
     np.testing.assert_array_equal(native.add(a, b, p, single), ki.add(a, b, p, single))
 
 
+@needs_native
 def test_native_threads_do_not_change_bits() -> None:
     """Two threads (work split over samples) give the same bits as one (conv, depthwise)."""
     rng = np.random.default_rng(9)
@@ -119,6 +124,7 @@ def test_native_threads_do_not_change_bits() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@needs_native
 def test_native_rejects_mismatched_sets() -> None:
     """Set axes that do not broadcast are refused before any C code runs."""
     rng = np.random.default_rng(10)
@@ -171,6 +177,7 @@ def test_native_build_failure_logs_one_warning(tmp_path, monkeypatch, caplog) ->
     fake.write_text("#!/bin/sh\necho broken compiler >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
+    monkeypatch.delenv("QSCHED_NATIVE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     saved = dict(native._state)
     native._state.update(lib=None, tried=False)
@@ -234,6 +241,7 @@ def test_native_simd_paths_equal_numpy(tmp_path, flags: list[str]) -> None:
     np.testing.assert_array_equal(dw, ki.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same"))
 
 
+@needs_native
 def test_native_refuses_accumulator_overflow() -> None:
     """A bias that could push the int32 accumulator past its range is refused."""
     rng = np.random.default_rng(12)
