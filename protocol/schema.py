@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         The exit status: 0, or 1 when ``--check`` finds the file stale.
     """
     parser = argparse.ArgumentParser(prog="qsched schema", description=__doc__)
-    parser.add_argument("-o", "--output", default=str(SCHEMA_PATH), help="file to write, - for stdout")
+    parser.add_argument("-o", "--output", default=str(SCHEMA_PATH),
+                        help="file to write, - for stdout (default: the committed %(default)s)")
     parser.add_argument("--check", action="store_true", help="only compare with the file")
     args = parser.parse_args(argv)
+    if args.check and args.output == "-":
+        parser.error("--check compares with a file, not with stdout")
     text = render()
     if args.output == "-":
         sys.stdout.write(text)

@@ -149,6 +149,9 @@ def test_schema_main_writes_and_checks(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == control_schema()
     path.write_text("{}")
     assert main(["-o", str(path), "--check"]) == 1
+    with pytest.raises(SystemExit) as exc:  # nothing to compare with: not a silent pass
+        main(["-o", "-", "--check"])
+    assert exc.value.code == 2
 
 
 def test_states_job_lifecycle() -> None:
