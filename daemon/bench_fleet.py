@@ -394,7 +394,7 @@ def model_facts(config: BenchConfig) -> ModelFacts:
 def _si(value: float, unit: str) -> str:
     for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:
-            return f"{value / scale:.1f} {prefix}{unit}"
+            return f"{value / scale:.1f} {prefix} {unit}"
     return f"{value:.0f} {unit}"
 
 
@@ -402,9 +402,9 @@ def _header(config: BenchConfig, facts: ModelFacts) -> list[str]:
     return [
         f"qsched bench fleet: q = {config.q} perturbations per step, two-sided, batch {config.batch}, "
         f"shard audit {'on' if config.audit else 'off'}",
-        f"boards model the STM32N6 NPU running {facts.modelled} ({_si(facts.modelled_macs, 'MAC')}, "
+        f"boards model the STM32N6 NPU running {facts.modelled} ({_si(facts.modelled_macs, 'MACs')}, "
         f"{facts.modelled_seconds * 1e3:.2f} ms per inference, {_si(facts.modelled_params, 'parameters')})",
-        f"and compute {facts.computed} ({_si(facts.computed_macs, 'MAC')}) instead, sleeping the rest, "
+        f"and compute {facts.computed} ({_si(facts.computed_macs, 'MACs')}) instead, sleeping the rest, "
         "so the host CPU is not the bottleneck",
     ]
 
@@ -430,7 +430,8 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
     """The lines under the table: what the columns mean and the efficiency floor."""
     lines = [
         "step ms: mean measured step; ideal: modelled NPU time of the largest shard; overhead: the difference",
-        "eff.: forward passes per second over N x the one-board rate of the same link",
+        "eff.: forward passes per second over N x the one-board rate of the same link "
+        "(without a one-board row: the modelled one-board rate)",
         "payload B: codec bytes of eval requests and results, updates and acks per step (all boards, both ways)",
         f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters x 4 (fp32) or 1 (int8)",
     ]
