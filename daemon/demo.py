@@ -158,7 +158,7 @@ class PtyTransport:
     def __init__(self, ports: Sequence[PtyPort], **link_options: float | int) -> None:
         self.ports = list(ports)
         self.links: list[SerialLink] = []
-        self._options = link_options
+        self._options: dict[str, Any] = link_options  # SerialLink's keyword options
         self._events: asyncio.Queue[object] = asyncio.Queue(EVENT_QUEUE_SIZE)
         self._watchers: list[asyncio.Task[None]] = []
 
@@ -205,7 +205,7 @@ async def board_processes(
     *,
     mqtt: str | None = None,
     fleet: str = "default",
-    one_process: bool = False,
+    processes: int | None = None,
     extra: Sequence[str] = (),
     log: IO[bytes] | None = None,
     id_prefix: str = "vb",
@@ -217,7 +217,8 @@ async def board_processes(
         mqtt: ``HOST:PORT`` of a broker: the boards join fleet ``fleet`` there (one
             process); None: each board gets a pseudo-terminal (yielded).
         fleet: the MQTT fleet name.
-        one_process: serial boards: all in one process instead of one process each.
+        processes: how many ``qsched board`` processes share the boards (default: one
+            per serial board; one for MQTT).
         extra: more ``qsched board`` options (latency, speed, faults).
         log: where the processes' output goes (None: discarded).
         id_prefix: board ids are ``<prefix>-00``, ``<prefix>-01``, ...
@@ -229,7 +230,7 @@ async def board_processes(
     ports = [] if mqtt is not None else open_ptys(count)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for args in _board_argv(count, ports, mqtt, fleet, one_process, id_prefix):
+        for args in _board_argv(count, ports, mqtt, fleet, processes, id_prefix):
             procs.append(subprocess.Popen(_board_command([*args, *extra]), stdin=subprocess.DEVNULL,
                                           stdout=out, stderr=out, start_new_session=True))
         yield ports
@@ -240,14 +241,26 @@ async def board_processes(
 
 
 def _board_argv(
-    count: int, ports: list[PtyPort], mqtt: str | None, fleet: str, one_process: bool, prefix: str
+    count: int, ports: list[PtyPort], mqtt: str | None, fleet: str, processes: int | None, prefix: str
 ) -> list[list[str]]:
-    if mqtt is not None:
-        return [["--mqtt", mqtt, "--fleet", fleet, "--count", str(count), "--id-prefix", prefix]]
-    if one_process:
-        return [[arg for port in ports for arg in ("--serial", port.path)] + ["--id-prefix", prefix]]
+    """One argument list per process; boards are dealt to processes in contiguous groups."""
+    n = max(1, min(count, processes or (1 if mqtt is not None else count)))
     width = max(2, len(str(count - 1)))
-    return [["--serial", port.path, "--id", f"{prefix}-{i:0{width}d}"] for i, port in enumerate(ports)]
+    out: list[list[str]] = []
+    start = 0
+    for group in range(n):
+        size = count // n + (1 if group < count % n else 0)
+        # Ids stay unique across processes: a group's prefix carries its number.
+        group_prefix = prefix if n == 1 else f"{prefix}{group}"
+        if mqtt is not None:
+            out.append(["--mqtt", mqtt, "--fleet", fleet, "--count", str(size), "--id-prefix", group_prefix])
+        elif size == 1:
+            out.append(["--serial", ports[start].path, "--id", f"{prefix}-{start:0{width}d}"])
+        else:
+            paths = [arg for port in ports[start : start + size] for arg in ("--serial", port.path)]
+            out.append([*paths, "--id-prefix", group_prefix])
+        start += size
+    return out
 
 
 def _stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -464,7 +477,8 @@ async def run_demo(options: DemoOptions, stream: TextIO | None = None) -> DemoSu
     extra = ["--model-latency", options.model_latency]
     with open(out / "boards.log", "wb") as board_log:
         async with (
-            board_processes(options.boards, mqtt=options.mqtt, fleet=fleet_name, one_process=options.one_process,
+            board_processes(options.boards, mqtt=options.mqtt, fleet=fleet_name,
+                            processes=1 if options.one_process else None,
                             extra=extra, log=board_log) as ports,
             _transport(options, ports, fleet_name) as transport,
         ):

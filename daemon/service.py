@@ -41,6 +41,7 @@ from qsched.daemon.notify import Notifier
 from qsched.daemon.state import JobDir, StateError, StateStore
 from qsched.protocol.control import (
     ChangePolicy,
+    ControlErrorCode,
     ErrorReply,
     Event,
     JobStatus,
@@ -316,7 +317,7 @@ class Daemon:
         try:
             folder = self.store.create_job(spec.name, spec.model_dump(mode="json"), status="running")
         except StateError as exc:
-            code = "conflict" if "exists" in exc.detail else "invalid_command"
+            code: ControlErrorCode = "conflict" if "exists" in exc.detail else "invalid_command"
             raise ControlError(code, f"job {spec.name!r}: {exc.detail}; choose another name") from exc
         try:
             workload = await asyncio.to_thread(Workload.from_spec, spec)  # CPU-bound: off the loop
