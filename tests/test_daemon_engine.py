@@ -197,3 +197,16 @@ async def test_engine_numerics_variants_match_trainer(numerics: str, estimator: 
     reference = train_zo(spec)
     assert result.state.checksum() == reference.state.checksum()
     assert result.evals == reference.evals and result.faults == 0
+
+
+async def test_engine_wrong_checksum_resyncs_board() -> None:
+    """A board whose UpdateAck checksum differs is resynchronised with SetWeights and works on."""
+    spec = _spec(steps=6)
+    events: list[Event] = []
+    result = await run_job_inprocess(
+        spec, boards=2, faults=["bad-checksum:step=2"], fault_boards=["vb-01"], on_event=events.append
+    )
+    kinds = [(e.kind, e.board_id) for e in events if e.board_id is not None]
+    assert ("board_faulty", "vb-01") in kinds and ("board_resynced", "vb-01") in kinds
+    assert next(e for e in events if e.kind == "board_faulty").message.startswith("step 2: checksum")
+    assert result.work["vb-01"] > 0 and result.state.checksum() == train_zo(spec).state.checksum()
