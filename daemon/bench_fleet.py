@@ -81,6 +81,8 @@ class BenchConfig:
         model_latency: the boards' latency model (``qsched board --model-latency``).
         audit: keep the engine's shard audit on.
         mqtt: an existing broker ``HOST:PORT`` instead of a private one.
+        processes: ``qsched board`` processes hosting the boards (more spreads their
+            message handling over cores, on hosts that have them).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -94,6 +96,7 @@ class BenchConfig:
     model_latency: str = "mobilenetv2-0.35-128"
     audit: bool = False
     mqtt: str | None = None
+    processes: int = 1
 
 
 @dataclass
@@ -278,7 +281,8 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
     fleet_name = f"bench-{link}-{boards}-{int(time.time() * 1000) % 10**9}"
     extra = ["--model-latency", config.model_latency]
     async with (
-        board_processes(boards, mqtt=broker if link == "mqtt" else None, fleet=fleet_name, one_process=True,
+        board_processes(boards, mqtt=broker if link == "mqtt" else None, fleet=fleet_name,
+                        processes=config.processes,
                         extra=extra, id_prefix="bench") as ports,
         _daemon_transport(link, ports, broker, fleet_name) as inner,
         CountingTransport(inner, counter) as transport,
@@ -482,17 +486,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model")
     p.add_argument("--audit", action="store_true", help="keep the shard audit on")
     p.add_argument("--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto")
+    p.add_argument("--board-processes", type=int, default=1, help="processes hosting the boards (default 1)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when the 8-board MQTT efficiency floor is missed")
     return p
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    if args.q < 1 or args.batch < 1 or args.seconds <= 0 or args.warmup < 1 or args.min_steps < 1:
-        raise ValueError("--q, --batch, --warmup and --min-steps must be at least 1, --seconds positive")
+    if min(args.q, args.batch, args.warmup, args.min_steps, args.board_processes) < 1 or args.seconds <= 0:
+        raise ValueError("--q, --batch, --warmup, --min-steps and --board-processes must be at least 1, "
+                         "--seconds positive")
     return BenchConfig(boards=args.boards, links=args.links, q=args.q, batch=args.batch, window_s=args.seconds,
                        warmup_steps=args.warmup, min_steps=args.min_steps, model_latency=args.model_latency,
-                       audit=args.audit, mqtt=args.mqtt)
+                       audit=args.audit, mqtt=args.mqtt, processes=args.board_processes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
