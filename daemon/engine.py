@@ -517,7 +517,7 @@ class StepEngine:
         return session.job_id != self.job_id or session.step != self.step
 
     async def _prepare(self, session: BoardSession) -> None:
-        t = self.step
+        t, epoch = self.step, session.epoch
         was_faulty = session.state == "faulty"
         try:
             fresh_model = await self._load_job(session)
@@ -528,8 +528,11 @@ class StepEngine:
             if session.state in ("loading", "resync", "hello"):
                 self._fault(session, f"resync failed: {exc}")
             return
+        if session.epoch != epoch:  # it rebooted meanwhile: what it was sent is gone
+            return
+        if not session.set_state("ready", "synchronised"):  # it went away meanwhile
+            return
         session.job_id, session.step = self.job_id, t
-        session.set_state("ready", "synchronised")
         if was_faulty:
             self.fleet.emit("board_resynced", session, f"at step {t}")
         await self.fleet.notify_changed()

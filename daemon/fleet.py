@@ -194,6 +194,7 @@ class BoardSession:
     faults: int = 0
     retry_at: float = 0.0  # monotonic time before which a failed resync is not retried
     appeared: float = field(default_factory=time.monotonic)
+    epoch: int = 0  # counts Hellos: work begun before the latest one is void
     hello_asked: float = 0.0  # when the daemon last asked for a Hello (soft Reset)
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float | None = None
@@ -210,13 +211,22 @@ class BoardSession:
         """Whether the link is up and the session not gone."""
         return self.state != "gone" and not self.link.closed
 
-    def set_state(self, new: BoardState, reason: str = "") -> None:
-        """Move to ``new`` (SPEC 9.1); an illegal transition is a bug and raises ValueError."""
+    def set_state(self, new: BoardState, reason: str = "") -> bool:
+        """Move to ``new`` (SPEC 9.1); returns whether the move was legal and made.
+
+        An illegal move (a board that went away meanwhile, or a bug) is logged and
+        refused: one board's session must not stop the job.
+        """
         if new == self.state:
-            return
-        check_board_transition(self.state, new)
+            return True
+        try:
+            check_board_transition(self.state, new)
+        except ValueError as exc:
+            _log.error("board state change refused", board=self.board_id, error=str(exc), reason=reason)
+            return False
         _log.debug("board state", board=self.board_id, old=self.state, new=new, reason=reason)
         self.state = new
+        return True
 
     def info(self) -> BoardInfo:
         """The board as the control API shows it."""
@@ -499,6 +509,7 @@ class Fleet:
     async def _on_hello(self, session: BoardSession, hello: Hello) -> None:
         session.deliver(hello)
         first = session.hello is None
+        session.epoch += 1
         session.hello = hello
         session.model_hash = hello.model_hash
         session.job_id = 0  # a Hello is a fresh session: resend the job
