@@ -77,6 +77,7 @@ __all__ = [
 _log = structlog.get_logger("qsched.engine")
 
 _WAIT_POLL_S: Final = 1.0
+_MAX_BACKOFF_S: Final = 60.0
 
 
 class _Interrupted(Exception):
@@ -524,7 +525,10 @@ class StepEngine:
             if t > 0 or not fresh_model:
                 await self._send_weights(session, t)
         except BoardFaultError as exc:
-            session.retry_at = asyncio.get_running_loop().time() + self.config.resync_backoff_s
+            # A board that keeps failing costs each step a timeout: back off, doubling.
+            delay = min(_MAX_BACKOFF_S, self.config.resync_backoff_s * 2 ** min(session.sync_failures, 16))
+            session.sync_failures += 1
+            session.retry_at = asyncio.get_running_loop().time() + delay
             if session.state in ("loading", "resync", "hello"):
                 self._fault(session, f"resync failed: {exc}")
             return
@@ -533,6 +537,7 @@ class StepEngine:
         if not session.set_state("ready", "synchronised"):  # it went away meanwhile
             return
         session.job_id, session.step = self.job_id, t
+        session.sync_failures = 0
         if was_faulty:
             self.fleet.emit("board_resynced", session, f"at step {t}")
         await self.fleet.notify_changed()

@@ -193,6 +193,7 @@ class BoardSession:
     step: int | None = None  # the step its weights are at, as far as the daemon knows
     faults: int = 0
     retry_at: float = 0.0  # monotonic time before which a failed resync is not retried
+    sync_failures: int = 0  # resyncs failed in a row (the retry delay doubles with each)
     appeared: float = field(default_factory=time.monotonic)
     epoch: int = 0  # counts Hellos: work begun before the latest one is void
     hello_asked: float = 0.0  # when the daemon last asked for a Hello (soft Reset)
@@ -519,7 +520,7 @@ class Fleet:
             self.mark_faulty(session, f"protocol version {hello.protocol_version} unsupported")
         else:
             session.state = "hello"  # any state -> hello (SPEC 9.1)
-            session.retry_at = 0.0
+            session.retry_at, session.sync_failures = 0.0, 0
         if first:
             self.emit("board_joined", session, f"{session.transport} {session.address}")
         await self.notify_changed()
