@@ -363,7 +363,11 @@ class StepEngine:
         """
         if self.job_state == "pending":
             self._set_job_state("running")
-        self._emit("job_started" if not self.result.steps else "job_resumed", message=f"at step {self.step}")
+        resumed = bool(self.result.steps)
+        if resumed and self.job_dir is not None:
+            # Steps after the checkpoint run again; readers of the log keep the later copy.
+            self.job_dir.append_metrics({"kind": "resumed", "time": time.time(), "step": self.step})
+        self._emit("job_resumed" if resumed else "job_started", message=f"at step {self.step}")
         started = time.perf_counter()
         try:
             while self.step < self.spec.steps and not self._stop.is_set():

@@ -20,7 +20,7 @@ from qsched.daemon.broker import MosquittoBroker
 from qsched.daemon.state import StateStore
 from qsched.firmware.faults import CRASH_EXIT_CODE
 from qsched.zo.spec import JobSpec
-from qsched.zo.trainer import train_zo
+from qsched.zo.trainer import EvalRecord, StepRecord, train_zo
 from qsched.zo.workload import TrainState
 
 pytestmark = pytest.mark.slow
@@ -122,18 +122,20 @@ def _wait_for(predicate: object, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainState, list[int]]:
+def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainState, list[object]]:
+    """The finished job's weights and its history (step and validation records)."""
     job = StateStore(state).job(name)
     _wait_for(lambda: job.status()["status"] in ("completed", "failed", "stopped"), timeout, "the job to end")
     assert job.status()["status"] == "completed", job.status()
     checkpoint = job.load_checkpoint()
     assert checkpoint is not None
-    return TrainState.from_bytes(checkpoint.train_state), [int(r["q"]) for r in checkpoint.metrics]
+    history = [StepRecord(**r) for r in checkpoint.metrics] + [EvalRecord(**e) for e in checkpoint.extra["evals"]]
+    return TrainState.from_bytes(checkpoint.train_state), history
 
 
-def _reference(spec: dict[str, object]) -> tuple[int, list[int]]:
+def _reference(spec: dict[str, object]) -> tuple[int, list[object]]:
     result = train_zo(JobSpec.model_validate(spec))
-    return result.state.checksum(), [s.q for s in result.steps]
+    return result.state.checksum(), [*result.steps, *result.evals]
 
 
 def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
@@ -148,10 +150,10 @@ def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_pa
     daemon.wait(10)
     assert StateStore(state).job("resume").status()["status"] == "running"
     _daemon(procs, mqtt_broker, state, fleet)
-    final, qs = _final_state(state, "resume")
-    checksum, reference_qs = _reference(SPEC)
+    final, history = _final_state(state, "resume")
+    checksum, reference_history = _reference(SPEC)
     assert final.checksum() == checksum, f"killed at step {kill_at}"
-    assert qs == reference_qs
+    assert history == reference_history  # the same q, losses and validations, step by step
 
 
 def test_resume_board_killed_mid_step(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
@@ -196,6 +198,6 @@ def test_service_sigterm_checkpoints_and_resumes(mqtt_broker: MosquittoBroker, t
     assert job.status()["status"] == "running"
     assert checkpoint is not None and checkpoint.step >= 6
     _daemon(procs, mqtt_broker, state, fleet)
-    final, qs = _final_state(state, "resume")
-    checksum, reference_qs = _reference(spec)
-    assert final.checksum() == checksum and qs == reference_qs
+    final, history = _final_state(state, "resume")
+    checksum, reference_history = _reference(spec)
+    assert final.checksum() == checksum and history == reference_history
