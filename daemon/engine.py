@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ __all__ = [
 _log = structlog.get_logger("qsched.engine")
 
 _WAIT_POLL_S: Final = 1.0
+_IDLE_MIN_S: Final = 0.02  # first back-off of a round that could dispatch nothing
+_IDLE_MAX_S: Final = 1.0
 _MAX_BACKOFF_S: Final = 60.0
 
 
@@ -639,6 +642,7 @@ class StepEngine:
         got = _Collected()
         flights: dict[asyncio.Task[EvalResult], _Flight] = {}
         first = True
+        idle_rounds = 0
         try:
             while True:
                 missing = [k for k in range(q) if k not in got.values]
@@ -646,11 +650,17 @@ class StepEngine:
                 uncovered = [k for k in missing if k not in covered]
                 if not missing and not any(not f.late for f in flights.values()):
                     return self._losses(got, q)
+                if self._stop.is_set() and self._shutdown:
+                    raise _Interrupted  # nothing of step t is applied: it runs again on resume
                 if uncovered:
                     await self._dispatch(t, uncovered, got, flights, audit=first)
                     first = False
                 if not flights:
+                    # Nobody could take the keys (every board failed at once): wait, never spin.
+                    idle_rounds += 1
+                    await self._idle(t, idle_rounds)
                     continue
+                idle_rounds = 0
                 await self._await_some(t, got, flights)
         finally:
             for task, flight in flights.items():
@@ -658,6 +668,21 @@ class StepEngine:
                 if flight.session.state == "busy":
                     # Still computing a shard nobody waits for: resynchronise it before new work.
                     self._fault(flight.session, f"step {t}: no answer before the deadline")
+
+    async def _idle(self, t: int, rounds: int) -> None:
+        """A round dispatched nothing: back off (capped, jittered) and say so in the status."""
+        if self._stop.is_set():
+            raise _Interrupted
+        self.status_line = f"waiting for boards (step {t}/{self.spec.steps})"
+        delay = min(_IDLE_MAX_S, _IDLE_MIN_S * 2 ** min(rounds - 1, 16)) * random.uniform(0.5, 1.0)
+        if rounds == 1:
+            _log.warning("no board could take work; backing off", job=self.spec.name, step=t)
+        self._safe_point = True  # nothing of step t is applied yet
+        try:
+            await asyncio.sleep(_IDLE_MIN_S / 2)  # a burst of fleet news must not make a busy loop
+            await self.fleet.wait_changed(delay)
+        finally:
+            self._safe_point = False
 
     async def _dispatch(
         self, t: int, keys: list[int], got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight], audit: bool

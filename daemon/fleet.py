@@ -26,7 +26,7 @@ from typing import Any, Final, Self
 
 import structlog
 
-from qsched.daemon.links.base import Link, LinkError, Transport
+from qsched.daemon.links.base import Link, LinkError, MessageTooLargeError, Transport
 from qsched.daemon.planner import ThroughputEstimate
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardInfo
@@ -197,6 +197,9 @@ class BoardSession:
     appeared: float = field(default_factory=time.monotonic)
     epoch: int = 0  # counts Hellos: work begun before the latest one is void
     hello_asked: float = 0.0  # when the daemon last asked for a Hello (soft Reset)
+    # The last send failed although the link looks open (e.g. the broker went away with
+    # its socket half closed): no work until a send (a liveness ping) goes through again.
+    link_down: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float | None = None
     _waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict, repr=False)
@@ -209,8 +212,8 @@ class BoardSession:
 
     @property
     def alive(self) -> bool:
-        """Whether the link is up and the session not gone."""
-        return self.state != "gone" and not self.link.closed
+        """Whether the link is up (its last send went through) and the session not gone."""
+        return self.state != "gone" and not self.link.closed and not self.link_down
 
     def set_state(self, new: BoardState, reason: str = "") -> bool:
         """Move to ``new`` (SPEC 9.1); returns whether the move was legal and made.
@@ -253,8 +256,16 @@ class BoardSession:
         """
         try:
             await self.link.send(encode(msg))
+        except MessageTooLargeError as exc:
+            raise BoardFaultError(self.board_id, "too_large", str(exc)) from exc
         except LinkError as exc:
+            if not self.link_down:
+                _log.warning("board link down", board=self.board_id, error=str(exc))
+            self.link_down = True
             raise BoardLostError(self.board_id, "link", str(exc)) from exc
+        if self.link_down:
+            _log.info("board link up again", board=self.board_id)
+        self.link_down = False
 
     async def request(self, msg: DataMessage, timeout: float, key: Hashable | None = None) -> DataMessage:
         """Send ``msg`` and wait for its answer.
@@ -541,7 +552,7 @@ class Fleet:
                     with contextlib.suppress(Exception):
                         await session.link.close()
                     await self._gone(session.address, "silent")
-                elif silent > self._interval and session.state not in ("gone", "unknown"):
+                elif (silent > self._interval or session.link_down) and session.state not in ("gone", "unknown"):
                     self._spawn_ping(session)
 
     async def _hello_watch(self, session: BoardSession) -> None:
@@ -570,8 +581,11 @@ class Fleet:
         task.add_done_callback(self._helpers.discard)
 
     async def _ping(self, session: BoardSession) -> None:
+        was_down = session.link_down
         with contextlib.suppress(BoardFaultError):
             await session.ping(self._interval)
+        if was_down and not session.link_down:  # the engine may be waiting for this board
+            await self.notify_changed()
 
     async def iterate(self) -> AsyncIterator[BoardSession]:
         """Yield the sessions present now (a snapshot)."""
