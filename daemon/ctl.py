@@ -129,12 +129,19 @@ def _spec_data(path: Path, overrides: list[str]) -> dict[str, Any]:
     return _load_spec_data(path, overrides)
 
 
+def _policy_config(text: str) -> dict[str, Any]:
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise ValueError("a policy configuration is a JSON object")
+    return config
+
+
 def build_command(args: argparse.Namespace) -> dict[str, Any]:
     """The command document for parsed ``qsched ctl`` arguments."""
     name = args.action
     job = {"job": args.job} if getattr(args, "job", None) else {}
     if name == "start":
-        return {"type": "start_job", "spec": _spec_data(args.spec, args.set) if args.spec else {}}
+        return {"type": "start_job", "spec": _spec_data(args.spec, args.set)}
     if name in ("pause", "resume", "stop", "checkpoint"):
         return {"type": name, **job}
     if name == "status":
@@ -144,7 +151,7 @@ def build_command(args: argparse.Namespace) -> dict[str, Any]:
     if name == "drain":
         return {"type": "drain_board", "board_id": args.board, "drain": not args.undo}
     if name == "policy":
-        return {"type": "change_policy", "policy": {"name": args.name, "config": json.loads(args.config)}, **job}
+        return {"type": "change_policy", "policy": {"name": args.name, "config": _policy_config(args.policy_config)}, **job}
     if name == "export":
         return {"type": "export", "format": args.format, **job}
     if name == "raw":
@@ -164,8 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     sub = parser.add_subparsers(dest="action", required=True)
     start = sub.add_parser("start", help="start a job from a spec (JSON or TOML)")
-    start.add_argument("spec", type=Path, nargs="?")
-    start.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    start.add_argument("spec", type=Path, nargs="?", help="job spec file (.json or .toml); default: all defaults")
+    start.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (dotted keys nest)"
+    )
     for name in ("pause", "resume", "stop", "checkpoint"):
         sub.add_parser(name, help=f"{name} the job").add_argument("job", nargs="?")
     sub.add_parser("status", help="the daemon's status")
@@ -174,9 +183,10 @@ def _parser() -> argparse.ArgumentParser:
     drain.add_argument("board")
     drain.add_argument("--undo", action="store_true", help="give it work again")
     policy = sub.add_parser("policy", help="change the job's q policy")
-    policy.add_argument("name")
-    policy.add_argument("--config", default="{}", help="the policy's configuration (JSON)")
-    policy.add_argument("--job")
+    policy.add_argument("name", help="a registered policy (fixed, qscheduler, linear, power, variance, ...)")
+    # Its own dest: the top-level --config names the daemon's configuration file.
+    policy.add_argument("--config", dest="policy_config", default="{}", help="the policy's configuration (JSON)")
+    policy.add_argument("--job", help="the job (default: the current one)")
     export = sub.add_parser("export", help="export the job's model")
     export.add_argument("job", nargs="?")
     export.add_argument("--format", choices=["tflite", "npz"], default="tflite")
@@ -191,7 +201,9 @@ def _settings(args: argparse.Namespace) -> tuple[MqttConfig, TopicMap]:
     mqtt = cfg.mqtt.model_dump()
     if args.mqtt:
         host, _, port = args.mqtt.rpartition(":")
-        mqtt["host"], mqtt["port"] = host or "127.0.0.1", int(port)
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--mqtt wants HOST:PORT, got {args.mqtt!r}")
+        mqtt["host"], mqtt["port"] = host.strip("[]") or "127.0.0.1", int(port)
     if args.protocol:
         mqtt["protocol"] = args.protocol
     mqtt["password"] = cfg.mqtt.password
@@ -218,7 +230,11 @@ def main(argv: list[str]) -> int:
         0 for an ok reply, 1 for an error reply, 2 for bad usage, 3 without a reply.
     """
     args = _parser().parse_args(argv)
-    cfg, topics = _settings(args)
+    try:
+        cfg, topics = _settings(args)
+    except ValueError as exc:
+        print(f"qsched ctl: {exc}", file=sys.stderr)
+        return 2
     if args.action == "events":
         try:
             return asyncio.run(_follow_events(cfg, topics))
