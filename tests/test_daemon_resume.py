@@ -4,6 +4,7 @@ with the weights of an uninterrupted run; SIGTERM checkpoints and exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -48,18 +49,25 @@ class Procs:
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            # Its own process group: teardown kills whatever it started too.
             child = subprocess.Popen(
                 [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "info", *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         self.children.append(child)
         return child
 
     def close(self) -> None:
         for child in self.children:
-            if child.poll() is None:
-                child.kill()
-            child.wait(10)
+            _kill_group(child)
+
+
+def _kill_group(child: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a child's whole process group (also after the child itself has exited) and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(10)
 
 
 @pytest.fixture
@@ -87,13 +95,17 @@ def _boards(procs: Procs, broker: MosquittoBroker, fleet: str, count: int, prefi
 
 
 def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
-    out = subprocess.run(
+    child = subprocess.Popen(
         [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "warning", "ctl", "--mqtt",
          f"{broker.host}:{broker.port}", "--fleet", fleet, "--timeout", "20", *args],
-        capture_output=True, timeout=60, check=False,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )
-    assert out.returncode in (0, 1), out.stderr.decode()
-    return dict(json.loads(out.stdout))
+    try:
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        _kill_group(child)
+    assert child.returncode in (0, 1), stderr.decode()
+    return dict(json.loads(stdout))
 
 
 def _start_job(broker: MosquittoBroker, fleet: str, spec: dict[str, object], tmp: Path) -> None:
@@ -163,6 +175,9 @@ def test_resume_board_killed_mid_step(mqtt_broker: MosquittoBroker, tmp_path: Pa
     _boards(procs, mqtt_broker, fleet, 2, "ok")
     crasher = _boards(procs, mqtt_broker, fleet, 1, "doomed", "--fault", "crash-at-step:5")
     _daemon(procs, mqtt_broker, state, fleet)
+    # Every board must be in the fleet before the short job starts, the doomed one too.
+    log = tmp_path / "daemon.log"
+    _wait_for(lambda: log.exists() and log.read_bytes().count(b'"board joined"') >= 3, 30, "three boards")
     _start_job(mqtt_broker, fleet, spec, tmp_path)
     final, _ = _final_state(state, "resume")
     assert crasher.poll() == CRASH_EXIT_CODE  # it did die, on purpose
