@@ -295,6 +295,8 @@ class StepEngine:
         self._checkpoint_waiters: list[asyncio.Future[str]] = []
         self._new_policy: PolicySpec | None = None
         self._safe_point = False  # True while waiting between whole steps
+        # address -> (the board's Hello epoch, detail) of boards that refused the model
+        self._model_refusals: dict[str, tuple[int, str]] = {}
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ control
@@ -516,6 +518,24 @@ class StepEngine:
         todo = [s for s in self.fleet.boards() if self._needs_sync(s) and s.retry_at <= now]
         if todo:
             await asyncio.gather(*(self._prepare(s) for s in todo))
+            self._check_model_loadable()
+
+    def _check_model_loadable(self) -> None:
+        """SPEC 9.2: when every board that could work refused the model, the job fails."""
+        candidates = [s for s in self.fleet.boards() if s.alive and s.hello is not None and not _refused(s)]
+        refusals = [self._model_refusals.get(s.address) for s in candidates]
+        if not candidates or any(r is None or r[0] != s.epoch for r, s in zip(refusals, candidates, strict=True)):
+            return
+        detail = next(r[1] for r in refusals if r is not None)
+        raise JobError("model_invalid", f"no board can load the model ({len(candidates)} refused it): {detail}")
+
+    def _note_refusal(self, session: BoardSession, exc: BoardFaultError) -> None:
+        """Remember a board that refused the model (its answer, or an Error sent unasked)."""
+        error = session.last_error
+        if exc.reason == "model_invalid":
+            self._model_refusals[session.address] = (session.epoch, exc.detail)
+        elif error is not None and error.code == "model_invalid":
+            self._model_refusals[session.address] = (session.epoch, error.detail)
 
     def _needs_sync(self, session: BoardSession) -> bool:
         if not session.alive or session.state in ("unknown", "loading", "resync", "busy"):
@@ -532,6 +552,7 @@ class StepEngine:
             if t > 0 or not fresh_model:
                 await self._send_weights(session, t)
         except BoardFaultError as exc:
+            self._note_refusal(session, exc)
             # A board that keeps failing costs each step a timeout: back off, doubling.
             delay = min(_MAX_BACKOFF_S, self.config.resync_backoff_s * 2 ** min(session.sync_failures, 16))
             session.sync_failures += 1
@@ -545,12 +566,14 @@ class StepEngine:
             return
         session.job_id, session.step = self.job_id, t
         session.sync_failures = 0
+        self._model_refusals.pop(session.address, None)
         if was_faulty:
             self.fleet.emit("board_resynced", session, f"at step {t}")
         await self.fleet.notify_changed()
 
     async def _load_job(self, session: BoardSession) -> bool:
         """Job config, data set and (if the board lacks it) model; returns whether the model was sent."""
+        session.last_error = None  # only what the board says about this load counts
         if session.job_id == self.job_id:
             session.set_state("resync", "weights")
             return False

@@ -200,6 +200,7 @@ class BoardSession:
     # The last send failed although the link looks open (e.g. the broker went away with
     # its socket half closed): no work until a send (a liveness ping) goes through again.
     link_down: bool = False
+    last_error: Error | None = None  # the board's latest typed Error (answered or not)
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float | None = None
     _waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict, repr=False)
@@ -311,6 +312,7 @@ class BoardSession:
         self.last_seen = time.monotonic()
         self.last_seen_wall = time.time()
         if isinstance(msg, Error):
+            self.last_error = msg
             matched = [k for k in self._waiters if _error_matches(msg, k)]
             for k in matched:
                 _settle(self._waiters[k], exc=BoardErrorReply(self.board_id, msg))
@@ -525,6 +527,7 @@ class Fleet:
         session.hello = hello
         session.model_hash = hello.model_hash
         session.job_id = 0  # a Hello is a fresh session: resend the job
+        session.last_error = None
         session.step = None
         if hello.protocol_version < PROTOCOL_VERSION:
             session.state = "hello"
