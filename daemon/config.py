@@ -114,6 +114,20 @@ def _env_value(raw: str, annotation: Any) -> Any:
     return raw  # pydantic coerces "8883", "true", "0.5"
 
 
+def _check_section_names(environ: Mapping[str, str]) -> None:
+    # Only the sections' prefixes: other QSCHED_* variables (QSCHED_CONFIG, QSCHED_NATIVE)
+    # belong to other parts. A misspelt QSCHED_MQTT_PASWORD must not be ignored silently.
+    known = {ENV_PREFIX + "_".join(path).upper() for path, _ in _leaves(DaemonConfig)}
+    sections = tuple(
+        f"{ENV_PREFIX}{name.upper()}_"
+        for name, field in DaemonConfig.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    )
+    for name in sorted(environ):
+        if name.startswith(sections) and name not in known:
+            raise ConfigError(name, "no such setting (see qsched.example.toml)")
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings given as ``QSCHED_*`` environment variables, as nested data.
 
@@ -124,8 +138,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         A nested mapping to merge over the file's settings.
 
     Raises:
-        ConfigError: a list value is not valid JSON.
+        ConfigError: a list value is not valid JSON, or a variable of a section
+            (``QSCHED_MQTT_*``, ``QSCHED_SERIAL_*``) names no setting, e.g. a typo.
     """
+    _check_section_names(environ)
     out: dict[str, Any] = {}
     for path, annotation in _leaves(DaemonConfig):
         name = ENV_PREFIX + "_".join(path).upper()

@@ -70,6 +70,18 @@ def test_config_errors_name_the_setting(tmp_path: Path) -> None:
         load_config(None, environ={"QSCHED_LOG_LEVEL": "loud"})
 
 
+def test_config_unknown_section_variable_is_an_error() -> None:
+    """A misspelt QSCHED_MQTT_* variable is refused; other QSCHED_* names are left alone."""
+    with pytest.raises(ConfigError, match="QSCHED_MQTT_PASWORD"):
+        load_config(None, environ={"QSCHED_MQTT_PASWORD": "secret"})
+    with pytest.raises(ConfigError, match="QSCHED_SERIAL_DEVICE"):
+        load_config(None, environ={"QSCHED_SERIAL_DEVICE": "/dev/ttyACM0"})
+
+    cfg = load_config(None, environ={"QSCHED_NATIVE": "0", "QSCHED_MQTT_TLS_CA_FILE": "/ca.pem"})
+
+    assert str(cfg.mqtt.tls.ca_file) == "/ca.pem"
+
+
 def test_config_example_file_matches_model() -> None:
     """systemd/qsched.example.toml validates and sets every key the model has."""
     data = tomllib.loads(EXAMPLE.read_text())
