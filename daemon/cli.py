@@ -186,7 +186,11 @@ def config_main(argv: list[str]) -> int:
     Returns:
         0, or 2 on a configuration error.
     """
-    parser = argparse.ArgumentParser(prog="qsched config", description=config_main.__doc__)
+    description = (
+        "Print the effective daemon configuration as JSON: defaults, then the TOML file, "
+        "then QSCHED_* environment variables; secrets are masked."
+    )
+    parser = argparse.ArgumentParser(prog="qsched config", description=description)
     parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG, else none)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)

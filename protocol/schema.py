@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status: 0, or 1 when ``--check`` finds the file stale.
     """
-    parser = argparse.ArgumentParser(prog="qsched schema", description=__doc__)
+    description = "Write the control plane's JSON Schema (generated from qsched.protocol.control)."
+    parser = argparse.ArgumentParser(prog="qsched schema", description=description)
     parser.add_argument("-o", "--output", default=str(SCHEMA_PATH),
                         help="file to write, - for stdout (default: the committed %(default)s)")
     parser.add_argument("--check", action="store_true", help="only compare with the file")

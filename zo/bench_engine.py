@@ -272,7 +272,8 @@ def _table(results: Sequence[BenchResult]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched bench engine", description=__doc__.split("\n")[0])
+    description = "Perturbed INT8 forward passes per second: the engine against LiteRT."
+    p = argparse.ArgumentParser(prog="qsched bench engine", description=description)
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated, from {sorted(MODELS)} (default: all)")
     p.add_argument("--q", type=int, default=16, help="perturbations per step; 2q passes")
