@@ -63,7 +63,26 @@ def configure_logging(level: str = "info", *, json: bool | None = None, stream: 
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
-    # Libraries log through the standard module: same stream, one level quieter.
-    logging.basicConfig(
-        level=max(numeric, logging.INFO), stream=out, format="%(levelname)s %(name)s: %(message)s", force=True
+    # Libraries (asyncio, aiomqtt) log through the standard module: same stream, same
+    # rendering, so journald never gets a plain-text line between JSON ones; one level quieter.
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(_stdlib_formatter(json))
+    logging.basicConfig(level=max(numeric, logging.INFO), handlers=[handler], force=True)
+
+
+def _stdlib_formatter(json: bool) -> logging.Formatter:
+    """A formatter that renders standard-library records as structlog renders its own."""
+    pre_chain: list[Any] = [
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    render: list[Any] = (
+        [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        if json
+        else [structlog.dev.ConsoleRenderer(colors=False)]
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=pre_chain,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
     )

@@ -145,3 +145,23 @@ def test_logging_json_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) ->
     assert lines[0]["level"] == "info" and "timestamp" in lines[0]
     with pytest.raises(ValueError, match="log level"):
         configure_logging("loud")
+
+
+def test_logging_stdlib_records_are_json_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """A library's standard-library record (asyncio, with a traceback) is one JSON line as well."""
+    import logging
+
+    from qsched.daemon.logging import configure_logging
+
+    configure_logging("info")
+    try:
+        raise RuntimeError("board gone")
+    except RuntimeError as exc:
+        logging.getLogger("asyncio").error("Future exception was never retrieved", exc_info=exc)
+    logging.getLogger("aiomqtt").debug("hidden at info")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) == 1
+    record = lines[0]
+    assert record["event"] == "Future exception was never retrieved" and record["logger"] == "asyncio"
+    assert record["level"] == "error" and "timestamp" in record
+    assert record["exception"][0]["exc_type"] == "RuntimeError"
