@@ -71,9 +71,11 @@ def test_setting_spec_per_numerics() -> None:
 def _config(name: str, token: str, acc: float, passes: float, q: int | None = None) -> dict[str, object]:
     config = {"q": q} if q is not None else {}
     key = f"{name}{q or ''}@{token}"
+    # Two seeds whose accuracies straddle the mean by 0.01 (seed 0 low, seed 1 high).
+    runs = [{"seed": 0, "final_accuracy": acc - 0.01}, {"seed": 1, "final_accuracy": acc + 0.01}]
     return {
         "key": key, "numerics_token": token, "policy": {"name": name, "config": config},
-        "final_accuracy": {"mean": acc}, "forward_passes": {"mean": passes},
+        "final_accuracy": {"mean": acc}, "forward_passes": {"mean": passes}, "runs": runs,
     }
 
 
@@ -91,3 +93,6 @@ def test_comparison_against_best_fixed() -> None:
     assert by_token["int8"]["forward_pass_share"] == pytest.approx(0.5)
     assert by_token["int8"]["floor_met"] is True
     assert by_token["fp32"]["floor_met"] is False  # 10 points behind
+    paired = by_token["int8"]["paired_difference_pp"]
+    assert paired["values"] == pytest.approx([-0.5, -0.5])  # same seed, same offset: no spread
+    assert paired["standard_error"] == pytest.approx(0.0, abs=1e-9)
