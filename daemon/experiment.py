@@ -2,9 +2,10 @@
 
 Every run is the fleet's training step computed in one process (``qsched.zo.trainer``),
 which the in-process fleet reproduces bit for bit (the determinism contract, tested
-with the step engine), so a grid run measures the method, not the transport. Runs are
-spread over worker processes; each run is a pure function of its job spec, so the
-results do not depend on the number of workers.
+with the step engine), so a grid run measures the method, not the transport;
+``--fleet BOARDS`` runs each job on an in-process fleet of virtual boards instead (same
+results, slower). Runs are spread over worker processes; each run is a pure function of
+its job spec, so the results do not depend on the number of workers.
 
 Two settings:
 
@@ -169,6 +170,7 @@ class Setting:
     numerics_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     transfer: TransferSetting | None = None
     baseline_lr: float = 3e-3
+    fleet_boards: int = 0  # > 0: train on an in-process fleet of this many virtual boards
 
     def spec(self, entry: GridEntry, seed: int) -> JobSpec:
         """The job spec of one run.
@@ -253,7 +255,7 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
     entry, seed = task
     setting: Setting = _WORKER["setting"]
     spec = setting.spec(entry, seed)
-    wl = _workload(spec, _WORKER.get("prepared"))
+    wl = _workload(spec, _WORKER.get("prepared")) if setting.fleet_boards == 0 else None
     progress: Callable[[int, int], None] | None = _WORKER.get("progress")
     done = 0
 
@@ -263,7 +265,10 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
             progress(record.step + 1 - done, 0)
             done = record.step + 1
 
-    result = train_zo(spec, create_policy(spec.policy, policy_context(spec, wl)), on_step, workload=wl)
+    if setting.fleet_boards > 0:
+        result = _train_fleet(spec, setting.fleet_boards)
+    else:
+        result = train_zo(spec, create_policy(spec.policy, policy_context(spec, wl)), on_step, workload=wl)
     if progress is not None:
         progress(len(result.steps) - done, 1)
     return RunRecord(
@@ -275,6 +280,18 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
         val_loss=[e.val_loss for e in result.evals],
         q_changes=_q_changes(r.q for r in result.steps),
     )
+
+
+def _train_fleet(spec: JobSpec, boards: int) -> Any:
+    """Train on an in-process fleet of virtual boards (the daemon's step engine); same bits."""
+    import asyncio
+
+    from qsched.daemon.engine import run_job_inprocess
+
+    job = asyncio.run(run_job_inprocess(spec, boards=boards))
+    if job.status != "completed":
+        raise ExperimentError(f"run {spec.name}: the fleet ended the job as {job.status}")
+    return job.train
 
 
 # --------------------------------------------------------------------------- transfer
@@ -617,6 +634,8 @@ def run_experiment(
     """
     if not entries or not seeds:
         raise ExperimentError("need at least one configuration and one seed")
+    if setting.fleet_boards > 0 and setting.transfer is not None:
+        raise ExperimentError("--fleet runs job specs as the daemon does; the transfer setting needs --fleet 0")
     base = _validate(entries, seeds, setting)
     prepared = _prepare_transfer(setting, base) if setting.transfer is not None else None
     tasks = sorted(((e, s) for e in entries for s in seeds), key=lambda t: -_cost(t[0], base.steps))
@@ -632,7 +651,7 @@ def run_experiment(
     return ExperimentResult(
         setting=_setting_json(setting, base, seeds, prepared),
         configs=configs, baseline=first_order,
-        environment=_environment(workers, grid_wall), command=command,
+        environment=_environment(workers, grid_wall, setting.fleet_boards), command=command,
     )
 
 
@@ -665,13 +684,17 @@ def _setting_json(setting: Setting, base: JobSpec, seeds: Sequence[int], prepare
     return out
 
 
-def _environment(workers: int, wall: float) -> dict[str, Any]:
+def _environment(workers: int, wall: float, boards: int) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    trainer = (
+        f"qsched.daemon.engine.run_job_inprocess ({boards} virtual boards)" if boards
+        else "qsched.zo.trainer.train_zo (single-process, bit-identical to the in-process fleet)"
+    )
     return {
         "workers": workers, "cpus": os.cpu_count(), "grid_wall_s": round(wall, 1),
         "load_average_at_end": [round(v, 2) for v in load],
         "python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
-        "trainer": "qsched.zo.trainer.train_zo (single-process, bit-identical to the in-process fleet)",
+        "trainer": trainer,
     }
 
 
@@ -803,6 +826,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-lr", type=float, default=3e-3, help="Adam lr of the first-order baseline")
     p.add_argument("--no-baseline", action="store_true", help="skip the first-order baseline")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--fleet", type=int, default=0, metavar="BOARDS",
+                   help="train on an in-process fleet of BOARDS virtual boards (same results, slower; "
+                   "default 0: the single-process trainer)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -862,7 +888,7 @@ def main(argv: list[str], *, stream: Any = None) -> int:
     try:
         common, per = _overrides(args)
         entries = build_grid(args.grid, args.policies, args.numerics)
-        setting = Setting(common, per, _transfer(args), args.baseline_lr)
+        setting = Setting(common, per, _transfer(args), args.baseline_lr, max(0, args.fleet))
         result = run_experiment(
             entries, args.seeds, setting, workers=args.workers, baseline=not args.no_baseline,
             progress=not args.quiet, stream=out, command=_command(argv),

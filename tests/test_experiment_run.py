@@ -133,3 +133,23 @@ def test_run_through_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str
                        "--quiet", "--out", str(tmp_path)])
     assert status == 0
     assert "| fixed q=1 | fp32 |" in capsys.readouterr().err
+
+
+def test_run_fleet_matches_trainer(tmp_path: Path, tiny: tuple[Path, dict[str, Any], str]) -> None:
+    """--fleet 2 trains every run on in-process virtual boards: the same accuracies and q as the trainer."""
+    _, one, _ = tiny
+    fleet, _ = _run(tmp_path, "--workers", "1", "--fleet", "2", "--no-plots", "--no-baseline", "--quiet")
+    assert "2 virtual boards" in fleet["environment"]["trainer"]
+    for a, b in zip(one["configs"], fleet["configs"], strict=True):
+        assert [r["val_accuracy"] for r in a["runs"]] == [r["val_accuracy"] for r in b["runs"]]
+        assert [r["val_loss"] for r in a["runs"]] == [r["val_loss"] for r in b["runs"]]
+        assert a["q_trajectory"] == b["q_trajectory"]
+        assert a["forward_passes"] == b["forward_passes"]
+
+
+def test_run_fleet_refuses_transfer(tmp_path: Path) -> None:
+    """The transfer setting builds its workload outside a job spec, so --fleet refuses it."""
+    stream = io.StringIO()
+    argv = ["--transfer", "0,1/2,3", "--fleet", "2", "--out", str(tmp_path)]
+    assert experiment.main(argv, stream=stream) == 2
+    assert "--fleet" in stream.getvalue()
