@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -220,6 +221,19 @@ async def _follow_events(cfg: MqttConfig, topics: TopicMap) -> int:
     return 0
 
 
+def _events(cfg: MqttConfig, topics: TopicMap) -> int:
+    try:
+        return asyncio.run(_follow_events(cfg, topics))
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `qsched ctl events | head`: the reader is done
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except aiomqtt.MqttError as exc:
+        print(f"qsched ctl: broker {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
+        return EXIT_NO_REPLY
+
+
 def main(argv: list[str]) -> int:
     """``qsched ctl``: one command, one reply on standard output (JSON).
 
@@ -236,10 +250,7 @@ def main(argv: list[str]) -> int:
         print(f"qsched ctl: {exc}", file=sys.stderr)
         return 2
     if args.action == "events":
-        try:
-            return asyncio.run(_follow_events(cfg, topics))
-        except KeyboardInterrupt:
-            return 0
+        return _events(cfg, topics)
     try:
         command = build_command(args)
     except (ValueError, OSError) as exc:

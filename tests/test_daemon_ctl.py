@@ -51,3 +51,12 @@ def test_ctl_bad_mqtt_address_is_usage_error(address: str, capsys: pytest.Captur
     """A --mqtt that is not HOST:PORT exits 2 with a sentence, before any connection."""
     assert main(["--mqtt", address, "status"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_ctl_events_without_broker_is_no_reply(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ctl events` with no broker listening exits 3 with one line, not a traceback."""
+    from qsched.daemon.broker import free_port
+
+    assert main(["--mqtt", f"127.0.0.1:{free_port()}", "events"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("qsched ctl: broker 127.0.0.1:") and "Traceback" not in err
