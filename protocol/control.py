@@ -374,4 +374,5 @@ def parse_control(data: bytes | bytearray | memoryview | str) -> ControlMessage:
 
 def error_reply(exc: ProtocolError) -> ErrorReply:
     """The ErrorReply for a command that ``parse_command`` refused."""
-    return ErrorReply(code="invalid_command", message=str(exc), request_id=exc.request_id)
+    # The code is its own field: the message is the sentence alone, not "invalid_command: ...".
+    return ErrorReply(code="invalid_command", message=exc.detail, request_id=exc.request_id)

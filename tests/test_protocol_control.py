@@ -74,6 +74,7 @@ def test_control_malformed_command_keeps_request_id(document: str) -> None:
     assert info.value.kind == "invalid_command" and info.value.request_id == "r9"
     reply = error_reply(info.value)
     assert (reply.code, reply.request_id, reply.ok) == ("invalid_command", "r9", False)
+    assert reply.message == info.value.detail and not reply.message.startswith("invalid_command")
 
 
 @pytest.mark.parametrize("document", [b"", b"\xff\xfe", b"[]", b"null", b"{", b"[" * 5000, b"1e999"])
