@@ -529,6 +529,8 @@ def _write_files(out: Path, engine: Any, result: Any) -> dict[str, str]:
     files[PLOT_FILE] = "validation accuracy and q against step"
     files["checkpoints/"] = "checkpoints (resumable)"
     files["boards.log"] = "the board processes' output"
+    if (out / "demo.log").exists():  # absent with --verbose (the log went to standard error)
+        files["demo.log"] = "the daemon's log (JSON lines)"
     return files
 
 

@@ -60,6 +60,7 @@ def test_demo_serial_short_run_writes_files(tmp_path: Path, capsys: pytest.Captu
     assert (out / "model.tflite").read_bytes() == expected
     assert read_tflite(out / "model.tflite").layers  # the file reads back as a model
     assert "final val accuracy" in printed.out and str(out) in printed.out
+    assert (out / "demo.log").exists() and "demo.log" in summary["files"]  # the daemon's log, listed
     assert "demo  [" in printed.err  # the progress line
 
 
