@@ -268,6 +268,7 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
     if setting.fleet_boards > 0:
         result = _train_fleet(spec, setting.fleet_boards)
     else:
+        assert wl is not None  # built above for in-process runs
         result = train_zo(spec, create_policy(spec.policy, policy_context(spec, wl)), on_step, workload=wl)
     if progress is not None:
         progress(len(result.steps) - done, 1)
