@@ -83,6 +83,7 @@ class BenchConfig:
         mqtt: an existing broker ``HOST:PORT`` instead of a private one.
         processes: ``qsched board`` processes hosting the boards (more spreads their
             message handling over cores, on hosts that have them).
+        pipeline: the engine's pipelining (next step's requests sent with the update).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -97,6 +98,7 @@ class BenchConfig:
     audit: bool = False
     mqtt: str | None = None
     processes: int = 1
+    pipeline: bool = True
 
 
 @dataclass
@@ -124,17 +126,37 @@ class BenchRow:
 
 
 class ByteCounter:
-    """Data-plane bytes by message type, counted only while ``active``."""
+    """Data-plane bytes by message type, counted only while ``active``.
+
+    With ``steps`` set, a step's own messages (requests, results, updates, acks) count
+    when their step is in it instead, whenever they pass: the engine sends a step's
+    requests together with the previous step's update, before that step's window opens.
+    """
 
     def __init__(self) -> None:
         self.active = False
+        self.steps: range | None = None
         self.bytes: Counter[str] = Counter()
 
     def add(self, payload: bytes) -> None:
         """Count one message (its type from the header's fourth byte)."""
-        if self.active:
-            code = payload[3] if len(payload) >= 4 else -1
-            self.bytes[STEP_TYPES.get(code, "other")] += len(payload)
+        code = payload[3] if len(payload) >= 4 else -1
+        kind = STEP_TYPES.get(code, "other")
+        if self.steps is not None and kind != "other":
+            if _step_of(payload) in self.steps:
+                self.bytes[kind] += len(payload)
+        elif self.active:
+            self.bytes[kind] += len(payload)
+
+
+def _step_of(payload: bytes) -> int | None:
+    from qsched.protocol.codec import decode
+    from qsched.protocol.errors import ProtocolError
+
+    try:
+        return getattr(decode(payload), "step", None)
+    except ProtocolError:
+        return None
 
 
 class CountingLink:
@@ -277,6 +299,7 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
     measured = min(config.max_steps, max(config.min_steps, math.ceil(config.window_s / max(ideal, 1e-3))))
     spec = _spec(config, config.warmup_steps + measured)
     counter = ByteCounter()
+    counter.steps = range(config.warmup_steps, config.warmup_steps + measured)  # the timed steps
     clock = _Clock(config.warmup_steps, measured, counter)
     fleet_name = f"bench-{link}-{boards}-{int(time.time() * 1000) % 10**9}"
     extra = ["--model-latency", config.model_latency]
@@ -289,8 +312,8 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
         Fleet(transport) as fleet,
     ):
         await wait_for_boards(fleet, boards)
-        engine = StepEngine(spec, fleet, config=EngineConfig(audit_every=1 if config.audit else 0, validate_on="daemon"),
-                            on_event=clock.on_event)
+        knobs = EngineConfig(audit_every=1 if config.audit else 0, validate_on="daemon", pipeline=config.pipeline)
+        engine = StepEngine(spec, fleet, config=knobs, on_event=clock.on_event)
         clock.engine = engine
         result = await engine.run()
     start, end = clock.times[config.warmup_steps], clock.times[config.warmup_steps + measured]
@@ -485,6 +508,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
     p.add_argument("--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model")
     p.add_argument("--audit", action="store_true", help="keep the shard audit on")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="wait for every update ack before the next step's requests (the engine's old way)")
     p.add_argument("--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto")
     p.add_argument("--board-processes", type=int, default=1, help="processes hosting the boards (default 1)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
@@ -498,7 +523,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                          "--seconds positive")
     return BenchConfig(boards=args.boards, links=args.links, q=args.q, batch=args.batch, window_s=args.seconds,
                        warmup_steps=args.warmup, min_steps=args.min_steps, model_latency=args.model_latency,
-                       audit=args.audit, mqtt=args.mqtt, processes=args.board_processes)
+                       audit=args.audit, mqtt=args.mqtt, processes=args.board_processes,
+                       pipeline=not args.no_pipeline)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

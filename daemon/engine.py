@@ -113,6 +113,8 @@ class EngineConfig:
             one key per board more; between audits a lying board goes unnoticed.
         validate_on: ``boards`` (data-parallel slices) or ``daemon`` (local).
         checkpoint_every: steps between checkpoints (default: the spec's).
+        pipeline: send step t's update and step t+1's eval requests together, and check
+            the update acks alongside the results (off: wait for every ack first).
     """
 
     step_deadline_s: float = 5.0
@@ -123,6 +125,7 @@ class EngineConfig:
     audit_every: int = 1
     validate_on: Literal["boards", "daemon"] = "boards"
     checkpoint_every: int | None = None
+    pipeline: bool = True
 
 
 @dataclass
@@ -297,6 +300,10 @@ class StepEngine:
         self._safe_point = False  # True while waiting between whole steps
         # address -> (the board's Hello epoch, detail) of boards that refused the model
         self._model_refusals: dict[str, tuple[int, str]] = {}
+        # Pipelining: eval requests of the next step sent with the update (step, flights),
+        # and boards whose update ack is not checked yet (no work for them meanwhile).
+        self._prefetch: tuple[int, dict[asyncio.Task[EvalResult], _Flight]] | None = None
+        self._unverified: dict[str, asyncio.Task[None]] = {}
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ control
@@ -375,15 +382,20 @@ class StepEngine:
         self._emit("job_resumed" if resumed else "job_started", message=f"at step {self.step}")
         started = time.perf_counter()
         try:
-            while self.step < self.spec.steps and not self._stop.is_set():
-                await self._between_steps()
-                if self._stop.is_set():
-                    break
-                try:
-                    await self._step()
-                except _Interrupted:  # stopped while no board could finish the step
-                    break
-                self._after_step()
+            try:
+                while self.step < self.spec.steps and not self._stop.is_set():
+                    await self._between_steps()
+                    if self._stop.is_set():
+                        break
+                    try:
+                        await self._step()
+                    except _Interrupted:  # stopped while no board could finish the step
+                        break
+                    self._after_step()
+            except BaseException:
+                self._drop_pipeline()
+                raise
+            await self._finish_pipeline()
         except JobError as exc:
             self._finish_failed(exc, started)
             raise
@@ -476,15 +488,29 @@ class StepEngine:
             grads = projected_gradients(losses, spec.eps, spec.estimator)
         except LossError as exc:
             raise JobError("numeric", str(exc)) from exc
-        new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
-        await self._broadcast_update(t, pairs, new_state.checksum())
-        self.result.state = new_state
-        self.result.forward_passes += forward_passes(q, spec.estimator)
-        record = StepRecord(t, q, train_loss(losses), self.result.forward_passes)
-        self.result.steps.append(record)
+        record = StepRecord(t, q, train_loss(losses), self.result.forward_passes + forward_passes(q, spec.estimator))
         self.policy.on_step(StepReport(t, q, record.train_loss, np.array([grads[k] for k in range(q)]), record.forward_passes))
+        validate = (t + 1) % spec.eval_every == 0 or t + 1 == spec.steps
+        if self._may_pipeline(validate):
+            # The policy knows step t, so q of t+1 is known: its requests go right behind
+            # the update (boards take messages in order) and the acks are checked with them.
+            expected: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            try:
+                await self._send_update_and_next(t, pairs, expected)
+                # Only now: a computing thread holds the GIL and would delay the sends.
+                new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
+                expected.set_result(new_state.checksum())
+            finally:
+                if not expected.done():
+                    expected.cancel()
+        else:
+            new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
+            await self._broadcast_update(t, pairs, new_state.checksum())
+        self.result.state = new_state
+        self.result.forward_passes = record.forward_passes
+        self.result.steps.append(record)
         self._log_step(record)
-        if (t + 1) % spec.eval_every == 0 or t + 1 == spec.steps:
+        if validate:
             evaluation = await self._validate(t)
             self.result.evals.append(evaluation)
             self.policy.on_eval(EvalReport(t, evaluation.val_loss, evaluation.val_accuracy))
@@ -509,7 +535,7 @@ class StepEngine:
         return [
             s for s in self.fleet.boards()
             if s.alive and s.state == "ready" and s.job_id == self.job_id and s.step == self.step
-            and not s.draining and s.address not in exclude
+            and not s.draining and s.address not in exclude and s.address not in self._unverified
         ]
 
     async def _sync_boards(self) -> None:
@@ -650,11 +676,14 @@ class StepEngine:
             estimator=spec.estimator, ks=tuple(sorted(ks)),
         )
 
-    def _plan(self, missing: Sequence[int], workers: list[BoardSession], audit: bool) -> dict[str, list[int]]:
+    def _plan(
+        self, missing: Sequence[int], workers: list[BoardSession], audit: bool, step: int | None = None
+    ) -> dict[str, list[int]]:
         rates = _planning_rates(workers)
         plan = plan_shards(list(missing), rates)
         every = self.config.audit_every
-        if audit and every > 0 and self.step % every == 0 and len(plan) >= 2:
+        step = self.step if step is None else step
+        if audit and every > 0 and step % every == 0 and len(plan) >= 2:
             order = sorted(plan)
             extra = {b: plan[order[(i - 1) % len(order)]][0] for i, b in enumerate(order)}
             plan = {b: sorted({*plan[b], extra[b]}) for b in order}
@@ -663,8 +692,8 @@ class StepEngine:
     async def _collect(self, t: int, q: int) -> LossPairs:
         """Gather verified losses for keys 0..q-1 of step t."""
         got = _Collected()
-        flights: dict[asyncio.Task[EvalResult], _Flight] = {}
-        first = True
+        flights = self._take_prefetch(t)
+        first = not flights  # the first plan (with its audit) went out with the last update
         idle_rounds = 0
         try:
             while True:
@@ -766,7 +795,7 @@ class StepEngine:
             self._check_result(result, t, flight)
         except BoardFaultError as exc:
             got.excluded.add(session.address)
-            self._fault(session, f"step {t}: {exc.reason} {exc.detail}".strip())
+            self._fault(session, _fault_text(exc, f"step {t}"))
             return
         self.work[session.board_id] = self.work.get(session.board_id, 0) + len(result.ks)
         if not flight.late:  # a late answer still counts (and is checked), its time does not
@@ -839,13 +868,21 @@ class StepEngine:
 
     # ------------------------------------------------------------------ the update
 
-    async def _broadcast_update(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
-        ks = tuple(k for k, _ in pairs)
-        message = ApplyUpdate(job_id=self.job_id, step=t, ks=ks, coefficients=tuple(c for _, c in pairs))
-        targets = [
+    def _update_targets(self, t: int) -> list[BoardSession]:
+        return [
             s for s in self.fleet.boards()
             if s.alive and s.state in ("ready", "busy") and s.job_id == self.job_id and s.step == t
         ]
+
+    @staticmethod
+    def _update_message(job_id: int, t: int, pairs: list[tuple[int, float]]) -> ApplyUpdate:
+        ks = tuple(k for k, _ in pairs)
+        return ApplyUpdate(job_id=job_id, step=t, ks=ks, coefficients=tuple(c for _, c in pairs))
+
+    async def _broadcast_update(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
+        await self._settle_unverified()
+        message = self._update_message(self.job_id, t, pairs)
+        targets = self._update_targets(t)
         answers = await asyncio.gather(
             *(s.request(message, self.config.reply_timeout_s) for s in targets), return_exceptions=True
         )
@@ -860,6 +897,166 @@ class StepEngine:
                 self._fault(session, f"step {t} update: {answer.reason} {answer.detail}".strip())
             elif isinstance(answer, BaseException):
                 raise answer
+
+    # ------------------------------------------------------------------ pipelining
+
+    def _may_pipeline(self, validate: bool) -> bool:
+        """Whether step t+1's requests may go out with step t's update: not before a
+        validation or the last step, nor while a stop, pause, policy change or checkpoint
+        waits for the step to end (those want a whole step, and may change q)."""
+        return (
+            self.config.pipeline and not validate and not self._stop.is_set() and self._resume.is_set()
+            and self._new_policy is None and not self._checkpoint_waiters
+        )
+
+    async def _send_update_and_next(
+        self, t: int, pairs: list[tuple[int, float]], expected: asyncio.Future[int]
+    ) -> None:
+        """ApplyUpdate(t) to every board at step t and, right behind it on the same link,
+        EvalRequests of step t+1 (keys of the policy's q) to those that may work; returns
+        when every board's messages are sent (or failed to be)."""
+        await self._settle_unverified()
+        message = self._update_message(self.job_id, t, pairs)
+        targets = self._update_targets(t)
+        sent: list[asyncio.Future[None]] = []
+        workers = [s for s in targets if s.state == "ready" and not s.draining]
+        plan = self._plan(range(self.policy.q), workers, audit=True, step=t + 1) if workers else {}
+        flights: dict[asyncio.Task[EvalResult], _Flight] = {}
+        now = asyncio.get_running_loop().time()
+        for session in targets:
+            session.step = t + 1  # as far as the daemon knows: a wrong ack takes it back
+            ks = plan.get(session.address)
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            sent.append(done)
+            if ks is None:
+                self._unverified[session.address] = asyncio.create_task(
+                    self._update_only(session, message, expected, done), name=f"fleet[{session.address}].update[{t}]"
+                )
+                continue
+            request = self._request(t + 1, ks)
+            flight = _Flight(session, request.ks, now, self._deadline(session, len(ks), now))
+            timeout = flight.deadline - now + self.config.step_deadline_s * 4
+            task = asyncio.create_task(
+                self._update_then_eval(session, message, request, expected, timeout, done),
+                name=f"fleet[{session.address}].eval[{t + 1}]",
+            )
+            flights[task] = flight
+            session.set_state("busy", "eval")
+        self._prefetch = (t + 1, flights)
+        if sent:
+            await asyncio.wait(sent)
+
+    async def _update_then_eval(
+        self, session: BoardSession, update: ApplyUpdate, request: EvalRequest,
+        expected: asyncio.Future[int], timeout: float, sent: asyncio.Future[None],
+    ) -> EvalResult:
+        """Send the update and the next step's request; the result counts only after the
+        update's ack matched the daemon's checksum (else ``BoardFaultError``)."""
+        try:
+            ack = await session.send_expecting(update)
+            try:
+                answer = await session.send_expecting(request)
+            except BaseException:
+                session.forget(("update", update.step), ack)
+                raise
+        finally:
+            _settle_none(sent)
+        try:
+            reply = await session.reply(update, ack, self.config.reply_timeout_s)
+            await self._check_ack(session, update.step, reply, expected)
+            result = await session.reply(request, answer, timeout)
+            return cast("EvalResult", result)
+        finally:
+            session.forget(("update", update.step), ack)
+            session.forget(("eval", request.step, request.ks), answer)
+
+    async def _update_only(
+        self, session: BoardSession, update: ApplyUpdate, expected: asyncio.Future[int], sent: asyncio.Future[None]
+    ) -> None:
+        """A board without work in the next step: its ack is checked in the background."""
+        try:
+            try:
+                ack = await session.send_expecting(update)
+            finally:
+                _settle_none(sent)
+            try:
+                reply = await session.reply(update, ack, self.config.reply_timeout_s)
+            finally:
+                session.forget(("update", update.step), ack)
+            await self._check_ack(session, update.step, reply, expected)
+        except BoardFaultError as exc:
+            self._fault(session, _fault_text(exc, f"step {update.step} update"))
+        finally:
+            self._unverified.pop(session.address, None)
+        await self.fleet.notify_changed()  # it may take work now
+
+    async def _check_ack(self, session: BoardSession, t: int, reply: Any, expected: asyncio.Future[int]) -> None:
+        checksum = await expected
+        if not isinstance(reply, UpdateAck) or reply.step != t:
+            raise BoardFaultError(session.board_id, "wrong_answer", f"step {t}: not its update ack")
+        if reply.checksum != checksum:
+            raise BoardFaultError(session.board_id, "checksum", f"step {t}: checksum {reply.checksum:08x}, expected {checksum:08x}")
+
+    async def _settle_unverified(self) -> None:
+        """Wait for the update acks still being checked (normally all in already)."""
+        if self._unverified:
+            await asyncio.gather(*self._unverified.values(), return_exceptions=True)
+
+    def _take_prefetch(self, t: int) -> dict[asyncio.Task[EvalResult], _Flight]:
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            return {}
+        step, flights = prefetch
+        if step == t:
+            return flights
+        self._prefetch = prefetch  # not this step's: dropped as on a stop
+        self._drop_pipeline()
+        return {}
+
+    async def _finish_pipeline(self) -> None:
+        """The job ends with the next step's requests out: wait for them (bounded) so the
+        last update's acks are checked and no board is left computing, then forget them."""
+        prefetch, self._prefetch = self._prefetch, None
+        if self._shutdown or prefetch is None:
+            self._prefetch = prefetch
+            self._drop_pipeline()
+            return
+        flights = prefetch[1]
+        if flights:
+            loop = asyncio.get_running_loop()
+            limit = max(f.deadline for f in flights.values()) - loop.time()
+            done, _ = await asyncio.wait(flights, timeout=max(limit, self.config.reply_timeout_s))
+            for task in done:
+                session = flights.pop(task).session
+                error = None if task.cancelled() else task.exception()
+                if session.state == "busy":
+                    session.set_state("ready", "answered")
+                if isinstance(error, BoardFaultError):
+                    self._fault(session, _fault_text(error, f"step {self.step}"))
+            self._prefetch = (prefetch[0], flights)  # the unanswered ones: dropped below
+        if self._unverified:
+            await asyncio.wait(list(self._unverified.values()), timeout=self.config.reply_timeout_s)
+        self._drop_pipeline()
+
+    def _drop_pipeline(self) -> None:
+        """The job leaves with requests of a step it will not run: cancel them; their
+        boards hold updates nobody checked, so they are resynchronised before new work."""
+        if self._prefetch is not None:
+            _, flights = self._prefetch
+            self._prefetch = None
+            for task, flight in flights.items():
+                task.cancel()
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: nobody waits for it any more
+                if flight.session.state == "busy":
+                    self._fault(flight.session, "request of a step that did not run")
+        for address, task in list(self._unverified.items()):
+            if not task.done():
+                task.cancel()
+                session = self.fleet.sessions.get(address)
+                if session is not None:
+                    self._fault(session, "update ack not checked")
+        self._unverified.clear()
 
     # ------------------------------------------------------------------ validation
 
@@ -930,6 +1127,18 @@ def _planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:
     measured = [s.throughput.rate for s in workers if s.throughput.observations]
     prior = sum(measured) / len(measured) if measured else 1.0
     return {s.address: s.throughput.rate if s.throughput.observations else prior for s in workers}
+
+
+def _fault_text(exc: BoardFaultError, where: str) -> str:
+    """A fault's reason for the event log (an update mismatch names its own step)."""
+    if exc.reason == "checksum":
+        return exc.detail
+    return f"{where}: {exc.reason} {exc.detail}".strip()
+
+
+def _settle_none(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _refused(session: BoardSession) -> bool:

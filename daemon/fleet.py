@@ -285,6 +285,28 @@ class BoardSession:
             BoardFaultError: reason ``timeout``, or too many requests in flight.
         """
         key = request_key(msg) if key is None else key
+        future = await self.send_expecting(msg, key)
+        try:
+            return await self.reply(msg, future, timeout)
+        finally:
+            self.forget(key, future)
+
+    async def send_expecting(self, msg: DataMessage, key: Hashable | None = None) -> asyncio.Future[DataMessage]:
+        """Send a request without waiting for its answer (pipelining: several in order).
+
+        Args:
+            msg: the request.
+            key: the waiter key (default: ``request_key(msg)``).
+
+        Returns:
+            The future of the answer, registered before sending; wait for it with
+            ``reply`` and release it with ``forget``.
+
+        Raises:
+            BoardLostError: the send failed (nothing stays registered).
+            BoardFaultError: too many requests in flight, or this one already is.
+        """
+        key = request_key(msg) if key is None else key
         if len(self._waiters) >= MAX_IN_FLIGHT:
             raise BoardFaultError(self.board_id, "overloaded", f"{len(self._waiters)} requests in flight")
         if key in self._waiters:
@@ -293,12 +315,24 @@ class BoardSession:
         self._waiters[key] = future  # registered before sending: a fast answer finds it
         try:
             await self.send(msg)
-            try:
-                return await asyncio.wait_for(future, timeout)
-            except TimeoutError as exc:
-                raise BoardFaultError(self.board_id, "timeout", f"no answer to {msg.type} in {timeout:.1f} s") from exc
-        finally:
-            self._waiters.pop(key, None)
+        except BaseException:
+            self.forget(key, future)
+            raise
+        return future
+
+    async def reply(self, msg: DataMessage, future: asyncio.Future[DataMessage], timeout: float) -> DataMessage:
+        """Wait for the answer ``send_expecting`` registered (``BoardFaultError`` as ``request``)."""
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            raise BoardFaultError(self.board_id, "timeout", f"no answer to {msg.type} in {timeout:.1f} s") from exc
+
+    def forget(self, key: Hashable, future: asyncio.Future[DataMessage]) -> None:
+        """Release a waiter (only if it is still this one); an answer after this is dropped."""
+        if self._waiters.get(key) is future:
+            del self._waiters[key]
+        if not future.done():
+            future.cancel()
 
     async def ping(self, timeout: float) -> Heartbeat:
         """Ping the board and wait for the echoing Heartbeat."""

@@ -1,0 +1,122 @@
+"""Pipelining: step t+1's eval requests go out right behind step t's update, before its
+acks are in, and the run still ends with the single-process weights; a wrong ack voids
+the board's next results and resynchronises it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Self
+
+import pytest
+
+from qsched.daemon.engine import EngineConfig, StepEngine
+from qsched.daemon.fleet import Fleet, FleetEvent
+from qsched.daemon.links.base import BoardAppeared, Link, LinkEvent
+from qsched.daemon.links.inproc import InProcTransport
+from qsched.firmware.faults import FaultPlan
+from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.codec import decode
+from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.zo.trainer import train_zo
+
+SPEC = JobSpec(name="pipe", steps=9, eval_every=4, batch_size=8, policy=PolicySpec(name="fixed", config={"q": 6}))
+
+Trace = list[tuple[str, str, str, int]]  # (board, "out" | "in", message type, step)
+
+
+class _TracingLink:
+    """The daemon's end of a link that records every message's type and step, in order."""
+
+    def __init__(self, inner: Link, board: str, trace: Trace) -> None:
+        self._inner, self._board, self._trace = inner, board, trace
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    def _note(self, direction: str, payload: bytes) -> None:
+        msg = decode(payload)
+        self._trace.append((self._board, direction, msg.type, getattr(msg, "step", -1)))
+
+    async def send(self, payload: bytes) -> None:
+        self._note("out", payload)
+        await self._inner.send(payload)
+
+    async def incoming(self) -> AsyncIterator[bytes]:
+        async for payload in self._inner.incoming():
+            self._note("in", payload)
+            yield payload
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class _TracingTransport:
+    name = "inproc"
+
+    def __init__(self) -> None:
+        self.inner = InProcTransport()
+        self.trace: Trace = []
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.inner.__aexit__(t, e, tb)
+
+    async def events(self) -> AsyncIterator[LinkEvent]:
+        async for event in self.inner.events():
+            if isinstance(event, BoardAppeared):
+                event = BoardAppeared(event.board_id, _TracingLink(event.link, event.board_id, self.trace), event.transport)
+            yield event
+
+
+async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace, list[FleetEvent]]:
+    transport, events = _TracingTransport(), []
+    config = EngineConfig(pipeline=pipeline, audit_every=0)
+    async with transport, Fleet(transport, on_event=events.append) as fleet, asyncio.TaskGroup() as tasks:
+        boards = []
+        for i in range(3):
+            board_id = f"vb-{i:02d}"
+            plan = FaultPlan.parse(faults.get(board_id, []), seed=SPEC.seed).for_board(board_id)
+            agent = BoardAgent(board_id, latency=LatencyProfile.off(), faults=plan)
+            boards.append(tasks.create_task(serve_link(agent, transport.inner.attach(board_id))))
+        while len([s for s in fleet.boards() if s.hello is not None]) < 3:
+            await fleet.wait_changed(0.05)
+        result = await StepEngine(SPEC, fleet, config=config).run()
+        for board in boards:
+            board.cancel()
+    return result.state.checksum(), transport.trace, events
+
+
+def _eval_before_ack(trace: Trace, board: str, t: int) -> bool:
+    """Whether the daemon sent board's EvalRequest(t+1) before the board's UpdateAck(t) came in."""
+    mine = [(d, kind, step) for b, d, kind, step in trace if b == board]
+    sent = mine.index(("out", "eval_request", t + 1))
+    acked = mine.index(("in", "update_ack", t))
+    return sent < acked
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+async def test_engine_pipeline_same_weights_and_order(pipeline: bool) -> None:
+    """With and without pipelining: the reference weights; requests overtake acks only when on."""
+    checksum, trace, _ = await _run(pipeline, {})
+    assert checksum == train_zo(SPEC).state.checksum()
+    # Step 1 is no validation step (eval_every 4): its update carries step 2's requests.
+    assert all(_eval_before_ack(trace, b, 1) == pipeline for b in ("vb-00", "vb-01", "vb-02"))
+    # A validation step waits for every ack: step 4's requests follow step 3's acks.
+    assert not any(_eval_before_ack(trace, b, 3) for b in ("vb-00", "vb-01", "vb-02"))
+
+
+async def test_engine_pipeline_wrong_ack_voids_next_results() -> None:
+    """A wrong checksum at a pipelined step: the board is faulted, resynchronised, and exact."""
+    checksum, trace, events = await _run(True, {"vb-01": ["bad-checksum:step=1"]})
+    assert checksum == train_zo(SPEC).state.checksum()
+    faulty = [e for e in events if e.kind == "board_faulty"]
+    assert faulty and faulty[0].board_id == "vb-01" and faulty[0].message.startswith("step 1: checksum")
+    assert any(e.kind == "board_resynced" and e.board_id == "vb-01" for e in events)
+    resync = trace.index(next(x for x in trace if x[:3] == ("vb-01", "out", "set_weights") and x[3] > 1))
+    assert ("vb-01", "out", "eval_request", 5) in trace[resync:]  # full weights, then back to work
