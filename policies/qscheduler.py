@@ -14,11 +14,21 @@ The rule, judged at every validation:
    after a raise, which give the new q time to act and are not held against it.
 4. When ``patience`` validations in a row did not improve, q moves to the next
    allowed value (never above ``qmax``, never down) and the count restarts.
+5. ``payoff`` (off by default) asks each raise to pay for itself: a rung above q0
+   that has not yet improved on the best reached before it is not raised from -
+   ``hold`` keeps q until the rung improves (then climbing may resume), ``stop``
+   keeps q for the rest of the run. q is never lowered.
 
 The default metric is the smoothed training loss: it sees every step rather than a
 validation set whose size sets the resolution of the accuracy, its relative threshold
 needs no per-dataset scale, and it notices a diverging loss that a slowly creeping
 accuracy hides.
+
+``payoff`` exists because a plateau is not always made of gradient noise: when the
+curve is limited by something more perturbations do not fix (the step size, the
+capacity of the trainable layers), the plateau rule climbs to ``qmax`` and spends
+passes for nothing. A raise that did not beat the previous rung's best is the
+evidence that the next one will not either.
 
 The best value is kept across a raise: raising q does not change the weights, so the
 new q must beat what the old q already reached to count as progress; resetting it
@@ -46,6 +56,7 @@ from .base import (
 __all__ = ["QSchedulerConfig", "QSchedulerPolicy"]
 
 Metric = Literal["val_accuracy", "val_loss", "train_loss"]
+Payoff = Literal["off", "hold", "stop"]
 
 
 class QSchedulerConfig(LadderConfig):
@@ -64,6 +75,11 @@ class QSchedulerConfig(LadderConfig):
     smoothing: float = Field(
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
     )
+    payoff: Payoff = Field(
+        default="off",
+        description="a rung above q0 that has not improved on the previous rung's best: "
+        "off: raise anyway; hold: keep q until it improves; stop: keep q for good",
+    )
 
 
 class QSchedulerPolicy(QPolicy):
@@ -79,6 +95,8 @@ class QSchedulerPolicy(QPolicy):
         self._stalled = 0
         self._cooldown_left = 0
         self._train_ema: float | None = None
+        self._paid = True  # q0 needs no payoff: it has no previous rung
+        self._stopped = False
 
     def initial_q(self) -> int:
         """Return q0."""
@@ -130,24 +148,40 @@ class QSchedulerPolicy(QPolicy):
         if improved(value, self._best, cfg.min_delta, self.direction, self._relative()):
             self._best = value
             self._stalled = 0
+            self._paid = True
         elif not in_cooldown:
             self._stalled += 1
         if self._stalled >= cfg.patience:
-            raised = next_allowed(self._q, cfg.ladder(), cfg.qmax)
-            if raised != self._q:
-                self._q = raised
-                self._stalled = 0
-                self._cooldown_left = cfg.cooldown
+            self._raise()
         return self._q
 
+    def _raise(self) -> None:
+        """Climb one rung after a stall, unless the payoff rule holds q."""
+        cfg = self.config
+        if cfg.payoff != "off" and not self._paid:
+            # The last raise bought no progress: more passes would not either.
+            self._stopped = self._stopped or cfg.payoff == "stop"
+            self._stalled = 0
+            return
+        if self._stopped:
+            return
+        raised = next_allowed(self._q, cfg.ladder(), cfg.qmax)
+        if raised != self._q:
+            self._q = raised
+            self._stalled = 0
+            self._cooldown_left = cfg.cooldown
+            self._paid = False
+
     def state_dict(self) -> JSONDict:
-        """Return q, the best metric, the stall and cooldown counts and the smoothed loss."""
+        """Return q, the best metric, the stall and cooldown counts, the smoothed loss and the payoff flags."""
         state = super().state_dict()
         state.update(
             best=self._best,
             stalled=self._stalled,
             cooldown_left=self._cooldown_left,
             train_ema=self._train_ema,
+            paid=self._paid,
+            stopped=self._stopped,
         )
         return state
 
@@ -160,3 +194,5 @@ class QSchedulerPolicy(QPolicy):
         self._stalled = int(state_field(state, "stalled"))
         self._cooldown_left = int(state_field(state, "cooldown_left"))
         self._train_ema = None if train_ema is None else float(train_ema)
+        self._paid = bool(state_field(state, "paid"))
+        self._stopped = bool(state_field(state, "stopped"))

@@ -98,6 +98,35 @@ def test_qscheduler_best_kept_across_raise() -> None:
     assert evals(policy, [0.8, 0.7, 0.75, 0.81]) == [1, 2, 4, 4]
 
 
+def test_qscheduler_payoff_hold_waits_for_the_rung_to_improve() -> None:
+    """payoff=hold: a raise that did not beat the old best holds q until the rung improves."""
+    policy = make(patience=1, cooldown=0, payoff="hold")
+    assert evals(policy, [0.5, 0.5, 0.5, 0.5, 0.6, 0.6]) == [1, 2, 2, 2, 2, 4]
+    off = make(patience=1, cooldown=0)
+    assert evals(off, [0.5, 0.5, 0.5, 0.5, 0.6, 0.6]) == [1, 2, 4, 8, 8, 16]
+
+
+def test_qscheduler_payoff_stop_keeps_q_for_good() -> None:
+    """payoff=stop: after an unpaid raise q never moves again, even after later gains."""
+    policy = make(patience=1, cooldown=0, payoff="stop")
+    assert evals(policy, [0.5, 0.5, 0.5, 0.6, 0.6, 0.6]) == [1, 2, 2, 2, 2, 2]
+
+
+def test_qscheduler_payoff_paid_raise_keeps_climbing() -> None:
+    """A rung that improved on the previous rung's best may be raised from as usual."""
+    policy = make(patience=1, cooldown=0, payoff="stop")
+    assert evals(policy, [0.5, 0.5, 0.6, 0.6, 0.7, 0.7]) == [1, 2, 2, 4, 4, 8]
+
+
+def test_qscheduler_payoff_state_round_trip() -> None:
+    """The payoff flags survive a save and load: the resumed policy holds like the original."""
+    policy = make(patience=1, cooldown=0, payoff="stop")
+    evals(policy, [0.5, 0.5, 0.5])
+    resumed = make(patience=1, cooldown=0, payoff="stop")
+    resumed.load_state_dict(policy.state_dict())
+    assert evals(resumed, [0.6, 0.6, 0.6]) == [2, 2, 2]
+
+
 def test_qscheduler_train_loss_metric_uses_smoothed_loss() -> None:
     """With metric train_loss the smoothed step loss is judged: falling keeps q, flat raises."""
     falling = make(metric="train_loss", patience=2, cooldown=0, smoothing=0.5)
