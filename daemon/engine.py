@@ -952,13 +952,19 @@ class StepEngine:
     ) -> EvalResult:
         """Send the update and the next step's request; the result counts only after the
         update's ack matched the daemon's checksum (else ``BoardFaultError``)."""
+        ack = session.expect(update)
         try:
-            ack = await session.send_expecting(update)
-            try:
-                answer = await session.send_expecting(request)
-            except BaseException:
-                session.forget(("update", update.step), ack)
-                raise
+            answer = session.expect(request)
+        except BaseException:
+            session.forget(("update", update.step), ack)
+            _settle_none(sent)
+            raise
+        try:
+            await _send_in_order(session, update, request)
+        except BaseException:
+            session.forget(("update", update.step), ack)
+            session.forget(("eval", request.step, request.ks), answer)
+            raise
         finally:
             _settle_none(sent)
         try:
@@ -1134,6 +1140,21 @@ def _fault_text(exc: BoardFaultError, where: str) -> str:
     if exc.reason == "checksum":
         return exc.detail
     return f"{where}: {exc.reason} {exc.detail}".strip()
+
+
+async def _send_in_order(session: BoardSession, *messages: Any) -> None:
+    """Send messages back to back without waiting for each send's confirmation (an MQTT
+    QoS 1 acknowledgement costs a broker round trip). Sends start in call order, which
+    links keep; a board that still got them out of order refuses the stale step and is
+    resynchronised, so the order is a matter of speed, not of correctness."""
+    sends = [asyncio.ensure_future(session.send(m)) for m in messages]
+    try:
+        await asyncio.gather(*sends)
+    finally:
+        for send in sends:
+            send.cancel()
+            if send.done() and not send.cancelled():
+                send.exception()  # retrieved: gather raised the first one
 
 
 def _settle_none(future: asyncio.Future[None]) -> None:

@@ -307,17 +307,27 @@ class BoardSession:
             BoardFaultError: too many requests in flight, or this one already is.
         """
         key = request_key(msg) if key is None else key
+        future = self.expect(msg, key)
+        try:
+            await self.send(msg)
+        except BaseException:
+            self.forget(key, future)
+            raise
+        return future
+
+    def expect(self, msg: DataMessage, key: Hashable | None = None) -> asyncio.Future[DataMessage]:
+        """Register the waiter of ``msg``'s answer without sending it (the caller sends).
+
+        Raises:
+            BoardFaultError: too many requests in flight, or this one already is.
+        """
+        key = request_key(msg) if key is None else key
         if len(self._waiters) >= MAX_IN_FLIGHT:
             raise BoardFaultError(self.board_id, "overloaded", f"{len(self._waiters)} requests in flight")
         if key in self._waiters:
             raise BoardFaultError(self.board_id, "duplicate_request", repr(key))
         future: asyncio.Future[DataMessage] = asyncio.get_running_loop().create_future()
         self._waiters[key] = future  # registered before sending: a fast answer finds it
-        try:
-            await self.send(msg)
-        except BaseException:
-            self.forget(key, future)
-            raise
         return future
 
     async def reply(self, msg: DataMessage, future: asyncio.Future[DataMessage], timeout: float) -> DataMessage:
