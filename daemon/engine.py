@@ -13,7 +13,12 @@ One step ``t`` (DESIGN.md, "One training step, as data"):
    faulty, its answers of this step dropped and its keys reassigned;
 4. the SPSA coefficients are computed once, the daemon applies the update to its own
    copy and sends ``ApplyUpdate`` to every board at step ``t``; a board whose checksum
-   differs is resynchronised (full weights) before it gets work again;
+   differs is resynchronised (full weights) before it gets work again. Pipelined (the
+   default): once the policy has heard about step ``t``, q of ``t+1`` is known, so each
+   board gets step ``t+1``'s ``EvalRequest`` right behind the update (boards take
+   messages in order) and the acks are checked with the results — a result counts only
+   after its board's ack matched. Not before a validation or the last step, nor while a
+   stop, pause, policy change or checkpoint waits: those get a whole step;
 5. every ``eval_every`` steps validation runs data-parallel on the boards
    (``ValidateRequest`` slices) or, with no board, in the daemon; the policy hears about
    the step and the validation; metrics, events and checkpoints follow.
