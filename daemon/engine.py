@@ -1061,9 +1061,9 @@ class StepEngine:
                     task.exception()  # retrieved: nobody waits for it any more
                 if flight.session.state == "busy":
                     self._fault(flight.session, "request of a step that did not run")
-        for address, task in list(self._unverified.items()):
-            if not task.done():
-                task.cancel()
+        for address, ack in list(self._unverified.items()):
+            if not ack.done():
+                ack.cancel()
                 session = self.fleet.sessions.get(address)
                 if session is not None:
                     self._fault(session, "update ack not checked")
