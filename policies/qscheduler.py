@@ -14,10 +14,10 @@ The rule, judged at every validation:
    after a raise, which give the new q time to act and are not held against it.
 4. When ``patience`` validations in a row did not improve, q moves to the next
    allowed value (never above ``qmax``, never down) and the count restarts.
-5. ``payoff`` (off by default) asks each raise to pay for itself: a rung above q0
-   that has not yet improved on the best reached before it is not raised from -
-   ``hold`` keeps q until the rung improves (then climbing may resume), ``stop``
-   keeps q for the rest of the run. q is never lowered.
+5. ``payoff`` asks each raise to pay for itself: a rung above q0 that has not
+   improved on the best reached before it by the time it stalls is not raised from -
+   ``stop`` (the default) keeps q for the rest of the run, ``hold`` keeps q until the
+   rung improves (then climbing may resume), ``off`` raises anyway. q is never lowered.
 
 The default metric is the smoothed training loss: it sees every step rather than a
 validation set whose size sets the resolution of the accuracy, its relative threshold
@@ -76,7 +76,7 @@ class QSchedulerConfig(LadderConfig):
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
     )
     payoff: Payoff = Field(
-        default="off",
+        default="stop",
         description="a rung above q0 that has not improved on the previous rung's best: "
         "off: raise anyway; hold: keep q until it improves; stop: keep q for good",
     )

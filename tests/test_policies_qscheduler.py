@@ -17,6 +17,7 @@ CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=10.0, eval_every=10)
 
 def make(**config: Any) -> QPolicy:
     config.setdefault("metric", "val_accuracy")
+    config.setdefault("payoff", "off")  # the plateau rule alone; payoff has its own tests
     return create_policy(PolicySpec(name="qscheduler", config=config), CONTEXT)
 
 
@@ -116,6 +117,13 @@ def test_qscheduler_payoff_paid_raise_keeps_climbing() -> None:
     """A rung that improved on the previous rung's best may be raised from as usual."""
     policy = make(patience=1, cooldown=0, payoff="stop")
     assert evals(policy, [0.5, 0.5, 0.6, 0.6, 0.7, 0.7]) == [1, 2, 2, 4, 4, 8]
+
+
+def test_qscheduler_payoff_default_is_stop() -> None:
+    """By default an unpaid raise ends the climb."""
+    policy = create_policy(PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1,
+                                                                   "cooldown": 0}), CONTEXT)
+    assert evals(policy, [0.5, 0.5, 0.5, 0.5]) == [1, 2, 2, 2]
 
 
 def test_qscheduler_payoff_state_round_trip() -> None:
