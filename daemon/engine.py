@@ -309,6 +309,7 @@ class StepEngine:
         # and boards whose update ack is not checked yet (no work for them meanwhile).
         self._prefetch: tuple[int, dict[asyncio.Task[EvalResult], _Flight]] | None = None
         self._unverified: dict[str, asyncio.Task[None]] = {}
+        self._going_down: asyncio.Future[None] | None = None  # done on a shutdown stop
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ control
@@ -346,6 +347,8 @@ class StepEngine:
         self._shutdown = self._shutdown or shutdown
         self._stop.set()
         self._resume.set()
+        if self._shutdown and self._going_down is not None and not self._going_down.done():
+            self._going_down.set_result(None)  # wakes a step waiting for answers
 
     def change_policy(self, policy: PolicySpec) -> None:
         """Switch the q policy from the next step on (validated here, applied between steps)."""
@@ -777,9 +780,16 @@ class StepEngine:
         loop = asyncio.get_running_loop()
         pending_deadlines = [f.deadline for f in flights.values() if not f.late]
         timeout = max(0.0, min(pending_deadlines) - loop.time()) if pending_deadlines else None
-        done, _ = await asyncio.wait(flights, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._going_down is None:
+            self._going_down = loop.create_future()
+        # A shutdown does not wait for the answers: the step runs again after the restart.
+        waiters: list[asyncio.Future[Any]] = [*flights, self._going_down]
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         now = loop.time()
-        for task in done:
+        for waiter in done:
+            if waiter is self._going_down:
+                continue
+            task = cast("asyncio.Task[EvalResult]", waiter)
             flight = flights.pop(task)
             await self._on_answer(t, task, flight, got, now)
         for flight in flights.values():

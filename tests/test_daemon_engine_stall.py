@@ -126,3 +126,23 @@ async def test_engine_links_failing_at_once_no_spin_and_stop() -> None:
         assert result.status == "running" and result.state.step == engine.step
         for session in list(fleet.sessions.values()):
             await session.link.close()
+
+
+async def test_engine_shutdown_mid_step_does_not_wait_for_answers() -> None:
+    """A shutdown stop while slow boards compute ends the run at once, the step undone."""
+    slow = LatencyProfile.named("mobilenetv2-0.35-128", speed=0.01)  # a minute per shard
+    config = EngineConfig(step_deadline_s=60.0)
+    async with InProcTransport() as transport, Fleet(transport) as fleet, asyncio.TaskGroup() as tasks:
+        boards = [
+            tasks.create_task(serve_link(BoardAgent(f"sl-{i}", latency=slow), transport.attach(f"sl-{i}")))
+            for i in range(2)
+        ]
+        engine = StepEngine(SPEC, fleet, config=config)
+        run = tasks.create_task(engine.run())
+        while not any(s.state == "busy" for s in fleet.boards()):
+            await asyncio.sleep(0.01)
+        engine.stop(shutdown=True)
+        result = await asyncio.wait_for(run, 2.0)
+        assert result.status == "running" and result.state.step == 0
+        for board in boards:
+            board.cancel()  # still modelling a minute of NPU time
