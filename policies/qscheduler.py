@@ -75,6 +75,9 @@ class QSchedulerConfig(LadderConfig):
     smoothing: float = Field(
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
     )
+    payoff_window: int = Field(
+        default=0, ge=0, description="validations after a raise an unpaid rung is held before payoff=stop ends the climb"
+    )
     payoff: Payoff = Field(
         default="stop",
         description="a rung above q0 that has not improved on the previous rung's best: "
@@ -97,6 +100,7 @@ class QSchedulerPolicy(QPolicy):
         self._train_ema: float | None = None
         self._paid = True  # q0 needs no payoff: it has no previous rung
         self._stopped = False
+        self._since_raise = 0
 
     def initial_q(self) -> int:
         """Return q0."""
@@ -141,6 +145,7 @@ class QSchedulerPolicy(QPolicy):
         if self._best is None:
             self._best = value
             return self._q
+        self._since_raise += 1
         in_cooldown = self._cooldown_left > 0
         if in_cooldown:
             self._cooldown_left -= 1
@@ -160,7 +165,8 @@ class QSchedulerPolicy(QPolicy):
         cfg = self.config
         if cfg.payoff != "off" and not self._paid:
             # The last raise bought no progress: more passes would not either.
-            self._stopped = self._stopped or cfg.payoff == "stop"
+            late = self._since_raise >= cfg.payoff_window
+            self._stopped = self._stopped or (cfg.payoff == "stop" and late)
             self._stalled = 0
             return
         if self._stopped:
@@ -171,6 +177,7 @@ class QSchedulerPolicy(QPolicy):
             self._stalled = 0
             self._cooldown_left = cfg.cooldown
             self._paid = False
+            self._since_raise = 0
 
     def state_dict(self) -> JSONDict:
         """Return q, the best metric, the stall and cooldown counts, the smoothed loss and the payoff flags."""
@@ -182,6 +189,7 @@ class QSchedulerPolicy(QPolicy):
             train_ema=self._train_ema,
             paid=self._paid,
             stopped=self._stopped,
+            since_raise=self._since_raise,
         )
         return state
 
@@ -196,3 +204,4 @@ class QSchedulerPolicy(QPolicy):
         self._train_ema = None if train_ema is None else float(train_ema)
         self._paid = bool(state_field(state, "paid"))
         self._stopped = bool(state_field(state, "stopped"))
+        self._since_raise = int(state_field(state, "since_raise"))

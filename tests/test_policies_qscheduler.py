@@ -119,6 +119,14 @@ def test_qscheduler_payoff_paid_raise_keeps_climbing() -> None:
     assert evals(policy, [0.5, 0.5, 0.6, 0.6, 0.7, 0.7]) == [1, 2, 2, 4, 4, 8]
 
 
+def test_qscheduler_payoff_window_holds_before_stopping() -> None:
+    """payoff_window: an unpaid rung is held, and may still pay, until the window ends the climb."""
+    late = make(patience=1, cooldown=0, payoff="stop", payoff_window=3)
+    assert evals(late, [0.5, 0.5, 0.5, 0.5, 0.5, 0.6, 0.6]) == [1, 2, 2, 2, 2, 2, 2]
+    paid = make(patience=1, cooldown=0, payoff="stop", payoff_window=3)
+    assert evals(paid, [0.5, 0.5, 0.5, 0.6, 0.6]) == [1, 2, 2, 2, 4]
+
+
 def test_qscheduler_payoff_default_is_stop() -> None:
     """By default an unpaid raise ends the climb."""
     policy = create_policy(PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1,
