@@ -8,9 +8,15 @@ One step ``t`` (DESIGN.md, "One training step, as data"):
    throughput (``planner.plan_shards``), one ``EvalRequest`` each; with two or more boards
    one key of every shard is also evaluated by the next board (an audit);
 3. answers later than the deadline, lost with their board, or refused are reassigned to
-   other boards; two answers for the same key must agree bit for bit — when they do not,
-   the daemon evaluates the key itself and every board that disagrees with it is marked
-   faulty, its answers of this step dropped and its keys reassigned;
+   other boards, audited the same way (a lone shard also carries a key another board
+   already answered); two answers for the same key must agree bit for bit — when they do
+   not, the daemon evaluates the key itself and every board that disagrees with it is
+   marked faulty, its answers of this step dropped and its keys reassigned. At an audit
+   step every accepted result (late ones too) must be confirmed: one of its keys agreed
+   with a second board or with the daemon; before the update, the daemon evaluates one
+   key of each result still unconfirmed (its partner was lost, late, or there is one
+   board). A lie shifts a whole result, so this catches it; a single flipped loss (MQTT
+   has no frame CRC) is caught only when it hits the audited key;
 4. the SPSA coefficients are computed once, the daemon applies the update to its own
    copy and sends ``ApplyUpdate`` to every board at step ``t``; a board whose checksum
    differs is resynchronised (full weights) before it gets work again. Pipelined (the
@@ -247,6 +253,13 @@ class _Collected:
     sources: dict[int, set[str]] = field(default_factory=dict)  # k -> addresses
     base: float | None = None
     excluded: set[str] = field(default_factory=set)  # addresses out of this step
+    checked: set[int] = field(default_factory=set)  # keys whose value the daemon computed
+    groups: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # accepted results (address, ks)
+
+    def confirmed(self, ks: Sequence[int]) -> bool:
+        """Whether a result with keys ``ks`` was audited: one of its keys agrees with a
+        second board's answer or was computed by the daemon."""
+        return any(k in self.checked or len(self.sources.get(k, ())) >= 2 for k in ks)
 
 
 class StepEngine:
@@ -709,11 +722,13 @@ class StepEngine:
                 covered = {k for f in flights.values() if not f.late for k in f.ks}
                 uncovered = [k for k in missing if k not in covered]
                 if not missing and not any(not f.late for f in flights.values()):
+                    if await self._confirm_rest(t, got):
+                        continue  # a result failed the daemon's check: its keys are missing again
                     return self._losses(got, q)
                 if self._stop.is_set() and self._shutdown:
                     raise _Interrupted  # nothing of step t is applied: it runs again on resume
                 if uncovered:
-                    await self._dispatch(t, uncovered, got, flights, audit=first)
+                    await self._dispatch(t, uncovered, got, flights, first=first)
                     first = False
                 if not flights:
                     # Nobody could take the keys (every board failed at once): wait, never spin.
@@ -745,7 +760,7 @@ class StepEngine:
             self._safe_point = False
 
     async def _dispatch(
-        self, t: int, keys: list[int], got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight], audit: bool
+        self, t: int, keys: list[int], got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight], first: bool
     ) -> None:
         busy = {f.session.address for f in flights.values()}
         workers = self.workers(got.excluded | busy)
@@ -756,11 +771,11 @@ class StepEngine:
             if not workers:
                 got.excluded.clear()  # everyone failed once this step: give all another chance
                 return
-        if not audit:
+        if not first:
             self.reassigned += len(keys)
         now = asyncio.get_running_loop().time()
         by_address = {w.address: w for w in workers}
-        for address, ks in self._plan(keys, workers, audit).items():
+        for address, ks in self._audited_plan(t, keys, workers, got).items():
             session = by_address[address]
             request = self._request(t, ks)
             flight = _Flight(session, request.ks, now, self._deadline(session, len(ks), now))
@@ -775,6 +790,61 @@ class StepEngine:
             )
             flights[task] = flight
             session.set_state("busy", "eval")
+
+    def _audited_plan(
+        self, t: int, keys: list[int], workers: list[BoardSession], got: _Collected
+    ) -> dict[str, list[int]]:
+        """Every dispatch is audited, reassignments too: shards overlap by one key, and a
+        lone shard also carries a key another board already answered (when there is one)."""
+        plan = self._plan(keys, workers, audit=True)
+        if len(plan) == 1 and self._audit_step(t):
+            ((address, ks),) = plan.items()
+            known = next((k for k in sorted(got.values) if got.sources.get(k) and address not in got.sources[k]), None)
+            if known is not None:
+                plan[address] = sorted({*ks, known})
+        return plan
+
+    def _audit_step(self, t: int) -> bool:
+        every = self.config.audit_every
+        return every > 0 and t % every == 0
+
+    async def _confirm_rest(self, t: int, got: _Collected) -> bool:
+        """At an audit step, the daemon checks one key of every result no second board
+        confirmed (its audit partner was lost, late or alone). Returns whether one failed."""
+        if not self._audit_step(t):
+            return False
+        open_groups = [g for g in got.groups if not got.confirmed(g[1])]
+        if not open_groups:
+            return False
+        keys = sorted({ks[0] for _, ks in open_groups})
+        _log.info("daemon audits unconfirmed results", job=self.spec.name, step=t, results=len(open_groups))
+        liars = await self._daemon_truth(t, keys, got)
+        self._drop_liars(t, liars, got, keep=set(keys))
+        return bool(liars)
+
+    async def _daemon_truth(self, t: int, keys: list[int], got: _Collected) -> set[str]:
+        """The daemon computes ``keys``; their values become its own. Returns the
+        addresses whose accepted values disagree with it."""
+        truth = await asyncio.to_thread(self.workload.perturbed_losses, self.state, t, keys)
+        two_sided = self.spec.estimator == "two_sided"
+        liars: set[str] = set()
+        for k in keys:
+            true_value = (truth.plus[k], truth.minus[k] if two_sided else None)
+            if k in got.values and got.values[k] != true_value:
+                liars |= got.sources.get(k, set())
+            got.values[k] = true_value
+            got.sources[k] = set()
+            got.checked.add(k)
+        if not two_sided and truth.base is not None:
+            got.base = truth.base
+        return liars
+
+    def _drop_liars(self, t: int, liars: set[str], got: _Collected, keep: set[int]) -> None:
+        for address in liars:
+            self._drop_board_values(address, got, keep=keep)
+            liar = self.fleet.sessions.get(address)
+            if liar is not None:
+                self._fault(liar, f"step {t}: losses disagree with the daemon's")
 
     async def _await_some(self, t: int, got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight]) -> None:
         loop = asyncio.get_running_loop()
@@ -837,36 +907,27 @@ class StepEngine:
             if got.base is not None and got.base != result.loss_zero:
                 conflicts.append(result.ks[0])
             got.base = result.loss_zero if got.base is None else got.base
-        if conflicts:
-            await self._arbitrate(t, conflicts, session, result, got)
+        liars = await self._arbitrate(t, conflicts, session, result, got) if conflicts else set()
+        if session.address not in liars:
+            got.groups.append((session.address, tuple(result.ks)))
 
     async def _arbitrate(
         self, t: int, keys: list[int], session: BoardSession, result: EvalResult, got: _Collected
-    ) -> None:
-        """Two boards disagree: the daemon evaluates the keys and the wrong side is faulty."""
-        truth = await asyncio.to_thread(self.workload.perturbed_losses, self.state, t, keys)
+    ) -> set[str]:
+        """Two boards disagree: the daemon evaluates the keys and the wrong side is faulty.
+        Returns the addresses found lying."""
         two_sided = self.spec.estimator == "two_sided"
-        liars: set[str] = set()
         index = {k: i for i, k in enumerate(result.ks)}
-        for k in keys:
-            true_value = (truth.plus[k], truth.minus[k] if two_sided else None)
-            theirs = (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None)
-            if theirs != true_value:
-                liars.add(session.address)
-            if got.values[k] != true_value:
-                liars |= got.sources.get(k, set())
-            got.values[k] = true_value
-            got.sources[k] = set()
-        if not two_sided and truth.base is not None:
-            got.base = truth.base
-        for address in liars:
-            self._drop_board_values(address, got, keep=set(keys))
-            liar = self.fleet.sessions.get(address)
-            if liar is not None:
-                self._fault(liar, f"step {t}: losses disagree with the daemon's")
+        theirs = {k: (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None) for k in keys}
+        liars = await self._daemon_truth(t, keys, got)
+        if any(theirs[k] != got.values[k] for k in keys):
+            liars.add(session.address)
+        self._drop_liars(t, liars, got, keep=set(keys))
+        return liars
 
     def _drop_board_values(self, address: str, got: _Collected, keep: set[int]) -> None:
         got.excluded.add(address)
+        got.groups = [g for g in got.groups if g[0] != address]
         for k, sources in list(got.sources.items()):
             if address in sources:
                 sources.discard(address)
@@ -1209,6 +1270,7 @@ async def run_job_inprocess(
     speeds: Sequence[float] | None = None,
     job_dir: JobDir | None = None,
     on_event: Callable[[Event], None] | None = None,
+    corrupt_payloads: bool = False,
 ) -> JobResult:
     """Train ``spec`` on ``boards`` virtual boards in this event loop (experiments, demo, tests).
 
@@ -1222,6 +1284,8 @@ async def run_job_inprocess(
         speeds: per-board speed multipliers of the latency model (heterogeneous fleets).
         job_dir: where metrics and checkpoints go (None: nowhere).
         on_event: control-plane events.
+        corrupt_payloads: the ``corrupt`` fault flips bits of whole payloads, as on MQTT
+            (no frame CRC: a flipped loss decodes as a valid, wrong value).
 
     Returns:
         The job's result.
@@ -1248,7 +1312,7 @@ async def run_job_inprocess(
                 agent = BoardAgent(board_id, latency=profile, faults=(plan if chosen else no_faults).for_board(board_id))
                 endpoint = transport.attach(board_id)
                 endpoints.append(endpoint)
-                tasks.create_task(serve_link(agent, endpoint), name=f"board[{board_id}].serve")
+                tasks.create_task(serve_link(agent, endpoint, corrupt_payloads=corrupt_payloads), name=f"board[{board_id}].serve")
             engine = StepEngine(spec, fleet, config=config, job_dir=job_dir, on_event=on_event)
             try:
                 return await engine.run()

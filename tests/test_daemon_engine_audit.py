@@ -1,0 +1,86 @@
+"""Step engine audits: lies in reassigned shards and late answers never reach the weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+from qsched.daemon.engine import EngineConfig, StepEngine, fleet_event, run_job_inprocess
+from qsched.daemon.fleet import Fleet
+from qsched.daemon.links.inproc import InProcTransport
+from qsched.firmware.faults import FaultPlan, replace_losses
+from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.control import Event
+from qsched.protocol.messages import EvalRequest, EvalResult
+from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.zo.trainer import train_zo
+
+FIXED8 = PolicySpec(name="fixed", config={"q": 8})
+
+
+def _spec(**over: object) -> JobSpec:
+    base: dict[str, object] = {"name": "t", "steps": 5, "eval_every": 5, "policy": FIXED8, "checkpoint_every": 5}
+    base.update(over)
+    return JobSpec.model_validate(base)
+
+
+class _ReassignLiar(BoardAgent):
+    """Answers its first request of each step honestly and lies in every later one (reassigned keys)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.seen: dict[int, int] = {}
+        self.lies = 0
+
+    async def handle(self, msg):  # type: ignore[no-untyped-def]
+        replies = await super().handle(msg)
+        if isinstance(msg, EvalRequest):
+            self.seen[msg.step] = self.seen.get(msg.step, 0) + 1
+            if self.seen[msg.step] > 1:
+                self.lies += 1
+                return [replace_losses(r) if isinstance(r, EvalResult) else r for r in replies]
+        return replies
+
+
+async def _run(spec: JobSpec, agents: list[BoardAgent], config: EngineConfig, events: list[Event]) -> int:
+    membership = lambda e: events.append(fleet_event(e))  # noqa: E731
+    async with InProcTransport() as transport, Fleet(transport, on_event=membership) as fleet:
+        endpoints = [transport.attach(a.board_id) for a in agents]
+        async with asyncio.TaskGroup() as tasks:
+            for agent, endpoint in zip(agents, endpoints, strict=True):
+                tasks.create_task(serve_link(agent, endpoint))
+            while len([s for s in fleet.boards() if s.hello is not None]) < len(agents):
+                await fleet.wait_changed(0.05)
+            engine = StepEngine(spec, fleet, config=config, on_event=events.append)
+            try:
+                result = await engine.run()
+            finally:
+                for endpoint in endpoints:
+                    await endpoint.close()
+    return result.state.checksum()
+
+
+async def test_engine_audit_lie_in_reassigned_shard_caught() -> None:
+    """A board lying only in a shard reassigned to it (after another's was late) is caught; weights match."""
+    spec = _spec()
+    off = LatencyProfile.off()
+    late = FaultPlan.parse(["delay:step=2:1.0"], seed=spec.seed).for_board("vb-00")
+    liar = _ReassignLiar("vb-01", latency=off)
+    agents = [BoardAgent("vb-00", latency=off, faults=late), liar]
+    events: list[Event] = []
+    config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0)
+    checksum = await _run(spec, agents, config, events)
+    assert liar.lies > 0
+    assert any(e.kind == "board_faulty" and e.board_id == "vb-01" and "disagree" in e.message for e in events)
+    assert checksum == train_zo(spec).state.checksum()
+
+
+async def test_engine_audit_combined_faults_match_reference() -> None:
+    """Two clean boards and three with lies, corrupted payloads, drops, delays and bad checksums end at the reference."""
+    spec = _spec(steps=30, eval_every=10, checkpoint_every=10)
+    faults = ["lie:0.05", "corrupt:0.02", "drop:0.05", "delay:0.05:0.6", "bad-checksum:0.05"]
+    config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0, reply_timeout_s=0.5, resync_backoff_s=0.05)
+    result = await run_job_inprocess(
+        spec, boards=5, config=config, faults=faults, fault_boards=["vb-02", "vb-03", "vb-04"], corrupt_payloads=True
+    )
+    assert result.faults > 0
+    assert result.state.checksum() == train_zo(spec).state.checksum()
