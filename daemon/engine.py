@@ -3,7 +3,9 @@
 One step ``t`` (DESIGN.md, "One training step, as data"):
 
 1. the policy says ``q``; boards that joined, reconnected or failed are brought to step
-   ``t`` first (job config, data set, model, then ``SetWeights``);
+   ``t`` first (job config, data set, model, then ``SetWeights``), concurrently and in
+   the background: the step waits for them at most ``step_deadline_s`` (a lost reply
+   costs that board ``resync_timeout_s`` and a logged retry, not the others a stall);
 2. the keys ``0..q-1`` are split across ready boards in proportion to their measured
    throughput (``planner.plan_shards``), one ``EvalRequest`` each; with two or more boards
    one key of every shard is also evaluated by the next board (an audit);
@@ -117,7 +119,8 @@ class EngineConfig:
         deadline_factor: a shard's deadline is this many times its expected time (from
             the board's throughput), when that is longer.
         reply_timeout_s: how long update acks, loads and validations may take.
-        load_timeout_s: how long loading a model or weights onto one board may take.
+        load_timeout_s: how long loading a model onto one board may take.
+        resync_timeout_s: how long loading weights (``SetWeights``) onto one board may take.
         resync_backoff_s: wait this long before retrying a board whose resync failed.
         audit_every: every this many steps (0: never) one key of every shard is also
             evaluated by a second board (needs two boards). An audited step costs about
@@ -132,6 +135,7 @@ class EngineConfig:
     deadline_factor: float = 4.0
     reply_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
+    resync_timeout_s: float = 15.0
     resync_backoff_s: float = 2.0
     audit_every: int = 1
     validate_on: Literal["boards", "daemon"] = "boards"
@@ -323,6 +327,8 @@ class StepEngine:
         self._prefetch: tuple[int, dict[asyncio.Task[EvalResult], _Flight]] | None = None
         self._unverified: dict[str, asyncio.Task[None]] = {}
         self._going_down: asyncio.Future[None] | None = None  # done on a shutdown stop
+        # Boards being loaded or resynchronised: a step waits for them only so long.
+        self._syncing: dict[str, asyncio.Task[None]] = {}
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ control
@@ -415,8 +421,10 @@ class StepEngine:
                     self._after_step()
             except BaseException:
                 self._drop_pipeline()
+                await self._cancel_syncs()
                 raise
             await self._finish_pipeline()
+            await self._cancel_syncs()
         except JobError as exc:
             self._finish_failed(exc, started)
             raise
@@ -560,12 +568,31 @@ class StepEngine:
         ]
 
     async def _sync_boards(self) -> None:
-        """Bring every board that needs it to the current step (concurrently)."""
+        """Bring every board that needs it to the current step (concurrently, in the
+        background): the step waits for them at most ``step_deadline_s``, so a board whose
+        reply is lost does not hold up the others; it joins when its load is done."""
         now = asyncio.get_running_loop().time()
-        todo = [s for s in self.fleet.boards() if self._needs_sync(s) and s.retry_at <= now]
-        if todo:
-            await asyncio.gather(*(self._prepare(s) for s in todo))
-            self._check_model_loadable()
+        todo = [
+            s for s in self.fleet.boards()
+            if self._needs_sync(s) and s.retry_at <= now and s.address not in self._syncing
+        ]
+        for session in todo:
+            task = asyncio.create_task(self._prepare(session), name=f"fleet[{session.address}].sync")
+            self._syncing[session.address] = task
+            task.add_done_callback(lambda _, address=session.address: self._syncing.pop(address, None))
+        if self._syncing:
+            await asyncio.wait(list(self._syncing.values()), timeout=self.config.step_deadline_s)
+            for task in [t for t in self._syncing.values() if t.done()]:
+                task.result()  # an unexpected error of a load surfaces here
+        self._check_model_loadable()
+
+    async def _cancel_syncs(self) -> None:
+        """The job ends: stop loads still in flight (their boards are resynchronised later)."""
+        tasks = list(self._syncing.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _check_model_loadable(self) -> None:
         """SPEC 9.2: when every board that could work refused the model, the job fails."""
@@ -604,9 +631,16 @@ class StepEngine:
             delay = min(_MAX_BACKOFF_S, self.config.resync_backoff_s * 2 ** min(session.sync_failures, 16))
             session.sync_failures += 1
             session.retry_at = asyncio.get_running_loop().time() + delay
+            _log.warning("board load failed; retrying later", board=session.board_id, step=t,
+                         error=f"{exc.reason} {exc.detail}".strip(), retry_in_s=round(delay, 2))
             if session.state in ("loading", "resync", "hello"):
                 self._fault(session, f"resync failed: {exc}")
+            await self.fleet.notify_changed()
             return
+        except asyncio.CancelledError:
+            if session.state in ("loading", "resync"):
+                self.fleet.mark_faulty(session, "load cancelled")  # resynchronised by the next job
+            raise
         if session.epoch != epoch:  # it rebooted meanwhile: what it was sent is gone
             return
         if not session.set_state("ready", "synchronised"):  # it went away meanwhile
@@ -648,14 +682,17 @@ class StepEngine:
         raw = _weight_bytes(self.state)
         checksum = self.state.checksum()
         await self._send_chunks(session, raw, lambda off, chunk: SetWeights(
-            total=len(raw), offset=off, chunk=chunk, job_id=self.job_id, step=step, checksum=checksum))
+            total=len(raw), offset=off, chunk=chunk, job_id=self.job_id, step=step, checksum=checksum),
+            self.config.resync_timeout_s)
 
-    async def _send_chunks(self, session: BoardSession, data: bytes, make: Callable[[int, bytes], Any]) -> None:
+    async def _send_chunks(
+        self, session: BoardSession, data: bytes, make: Callable[[int, bytes], Any], timeout: float | None = None
+    ) -> None:
         offsets = list(range(0, len(data), MAX_CHUNK)) or [0]
         for offset in offsets[:-1]:
             await session.send(make(offset, data[offset : offset + MAX_CHUNK]))
         last = offsets[-1]
-        await session.request(make(last, data[last : last + MAX_CHUNK]), self.config.load_timeout_s)
+        await session.request(make(last, data[last : last + MAX_CHUNK]), timeout or self.config.load_timeout_s)
 
     def _fault(self, session: BoardSession, reason: str) -> None:
         self.faults += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from qsched.daemon.engine import EngineConfig, StepEngine, fleet_event, run_job_inprocess
 from qsched.daemon.fleet import Fleet
@@ -10,7 +11,7 @@ from qsched.daemon.links.inproc import InProcTransport
 from qsched.firmware.faults import FaultPlan, replace_losses
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
 from qsched.protocol.control import Event
-from qsched.protocol.messages import EvalRequest, EvalResult
+from qsched.protocol.messages import EvalRequest, EvalResult, Loaded, SetWeights
 from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
@@ -84,3 +85,34 @@ async def test_engine_audit_combined_faults_match_reference() -> None:
     )
     assert result.faults > 0
     assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+class _LosesWeightsReply(BoardAgent):
+    """Never answers its first ``SetWeights`` (the reply is lost); later ones normally."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.swallowed = 0
+
+    async def handle(self, msg):  # type: ignore[no-untyped-def]
+        replies = await super().handle(msg)
+        if isinstance(msg, SetWeights) and self.swallowed == 0 and any(isinstance(r, Loaded) for r in replies):
+            self.swallowed += 1
+            return []
+        return replies
+
+
+async def test_engine_lost_resync_reply_does_not_stall_others() -> None:
+    """A board whose SetWeights reply is lost does not hold up the step: the others train on."""
+    spec = _spec(steps=8, eval_every=8, checkpoint_every=8)
+    off = LatencyProfile.off()
+    bad = FaultPlan.parse(["bad-checksum:step=1"], seed=spec.seed).for_board("vb-02")
+    agents = [BoardAgent("vb-00", latency=off), BoardAgent("vb-01", latency=off),
+              _LosesWeightsReply("vb-02", latency=off, faults=bad)]
+    events: list[Event] = []
+    config = EngineConfig(step_deadline_s=0.3, resync_timeout_s=30.0)
+    started = time.perf_counter()
+    checksum = await _run(spec, agents, config, events)
+    assert agents[2].swallowed == 1  # type: ignore[attr-defined]
+    assert time.perf_counter() - started < 10.0  # far less than the resync timeout
+    assert checksum == train_zo(spec).state.checksum()
