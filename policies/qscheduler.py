@@ -15,9 +15,11 @@ The rule, judged at every validation:
 4. When ``patience`` validations in a row did not improve, q moves to the next
    allowed value (never above ``qmax``, never down) and the count restarts.
 5. ``payoff`` asks each raise to pay for itself: a rung above q0 that has not
-   improved on the best reached before it by the time it stalls is not raised from -
-   ``stop`` (the default) keeps q for the rest of the run, ``hold`` keeps q until the
-   rung improves (then climbing may resume), ``off`` raises anyway. q is never lowered.
+   improved on the best reached before it by the time it stalls is not raised from:
+   q is held while the rung may still pay off, and ``stop`` (the default) ends the
+   climb for good once ``payoff_window`` validations have passed since the raise;
+   ``hold`` keeps q until the rung improves (then climbing may resume), ``off`` raises
+   anyway. q is never lowered.
 
 The default metric is the smoothed training loss: it sees every step rather than a
 validation set whose size sets the resolution of the accuracy, its relative threshold
@@ -76,7 +78,7 @@ class QSchedulerConfig(LadderConfig):
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
     )
     payoff_window: int = Field(
-        default=0, ge=0, description="validations after a raise an unpaid rung is held before payoff=stop ends the climb"
+        default=5, ge=0, description="validations after a raise an unpaid rung is held before payoff=stop ends the climb"
     )
     payoff: Payoff = Field(
         default="stop",

@@ -109,7 +109,7 @@ def test_qscheduler_payoff_hold_waits_for_the_rung_to_improve() -> None:
 
 def test_qscheduler_payoff_stop_keeps_q_for_good() -> None:
     """payoff=stop: after an unpaid raise q never moves again, even after later gains."""
-    policy = make(patience=1, cooldown=0, payoff="stop")
+    policy = make(patience=1, cooldown=0, payoff="stop", payoff_window=0)
     assert evals(policy, [0.5, 0.5, 0.5, 0.6, 0.6, 0.6]) == [1, 2, 2, 2, 2, 2]
 
 
@@ -131,14 +131,14 @@ def test_qscheduler_payoff_default_is_stop() -> None:
     """By default an unpaid raise ends the climb."""
     policy = create_policy(PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1,
                                                                    "cooldown": 0}), CONTEXT)
-    assert evals(policy, [0.5, 0.5, 0.5, 0.5]) == [1, 2, 2, 2]
+    assert evals(policy, [0.5] * 7 + [0.6, 0.6]) == [1, 2, 2, 2, 2, 2, 2, 2, 2]
 
 
 def test_qscheduler_payoff_state_round_trip() -> None:
     """The payoff flags survive a save and load: the resumed policy holds like the original."""
-    policy = make(patience=1, cooldown=0, payoff="stop")
+    policy = make(patience=1, cooldown=0, payoff="stop", payoff_window=0)
     evals(policy, [0.5, 0.5, 0.5])
-    resumed = make(patience=1, cooldown=0, payoff="stop")
+    resumed = make(patience=1, cooldown=0, payoff="stop", payoff_window=0)
     resumed.load_state_dict(policy.state_dict())
     assert evals(resumed, [0.6, 0.6, 0.6]) == [2, 2, 2]
 
