@@ -576,13 +576,15 @@ class StepEngine:
             s for s in self.fleet.boards()
             if self._needs_sync(s) and s.retry_at <= now and s.address not in self._syncing
         ]
+        started: list[asyncio.Task[None]] = []
         for session in todo:
             task = asyncio.create_task(self._prepare(session), name=f"fleet[{session.address}].sync")
             self._syncing[session.address] = task
             task.add_done_callback(lambda _, address=session.address: self._syncing.pop(address, None))
-        if self._syncing:
-            await asyncio.wait(list(self._syncing.values()), timeout=self.config.step_deadline_s)
-            for task in [t for t in self._syncing.values() if t.done()]:
+            started.append(task)
+        if started:  # loads from earlier steps are not waited for again: they join when done
+            done, _ = await asyncio.wait(started, timeout=self.config.step_deadline_s)
+            for task in done:
                 task.result()  # an unexpected error of a load surfaces here
         self._check_model_loadable()
 
@@ -1201,11 +1203,19 @@ class StepEngine:
             start += share
         return out
 
+    def _val_timeout(self, session: BoardSession, count: int) -> float:
+        """A validation slice's deadline, as a shard's: a hung board costs the step
+        ``step_deadline_s`` (then the daemon computes its slice), not a reply timeout."""
+        passes_per_key = 2 if self.spec.estimator == "two_sided" else 1
+        keys = count / max(self.spec.batch_size * passes_per_key, 1)
+        expected = keys / max(session.throughput.rate, 1e-6)
+        return max(self.config.step_deadline_s, self.config.deadline_factor * expected)
+
     async def _val_slice(self, t: int, session: BoardSession | None, start: int, count: int) -> tuple[float, int]:
         if session is not None:
             request = ValidateRequest(job_id=self.job_id, step=t + 1, start=start, count=count)
             try:
-                answer = await session.request(request, self.config.reply_timeout_s + self.config.step_deadline_s)
+                answer = await session.request(request, self._val_timeout(session, count))
                 if isinstance(answer, ValidateResult) and answer.count == count:
                     return answer.loss_sum, answer.correct
                 raise BoardFaultError(session.board_id, "wrong_answer", "validation slice mismatch")

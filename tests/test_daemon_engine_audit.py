@@ -10,8 +10,9 @@ from qsched.daemon.fleet import Fleet
 from qsched.daemon.links.inproc import InProcTransport
 from qsched.firmware.faults import FaultPlan, replace_losses
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.codec import decode
 from qsched.protocol.control import Event
-from qsched.protocol.messages import EvalRequest, EvalResult, Loaded, SetWeights
+from qsched.protocol.messages import DataMessage, EvalRequest, EvalResult, Loaded, Ping, SetWeights
 from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
@@ -116,3 +117,49 @@ async def test_engine_lost_resync_reply_does_not_stall_others() -> None:
     assert agents[2].swallowed == 1  # type: ignore[attr-defined]
     assert time.perf_counter() - started < 10.0  # far less than the resync timeout
     assert checksum == train_zo(spec).state.checksum()
+
+
+class _HangsAt(BoardAgent):
+    """Stops answering anything (heartbeats included) from the first message about step ``at`` on."""
+
+    def __init__(self, *args: object, at: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.at = at
+        self.release = asyncio.Event()
+        self.hung = False
+
+    async def handle_bytes(self, data: bytes) -> list[DataMessage]:
+        msg = decode(data)
+        if not isinstance(msg, Ping) and getattr(msg, "step", 0) >= self.at:
+            self.hung = True
+        if self.hung:
+            await self.release.wait()
+            return []
+        return await super().handle_bytes(data)
+
+
+async def test_engine_hung_board_costs_a_step_deadline() -> None:
+    """A board that hangs (link open, no answers) during a validation costs a step deadline, not a reply timeout."""
+    spec = _spec(steps=8, eval_every=4, checkpoint_every=8)
+    off = LatencyProfile.off()
+    hung = _HangsAt("vb-02", latency=off, at=4)  # ValidateRequest(step 4) after step 3
+    agents = [BoardAgent("vb-00", latency=off), BoardAgent("vb-01", latency=off), hung]
+    config = EngineConfig(step_deadline_s=0.5, reply_timeout_s=20.0)
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        endpoints = [transport.attach(a.board_id) for a in agents]
+        async with asyncio.TaskGroup() as tasks:
+            for agent, endpoint in zip(agents, endpoints, strict=True):
+                tasks.create_task(serve_link(agent, endpoint, heartbeat_interval=3600.0 if agent is hung else 1.0))
+            while len([s for s in fleet.boards() if s.hello is not None]) < len(agents):
+                await fleet.wait_changed(0.05)
+            started = time.perf_counter()
+            try:
+                result = await StepEngine(spec, fleet, config=config).run()
+            finally:
+                hung.release.set()
+                for endpoint in endpoints:
+                    await endpoint.close()
+            elapsed = time.perf_counter() - started
+    assert hung.hung
+    assert elapsed < 5.0  # about two step deadlines (the validation slice, the resync); not 20 s
+    assert result.state.checksum() == train_zo(spec).state.checksum()
