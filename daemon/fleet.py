@@ -381,6 +381,9 @@ def _settle(
         return
     if exc is not None:
         future.set_exception(exc)
+        # Marked retrieved: a waiter registered with ``expect`` may never be awaited (its
+        # caller stopped first); whoever awaits it still gets the exception.
+        future.exception()
     else:
         future.set_result(result)  # type: ignore[arg-type]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -91,3 +92,24 @@ async def test_fleet_asks_a_silent_board_for_hello() -> None:
         await board.send(encode(HELLO))
         await fleet.wait_changed(1)
         assert session.state == "hello" and session.board_id == "scripted"
+
+
+async def test_fleet_lost_board_unawaited_waiter_is_quiet() -> None:
+    """A waiter nobody awaits any more fails silently when its board is given up (no 'never retrieved')."""
+    reported: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        async with InProcTransport() as transport, Fleet(transport) as fleet:
+            board = transport.attach("scripted")
+            await board.send(encode(HELLO))
+            session = await _session(fleet)
+            future = session.expect(REQUEST)
+            transport.detach("scripted", "unplugged")
+            await fleet.wait_changed(0.5)
+            assert future.done() and not future.cancelled()
+            del future, session
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert not [c for c in reported if "never retrieved" in str(c.get("message", ""))]
