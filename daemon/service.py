@@ -558,12 +558,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qsched daemon", description="Run the fleet daemon.")
     parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG)")
     parser.add_argument("--state-dir", type=Path, help="state directory (default: $STATE_DIRECTORY)")
-    parser.add_argument("--mqtt", metavar="HOST:PORT", help="broker address (overrides the configuration)")
+    parser.add_argument("--mqtt", metavar="HOST:PORT", type=_host_port, help="broker address (overrides the configuration)")
     parser.add_argument("--no-mqtt", action="store_true", help="run without a broker (serial boards only)")
     parser.add_argument("--serial", nargs="*", default=None, metavar="DEV", help="serial ports or globs")
     parser.add_argument("--fleet", help="fleet name (one topic level)")
     parser.add_argument("--step-deadline", type=float, help="seconds before a shard is reassigned")
     return parser
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (host may be empty: 127.0.0.1) for ``--mqtt``; a usage error otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 1-65535, got {text!r}")
+    return host or "127.0.0.1", int(port)
 
 
 def _overrides(args: argparse.Namespace, cfg: DaemonConfig) -> DaemonConfig:
@@ -575,8 +583,7 @@ def _overrides(args: argparse.Namespace, cfg: DaemonConfig) -> DaemonConfig:
     if args.step_deadline is not None:
         data["step_deadline_s"] = args.step_deadline
     if args.mqtt is not None:
-        host, _, port = args.mqtt.rpartition(":")
-        data["mqtt"]["host"], data["mqtt"]["port"] = host or "127.0.0.1", int(port)
+        data["mqtt"]["host"], data["mqtt"]["port"] = args.mqtt
     if args.no_mqtt:
         data["mqtt"]["enabled"] = False
     if args.serial is not None:
@@ -594,6 +601,11 @@ def main(argv: list[str]) -> int:
     Returns:
         The exit status.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     cfg = _overrides(args, load_config(args.config))
-    return asyncio.run(Daemon(cfg).run())
+    try:
+        daemon = Daemon(cfg)
+    except OSError as exc:  # the state directory cannot be created or written
+        parser.error(f"state directory {cfg.state_dir}: {exc.strerror or exc}")
+    return asyncio.run(daemon.run())

@@ -16,6 +16,7 @@ from qsched.daemon.control import handle_payload
 from qsched.daemon.links.inproc import InProcTransport
 from qsched.daemon.notify import Notifier
 from qsched.daemon.service import Daemon
+from qsched.daemon.service import main as service_main
 from qsched.daemon.state import StateStore
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
 from qsched.protocol.control import Reply
@@ -106,3 +107,22 @@ async def test_service_sd_notify_ready_status_watchdog(tmp_path: Path, monkeypat
     assert "READY=1" in text and "STATUS=idle" in text
     assert text.count("WATCHDOG=1") >= 3
     assert received[-1].startswith("STOPPING=1") or any(r.startswith("STOPPING=1") for r in received)
+
+
+@pytest.mark.parametrize("mqtt", ["foo", "host:0", "host:99999", "host:"])
+def test_service_bad_mqtt_address_is_a_usage_error(mqtt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mqtt`` that is not HOST:PORT exits 2 with one usage line, no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        service_main(["--mqtt", mqtt])
+    assert exited.value.code == 2
+    assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_service_uncreatable_state_dir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A state directory that cannot be created exits 2 with one line naming it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        service_main(["--no-mqtt", "--state-dir", str(blocker / "state")])
+    assert exited.value.code == 2
+    assert "state directory" in capsys.readouterr().err
