@@ -27,11 +27,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -59,6 +60,7 @@ __all__ = [
 _log = structlog.get_logger("qsched.bench.fleet")
 
 LINKS: Final = ("mqtt", "serial")
+DEFAULT_BATCH: Final = 4  # samples per perturbed forward pass: a realistic minibatch (1: the worst case)
 EFFICIENCY_FLOOR: Final = 0.9
 FLOOR_BOARDS: Final = 8
 # Type codes of the step's own messages (protocol/messages.py TYPE_CODES).
@@ -89,7 +91,7 @@ class BenchConfig:
     boards: tuple[int, ...] = (1, 2, 4, 8)
     links: tuple[str, ...] = LINKS
     q: int = 64
-    batch: int = 1
+    batch: int = 4
     window_s: float = 3.0
     warmup_steps: int = 2
     min_steps: int = 3
@@ -430,7 +432,8 @@ def _header(config: BenchConfig, facts: ModelFacts) -> list[str]:
         f"qsched bench fleet: q = {config.q} perturbations per step, two-sided, batch {config.batch}, "
         f"shard audit {'on' if config.audit else 'off'}",
         f"boards model the STM32N6 NPU running {facts.modelled} ({_si(facts.modelled_macs, 'MACs')}, "
-        f"{facts.modelled_seconds * 1e3:.2f} ms per inference, {_si(facts.modelled_params, 'parameters')})",
+        f"{facts.modelled_seconds * 1e3:.2f} ms per inference, {_si(facts.modelled_params, 'parameters')}); "
+        f"batch {config.batch}: {facts.modelled_seconds * config.batch * 1e3:.2f} ms of NPU time per forward pass",
         f"and compute {facts.computed} ({_si(facts.computed_macs, 'MACs')}) instead, sleeping the rest, "
         "so the host CPU is not the bottleneck",
     ]
@@ -459,6 +462,7 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         "step ms: mean measured step; ideal: modelled NPU time of the largest shard; overhead: the difference",
         "eff.: forward passes per second over N x the one-board rate of the same link "
         "(without a one-board row: the modelled one-board rate)",
+        "batch: samples per forward pass (--batch; 1 is the worst case, every pass pays its fixed costs alone)",
         "payload B: codec bytes of eval requests and results, updates and acks per step (all boards, both ways)",
         f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters x 4 (fp32) or 1 (int8)",
     ]
@@ -502,7 +506,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--boards", type=_int_list, default=(1, 2, 4, 8), help="fleet sizes (default 1,2,4,8)")
     p.add_argument("--links", type=_links, default=LINKS, help="mqtt, serial or both (default)")
     p.add_argument("--q", type=int, default=64, help="perturbations per step (default 64)")
-    p.add_argument("--batch", type=int, default=1, help="samples per forward pass (default 1)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                   help=f"samples per forward pass (default {DEFAULT_BATCH}, a small minibatch; 1 is the worst case)")
     p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per configuration (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
@@ -513,6 +518,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto")
     p.add_argument("--board-processes", type=int, default=1, help="processes hosting the boards (default 1)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
+    p.add_argument("--log", type=Path, help="write the daemon's log (info and up) here (default: warnings to stderr)")
     p.add_argument("--check", action="store_true", help="exit 1 when the 8-board MQTT efficiency floor is missed")
     return p
 
@@ -525,6 +531,28 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                        warmup_steps=args.warmup, min_steps=args.min_steps, model_latency=args.model_latency,
                        audit=args.audit, mqtt=args.mqtt, processes=args.board_processes,
                        pipeline=not args.no_pipeline)
+
+
+@contextlib.contextmanager
+def _quiet_logs(path: Path | None) -> Iterator[None]:
+    """Keep the daemon's log out of the table: into ``path`` (info and up), or warnings
+    only; the logging set-up before is restored afterwards."""
+    from qsched.daemon.logging import configure_logging
+
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    with contextlib.ExitStack() as stack:
+        if path is None:
+            configure_logging("warning")
+        else:
+            configure_logging("info", json=True, stream=stack.enter_context(path.open("a", encoding="utf-8")))
+        try:
+            yield
+        finally:
+            structlog.configure(**saved)
+            root.handlers[:] = handlers
+            root.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -545,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print("\n".join([*_header(config, facts), "", _COLUMNS]), flush=True)
     started = time.perf_counter()
-    with sigterm_as_interrupt():
+    with sigterm_as_interrupt(), _quiet_logs(args.log):
         rows = asyncio.run(run_bench(config, on_row=lambda row: print(format_row(row, facts), flush=True)))
     print("\n".join(["", *format_notes(rows, facts), f"({time.perf_counter() - started:.0f} s in all)"]))
     if args.json is not None:
