@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon.bench_fleet import DEFAULT_BATCH, ByteCounter, CountingTransport, main
+from qsched.daemon.bench_fleet import DEFAULT_BATCHES, ByteCounter, CountingTransport, _parser, main
 from qsched.daemon.links.base import BoardAppeared
 from qsched.daemon.links.inproc import InProcTransport
 from qsched.protocol.codec import encode
@@ -26,13 +26,13 @@ def test_bench_fleet_tiny_run_prints_and_counts(tmp_path: Path, capsys: pytest.C
     """1 and 2 boards over a private Mosquitto and over ptys: a table, notes, and exact byte counts."""
     out = tmp_path / "bench.json"
     status = main(["--boards", "1,2", "--q", str(Q), "--seconds", "0.1", "--min-steps", "2", "--warmup", "1",
-                   "--json", str(out), "--log", str(tmp_path / "daemon.log")])
+                   "--batch", "2", "--json", str(out), "--log", str(tmp_path / "daemon.log")])
     captured = capsys.readouterr()
     printed = captured.out
 
     assert "board joined" not in captured.err + printed  # the daemon's log went to its file
     assert "board joined" in (tmp_path / "daemon.log").read_text()
-    assert f"batch {DEFAULT_BATCH}:" in printed and "ms of NPU time per forward pass" in printed
+    assert "batch 2:" in printed and "ms of NPU time per forward pass" in printed
 
     assert status == 0
     rows = json.loads(out.read_text())
@@ -87,3 +87,9 @@ def test_bench_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--links", "carrier-pigeon"])
     assert "qsched bench fleet" in capsys.readouterr().err
+
+
+def test_bench_default_batches_minibatch_then_worst_case() -> None:
+    """By default the bench runs a 4-sample minibatch per pass, then the 1-sample worst case."""
+    assert _parser().parse_args([]).batch == DEFAULT_BATCHES == (4, 1)
+    assert _parser().parse_args(["--batch", "8"]).batch == (8,)
