@@ -1,6 +1,7 @@
 """``qsched bench fleet``: how step throughput scales with the number of boards.
 
-    qsched bench fleet                               # 1, 2, 4, 8 boards; MQTT and serial
+    qsched bench fleet                               # 1, 2, 4, 8 boards; MQTT and serial; batch 4, then 1
+    qsched bench fleet --batch 1                     # only the worst case: one sample per forward pass
     qsched bench fleet --boards 1,8 --links mqtt --q 64 --check
 
 For each link (a private Mosquitto on loopback, started here; serial pseudo-terminals)
@@ -10,13 +11,16 @@ STM32N6 NPU takes (``firmware/latency.py``, MobileNetV2-0.35 at 128x128 by defau
 while computing a much smaller model (the default job's MLP), so the host's CPU is not
 what is measured. Printed per configuration:
 
-- forward passes per second (2q per step, each over a minibatch);
+- forward passes per second (2q per step, each over a minibatch of ``--batch`` samples:
+  4 by default, a realistic minibatch; 1, the worst case, where every pass pays the
+  fixed costs alone, follows in the default run);
 - scaling efficiency: that rate over N times the one-board rate of the same link;
 - coordination overhead per step: measured step time minus the modelled NPU time of the
   largest shard (planning, messages, the update broadcast and its acks);
 - data-plane payload bytes per step (all boards, both directions), next to what shipping
   gradients would cost (every board sends a gradient and receives the update).
 
+The daemon's log goes to ``--log FILE`` (default: warnings only), not into the table.
 The shard audit (one key of every shard evaluated twice) is off unless ``--audit``: it
 is a correctness check that costs one extra key per board and step by design.
 """
@@ -531,7 +535,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--board-processes", type=int, default=1, help="processes hosting the boards (default 1)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     p.add_argument("--log", type=Path, help="write the daemon's log (info and up) here (default: warnings to stderr)")
-    p.add_argument("--check", action="store_true", help="exit 1 when the 8-board MQTT efficiency floor is missed")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when the 8-board MQTT efficiency floor is missed (first --batch)")
     return p
 
 
@@ -549,6 +554,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 def _quiet_logs(path: Path | None) -> Iterator[None]:
     """Keep the daemon's log out of the table: into ``path`` (info and up), or warnings
     only; the logging set-up before is restored afterwards."""
+    import aiomqtt  # noqa: F401 (sets its logger's level on import: before ours)
+
     from qsched.daemon.logging import configure_logging
 
     saved = structlog.get_config()
@@ -601,4 +608,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"({time.perf_counter() - started:.0f} s in all)")
     if args.json is not None:
         args.json.write_text(json.dumps(dumped, indent=2) + "\n")
-    return 1 if args.check and floors and min(floors) < EFFICIENCY_FLOOR else 0
+    # The floor is a promise for the first (default: the realistic minibatch) batch size.
+    return 1 if args.check and floors and floors[0] < EFFICIENCY_FLOOR else 0
