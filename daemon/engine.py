@@ -38,6 +38,7 @@ ends with the same weights as the single-process reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
 import time
@@ -580,13 +581,16 @@ class StepEngine:
         for session in todo:
             task = asyncio.create_task(self._prepare(session), name=f"fleet[{session.address}].sync")
             self._syncing[session.address] = task
-            task.add_done_callback(lambda _, address=session.address: self._syncing.pop(address, None))
+            task.add_done_callback(functools.partial(self._sync_done, session.address))
             started.append(task)
         if started:  # loads from earlier steps are not waited for again: they join when done
             done, _ = await asyncio.wait(started, timeout=self.config.step_deadline_s)
             for task in done:
                 task.result()  # an unexpected error of a load surfaces here
         self._check_model_loadable()
+
+    def _sync_done(self, address: str, _task: asyncio.Task[None]) -> None:
+        self._syncing.pop(address, None)
 
     async def _cancel_syncs(self) -> None:
         """The job ends: stop loads still in flight (their boards are resynchronised later)."""
