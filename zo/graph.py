@@ -54,12 +54,18 @@ class GraphError(ValueError):
 
 
 @dataclass(eq=False)
-class Conv2D:
-    """2-D convolution, NHWC. ``groups == in_channels`` with the 1HWO layout is depthwise."""
+class _NodeFields:
+    """Fields every node has: its name, the tensors it reads and the one it writes."""
 
     name: str
     inputs: list[str]
     output: str
+
+
+@dataclass(eq=False)
+class Conv2D(_NodeFields):
+    """2-D convolution, NHWC. ``groups == in_channels`` with the 1HWO layout is depthwise."""
+
     weight: F32
     bias: F32
     stride: tuple[int, int] = (1, 1)
@@ -70,77 +76,59 @@ class Conv2D:
 
 
 @dataclass(eq=False)
-class Dense:
+class Dense(_NodeFields):
     """Fully connected layer on a (batch, features) tensor; weight is (out, in)."""
 
-    name: str
-    inputs: list[str]
-    output: str
     weight: F32
     bias: F32
     activation: Activation = "none"
 
 
 @dataclass(eq=False)
-class ReLU:
-    name: str
-    inputs: list[str]
-    output: str
+class ReLU(_NodeFields):
+    """max(x, 0)."""
 
 
 @dataclass(eq=False)
-class ReLU6:
-    name: str
-    inputs: list[str]
-    output: str
+class ReLU6(_NodeFields):
+    """min(max(x, 0), 6)."""
 
 
 @dataclass(eq=False)
-class Add:
+class Add(_NodeFields):
     """Element-wise sum of two tensors of one shape (residual connections)."""
 
-    name: str
-    inputs: list[str]
-    output: str
     activation: Activation = "none"
 
 
 @dataclass(eq=False)
-class AvgPool:
-    name: str
-    inputs: list[str]
-    output: str
+class _Pool(_NodeFields):
+    """A pooling window slid over height and width."""
+
     pool: tuple[int, int] = (2, 2)
     stride: tuple[int, int] = (2, 2)
     padding: Padding = "valid"
 
 
 @dataclass(eq=False)
-class MaxPool:
-    name: str
-    inputs: list[str]
-    output: str
-    pool: tuple[int, int] = (2, 2)
-    stride: tuple[int, int] = (2, 2)
-    padding: Padding = "valid"
+class AvgPool(_Pool):
+    """Mean over each window (TFLite AVERAGE_POOL_2D)."""
 
 
 @dataclass(eq=False)
-class GlobalAvgPool:
+class MaxPool(_Pool):
+    """Maximum over each window (TFLite MAX_POOL_2D)."""
+
+
+@dataclass(eq=False)
+class GlobalAvgPool(_NodeFields):
     """Mean over height and width: (N, H, W, C) -> (N, C)."""
 
-    name: str
-    inputs: list[str]
-    output: str
-
 
 @dataclass(eq=False)
-class Reshape:
+class Reshape(_NodeFields):
     """Reshape to ``(batch, *shape)``; ``shape`` excludes the batch dimension."""
 
-    name: str
-    inputs: list[str]
-    output: str
     shape: tuple[int, ...] = ()
 
 
