@@ -4,7 +4,8 @@ The rule, judged at every validation:
 
 1. Read the metric: validation accuracy (higher is better), validation loss, or the
    training loss smoothed by an exponential moving average over steps (``smoothing``
-   is the weight of the past), both lower is better. ``direction`` overrides the sense.
+   is the weight of the past) or, with ``average`` "interval", averaged over the steps
+   since the previous validation; both lower is better. ``direction`` overrides the sense.
 2. The first validation sets the best value. Later ones count as an improvement when
    they beat the best by more than ``min_delta`` - an absolute margin for accuracy, a
    fraction of |best| for losses (``threshold_mode`` "auto"), so the defaults need no
@@ -59,6 +60,7 @@ __all__ = ["QSchedulerConfig", "QSchedulerPolicy"]
 
 Metric = Literal["val_accuracy", "val_loss", "train_loss"]
 Payoff = Literal["off", "hold", "stop"]
+Average = Literal["ema", "interval"]
 
 
 class QSchedulerConfig(LadderConfig):
@@ -76,6 +78,11 @@ class QSchedulerConfig(LadderConfig):
     cooldown: int = Field(default=1, ge=0, description="validations after a raise that do not count as stalled")
     smoothing: float = Field(
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
+    )
+    average: Average = Field(
+        default="ema",
+        description="metric train_loss: ema (exponential moving average over steps) or "
+        "interval (mean over the steps since the previous validation)",
     )
     payoff_window: int = Field(
         default=5, ge=0, description="validations after a raise an unpaid rung is held before payoff=stop ends the climb"
@@ -103,6 +110,8 @@ class QSchedulerPolicy(QPolicy):
         self._paid = True  # q0 needs no payoff: it has no previous rung
         self._stopped = False
         self._since_raise = 0
+        self._interval_sum = 0.0  # training losses since the previous validation
+        self._interval_steps = 0
 
     def initial_q(self) -> int:
         """Return q0."""
@@ -122,7 +131,10 @@ class QSchedulerPolicy(QPolicy):
 
     def on_step(self, report: StepReport) -> int:
         """Fold the step's training loss into the smoothed training loss; q is unchanged."""
-        self._train_ema = ema(self._train_ema, float(report.train_loss), self.config.smoothing)
+        loss = float(report.train_loss)
+        self._train_ema = ema(self._train_ema, loss, self.config.smoothing)
+        self._interval_sum += loss
+        self._interval_steps += 1
         return self._q
 
     def _metric_value(self, report: EvalReport) -> float | None:
@@ -130,6 +142,8 @@ class QSchedulerPolicy(QPolicy):
             return float(report.val_accuracy)
         if self.config.metric == "val_loss":
             return float(report.val_loss)
+        if self.config.average == "interval":
+            return self._interval_sum / self._interval_steps if self._interval_steps else None
         return self._train_ema
 
     def on_eval(self, report: EvalReport) -> int:
@@ -142,6 +156,7 @@ class QSchedulerPolicy(QPolicy):
             q for the next step.
         """
         value = self._metric_value(report)
+        self._interval_sum, self._interval_steps = 0.0, 0
         if value is None:
             return self._q  # train_loss metric before any step: nothing to judge yet
         if self._best is None:
@@ -192,6 +207,8 @@ class QSchedulerPolicy(QPolicy):
             paid=self._paid,
             stopped=self._stopped,
             since_raise=self._since_raise,
+            interval_sum=self._interval_sum,
+            interval_steps=self._interval_steps,
         )
         return state
 
@@ -207,3 +224,6 @@ class QSchedulerPolicy(QPolicy):
         self._paid = bool(state_field(state, "paid"))
         self._stopped = bool(state_field(state, "stopped"))
         self._since_raise = int(state_field(state, "since_raise"))
+        # States saved before `average` existed lack the interval: it restarts empty.
+        self._interval_sum = float(state.get("interval_sum", 0.0))
+        self._interval_steps = int(state.get("interval_steps", 0))

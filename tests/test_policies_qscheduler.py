@@ -158,6 +158,46 @@ def test_qscheduler_train_loss_metric_uses_smoothed_loss() -> None:
     assert flat.q >= 8
 
 
+def run_interval(policy: QPolicy, intervals: list[list[float]]) -> list[int]:
+    """Feed each interval's step losses, then one validation; return q after each validation."""
+    out, t = [], 0
+    for losses in intervals:
+        for loss in losses:
+            step(policy, t, loss)
+            t += 1
+        out.append(policy.on_eval(EvalReport(t, 1.0, 0.5)))
+    return out
+
+
+def test_qscheduler_interval_average_judges_the_steps_since_the_last_validation() -> None:
+    """average=interval judges the mean step loss since the previous validation, then restarts it."""
+    policy = make(metric="train_loss", average="interval", patience=2, cooldown=0)
+    # best 1.0; 3.0 stalls once; 0.5 improves. Had the mean not restarted, the third
+    # value would be mean(1, 1, 3, 3, 0.5) = 1.7, a second stall and a raise.
+    assert run_interval(policy, [[1.0, 1.0], [3.0, 3.0], [0.5]]) == [1, 1, 1]
+    assert run_interval(policy, [[0.6, 0.6], [0.5, 0.7]]) == [1, 2]  # means 0.6, 0.6: two stalls
+
+
+def test_qscheduler_interval_average_differs_from_the_ema() -> None:
+    """A late spike within an interval moves the EMA more than the interval mean."""
+    intervals = [[2.0] * 10, [1.0] * 9 + [9.0]]  # interval means 2.0 and 1.8
+    interval = make(metric="train_loss", average="interval", patience=1, cooldown=0)
+    smoothed = make(metric="train_loss", average="ema", smoothing=0.5, patience=1, cooldown=0)
+    assert run_interval(interval, intervals) == [1, 1]  # 1.8 beats 2.0 by 10 %
+    assert run_interval(smoothed, intervals) == [1, 2]  # the EMA ends near 5: a stall
+
+
+def test_qscheduler_state_without_interval_fields_loads() -> None:
+    """A state saved before `average` existed resumes, with an empty interval."""
+    policy = make(metric="train_loss", average="interval", patience=1, cooldown=0)
+    run_interval(policy, [[1.0, 1.0]])
+    state = policy.state_dict()
+    del state["interval_sum"], state["interval_steps"]
+    resumed = make(metric="train_loss", average="interval", patience=1, cooldown=0)
+    resumed.load_state_dict(state)
+    assert run_interval(resumed, [[1.5]]) == [2]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     values=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=60),
