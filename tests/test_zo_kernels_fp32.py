@@ -147,3 +147,17 @@ def test_stacked_weights_equal_separate_calls() -> None:
     stacked = kf.conv2d(x, w, b, (2, 2), "same")
     for p in range(5):
         assert np.array_equal(stacked[p], kf.conv2d(x, w[p : p + 1], b[p : p + 1], (2, 2), "same")[0])
+
+
+@pytest.mark.parametrize("k, o", [(64, 32), (300, 10), (72, 8), (1024, 5)])
+def test_row_wise_matmul_rows_do_not_depend_on_their_position(k: int, o: int) -> None:
+    """A row's product is the same bits alone, at any position of a batch, from any address."""
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((2, 70, k)).astype(np.float32)
+    b = rng.standard_normal((2, k, o)).astype(np.float32)
+    whole = kf.row_wise_matmul(a, b)
+    for i in range(a.shape[1]):
+        buffer = np.zeros(2 * k + 3, np.float32)  # an odd offset: the row is not aligned
+        row = buffer[3:].reshape(2, 1, k)
+        row[...] = a[:, i : i + 1]
+        assert np.array_equal(kf.row_wise_matmul(row, b), whole[:, i : i + 1]), i

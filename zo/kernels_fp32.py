@@ -10,10 +10,12 @@ report the same loss whether ``k`` was evaluated alone or among others, and a sa
 result must not depend on the other samples of its batch (a cached prefix is computed
 on a whole data set, then indexed). BLAS does not promise either: its kernels sum in an
 order that depends on the matrix shape (a one-row product takes a matrix-vector path,
-ragged row tails take other micro-kernels). So every matrix product here is
-``row_blocked_matmul``: rows padded to whole blocks of ``ROW_BLOCK`` and one BLAS call
-of the same ``(ROW_BLOCK, K) x (K, O)`` shape per block and per weight set, whatever
-the batch or the number of sets. Reductions (pools, depthwise sums) are sequential
+ragged row tails take other micro-kernels) and, in some kernels, on where a row sits
+in its tile (OpenBLAS's Haswell SGEMM rounds rows 6-11 of each 12-row tile
+differently from rows 0-5). So every matrix product here is ``row_wise_matmul``: one
+BLAS call of the same ``(1, K) x (K, O)`` shape per row and per weight set, whatever
+the batch or the number of sets; numpy loops over the rows in C, and for the narrow
+layers ZO trains this costs no measurable time. Reductions (pools, depthwise sums) are sequential
 element-wise adds in a fixed window order. Nothing here sums across ``S``.
 
 Geometry follows TFLite: SAME output size ``ceil(in / stride)``, VALID
@@ -46,15 +48,13 @@ __all__ = [
     "padded_windows",
     "relu",
     "relu6",
-    "row_blocked_matmul",
+    "row_wise_matmul",
     "window_tap",
 ]
 
 F32 = npt.NDArray[np.float32]
 Array = npt.NDArray[Any]
 _RELU6_MAX: Final = np.float32(6.0)
-# Rows per BLAS call (a multiple of every SIMD row tile BLAS kernels use).
-ROW_BLOCK: Final = 64
 
 
 def out_size(size: int, kernel: int, stride: int, padding: Padding) -> int:
@@ -128,7 +128,7 @@ def extract_patches(
     return view.reshape(s, n, oh, ow, kernel[0] * kernel[1] * c)
 
 
-def row_blocked_matmul(a: Array, b: Array) -> F32:
+def row_wise_matmul(a: Array, b: Array) -> F32:
     """``a @ b`` over stacked operands with a batch-independent order of operations.
 
     Args:
@@ -136,19 +136,12 @@ def row_blocked_matmul(a: Array, b: Array) -> F32:
         b: ``(..., K, O)`` float32, leading axes broadcast against ``a``'s.
 
     Returns:
-        ``(..., M, O)`` float32; row i depends only on ``a[..., i, :]`` and ``b``.
+        ``(..., M, O)`` float32; row i depends only on ``a[..., i, :]`` and ``b``, and
+        is the same bits whatever M and wherever the row sits.
     """
-    m, k = a.shape[-2:]
-    blocks = -(-m // ROW_BLOCK)
-    pad = blocks * ROW_BLOCK - m
-    if pad:
-        widths = [(0, 0)] * (a.ndim - 2) + [(0, pad), (0, 0)]
-        a = np.pad(a, widths)
-    a_blocks = a.reshape(*a.shape[:-2], blocks, ROW_BLOCK, k)
+    rows = np.ascontiguousarray(a, dtype=np.float32)[..., :, None, :]
     b_c = np.ascontiguousarray(b, dtype=np.float32)[..., None, :, :]
-    y = np.matmul(a_blocks, b_c)
-    y = y.reshape(*y.shape[:-3], blocks * ROW_BLOCK, y.shape[-1])
-    out: F32 = y[..., :m, :] if pad else y
+    out: F32 = np.matmul(rows, b_c)[..., 0, :]
     return out
 
 
@@ -195,13 +188,13 @@ def conv2d(
     m = n * oh * ow
     if groups == 1:
         w = weight.reshape(weight.shape[0], o, k)
-        y = row_blocked_matmul(cols.reshape(s, m, k), np.swapaxes(w, 1, 2))
+        y = row_wise_matmul(cols.reshape(s, m, k), np.swapaxes(w, 1, 2))
     else:
         og = o // groups
         # Patches are (kh, kw, C); group g reads channels [g*ig, (g+1)*ig) of every tap.
         cg = cols.reshape(s, m, kh * kw, groups, ig).transpose(0, 3, 1, 2, 4).reshape(s, groups, m, kh * kw * ig)
         wg = weight.reshape(weight.shape[0], groups, og, kh * kw * ig)
-        y = row_blocked_matmul(cg, np.swapaxes(wg, 2, 3)).transpose(0, 2, 1, 3).reshape(-1, m, o)
+        y = row_wise_matmul(cg, np.swapaxes(wg, 2, 3)).transpose(0, 2, 1, 3).reshape(-1, m, o)
     y = y + bias[:, None, :]
     return apply_activation(y.reshape(-1, n, oh, ow, o).astype(np.float32, copy=False), activation)
 
@@ -243,7 +236,7 @@ def depthwise_conv2d(
 
 def dense(x: F32, weight: F32, bias: F32, activation: Activation = "none") -> F32:
     """Fully connected: ``(S, N, F) x (S', O, F) -> (max(S, S'), N, O)``."""
-    y = row_blocked_matmul(x, np.swapaxes(weight, 1, 2)) + bias[:, None, :]
+    y = row_wise_matmul(x, np.swapaxes(weight, 1, 2)) + bias[:, None, :]
     return apply_activation(y.astype(np.float32, copy=False), activation)
 
 
