@@ -3,12 +3,16 @@
 import contextlib
 import os
 import tty
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
 
 import pytest
 
 from qsched.daemon.broker import MosquittoBroker
+from qsched.daemon.links.base import BoardAppeared, Link, LinkEvent
+from qsched.daemon.links.inproc import InProcTransport
 
 
 @pytest.fixture
@@ -49,3 +53,30 @@ def pty_pair() -> Iterator[PtyPair]:
     for fd in (pair.slave, pair.master) if pair.owns_master else (pair.slave,):
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+class WrappedInProcTransport:
+    """An in-process transport whose daemon-side links are wrapped as they appear.
+
+    ``wrap(link, board_id)`` returns the link the daemon sees; boards attach to
+    ``inner`` as usual. Tests use it to trace or break the daemon's end of a link.
+    """
+
+    name = "inproc"
+
+    def __init__(self, wrap: Callable[[Link, str], Link]) -> None:
+        self.inner = InProcTransport()
+        self._wrap = wrap
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.inner.__aexit__(t, e, tb)
+
+    async def events(self) -> AsyncIterator[LinkEvent]:
+        async for event in self.inner.events():
+            if isinstance(event, BoardAppeared):
+                event = BoardAppeared(event.board_id, self._wrap(event.link, event.board_id), event.transport)
+            yield event

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import TracebackType
-from typing import Self
 
 import pytest
+from conftest import WrappedInProcTransport
 
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet, FleetEvent
-from qsched.daemon.links.base import BoardAppeared, Link, LinkEvent
-from qsched.daemon.links.inproc import InProcTransport
+from qsched.daemon.links.base import Link
 from qsched.firmware.faults import FaultPlan
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
 from qsched.protocol.codec import decode
@@ -53,29 +51,10 @@ class _TracingLink:
         await self._inner.close()
 
 
-class _TracingTransport:
-    name = "inproc"
-
-    def __init__(self) -> None:
-        self.inner = InProcTransport()
-        self.trace: Trace = []
-
-    async def __aenter__(self) -> Self:
-        await self.inner.__aenter__()
-        return self
-
-    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        await self.inner.__aexit__(t, e, tb)
-
-    async def events(self) -> AsyncIterator[LinkEvent]:
-        async for event in self.inner.events():
-            if isinstance(event, BoardAppeared):
-                event = BoardAppeared(event.board_id, _TracingLink(event.link, event.board_id, self.trace), event.transport)
-            yield event
-
-
 async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace, list[FleetEvent]]:
-    transport, events = _TracingTransport(), []
+    trace: Trace = []
+    events: list[FleetEvent] = []
+    transport = WrappedInProcTransport(lambda link, board: _TracingLink(link, board, trace))
     config = EngineConfig(pipeline=pipeline, audit_every=0)
     async with transport, Fleet(transport, on_event=events.append) as fleet, asyncio.TaskGroup() as tasks:
         boards = []
@@ -89,7 +68,7 @@ async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace
         result = await StepEngine(SPEC, fleet, config=config).run()
         for board in boards:
             board.cancel()
-    return result.state.checksum(), transport.trace, events
+    return result.state.checksum(), trace, events
 
 
 def _eval_before_ack(trace: Trace, board: str, t: int) -> bool:

@@ -7,12 +7,12 @@ import asyncio
 import resource
 import time
 from collections.abc import AsyncIterator
-from types import TracebackType
-from typing import Self
+
+from conftest import WrappedInProcTransport
 
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.base import BoardAppeared, Link, LinkEvent, SendTimeoutError
+from qsched.daemon.links.base import Link, SendTimeoutError
 from qsched.daemon.links.inproc import InProcTransport
 from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
 from qsched.zo.spec import JobSpec, PolicySpec
@@ -50,29 +50,6 @@ class _Switch:
     sends = 0
 
 
-class _BreakableTransport:
-    """An in-process transport whose daemon-side links can all be broken at once."""
-
-    name = "inproc"
-
-    def __init__(self) -> None:
-        self.inner = InProcTransport()
-        self.switch = _Switch()
-
-    async def __aenter__(self) -> Self:
-        await self.inner.__aenter__()
-        return self
-
-    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        await self.inner.__aexit__(t, e, tb)
-
-    async def events(self) -> AsyncIterator[LinkEvent]:
-        async for event in self.inner.events():
-            if isinstance(event, BoardAppeared):
-                event = BoardAppeared(event.board_id, _BrokenLink(event.link, self.switch), event.transport)
-            yield event
-
-
 async def _loop_lag(seconds: float) -> float:
     """The worst delay of a 10 ms sleep over ``seconds`` (a spinning loop makes it large)."""
     worst, end = 0.0, time.monotonic() + seconds
@@ -95,7 +72,8 @@ def _cpu_s() -> float:
 
 async def test_engine_links_failing_at_once_no_spin_and_stop() -> None:
     """Sends that fail at once: loop responsive, CPU idle, work resumes with the links, a stop ends the run."""
-    transport = _BreakableTransport()
+    switch = _Switch()
+    transport = WrappedInProcTransport(lambda link, _board: _BrokenLink(link, switch))
     config = EngineConfig(step_deadline_s=0.5, reply_timeout_s=1.0, resync_backoff_s=0.05)
     async with transport, Fleet(transport, heartbeat_interval=0.2) as fleet, asyncio.TaskGroup() as tasks:
         for i in range(2):
@@ -105,21 +83,21 @@ async def test_engine_links_failing_at_once_no_spin_and_stop() -> None:
         run = tasks.create_task(engine.run())
         while engine.step < 3:
             await asyncio.sleep(0.01)
-        transport.switch.broken = True
+        switch.broken = True
         await asyncio.sleep(0.3)  # the step in flight fails
-        sends, cpu, wall = transport.switch.sends, _cpu_s(), time.monotonic()
+        sends, cpu, wall = switch.sends, _cpu_s(), time.monotonic()
         lag = await _loop_lag(1.0)
         cpu_share = (_cpu_s() - cpu) / (time.monotonic() - wall)
-        attempts = transport.switch.sends - sends
+        attempts = switch.sends - sends
         assert lag < 0.1, f"event loop blocked {lag:.3f} s"
         assert attempts < 100, f"{attempts} sends in a second: the engine spins"
         assert cpu_share < 0.5, f"CPU {cpu_share:.0%} while no board can work"
         assert "waiting for boards" in engine.status_line
         assert fleet.boards() and not any(s.alive for s in fleet.boards())  # out of the ready set
         stalled_at = engine.step
-        transport.switch.broken = False  # the broker is back: a ping brings the links up
+        switch.broken = False  # the broker is back: a ping brings the links up
         await asyncio.wait_for(_advance(engine, stalled_at + 2), 10.0)
-        transport.switch.broken = True
+        switch.broken = True
         await asyncio.sleep(0.3)
         engine.stop(shutdown=True)
         result = await asyncio.wait_for(run, 3.0)
