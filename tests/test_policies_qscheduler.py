@@ -127,11 +127,11 @@ def test_qscheduler_payoff_window_holds_before_stopping() -> None:
     assert evals(paid, [0.5, 0.5, 0.5, 0.6, 0.6]) == [1, 2, 2, 2, 4]
 
 
-def test_qscheduler_payoff_default_is_stop() -> None:
-    """By default an unpaid raise ends the climb."""
+def test_qscheduler_payoff_default_is_off() -> None:
+    """By default an unpaid raise does not hold q: every stall climbs a rung, up to qmax."""
     policy = create_policy(PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1,
                                                                    "cooldown": 0}), CONTEXT)
-    assert evals(policy, [0.5] * 7 + [0.6, 0.6]) == [1, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert evals(policy, [0.5] * 7 + [0.6, 0.6]) == [1, 2, 4, 8, 16, 32, 32, 32, 32]
 
 
 def test_qscheduler_payoff_state_round_trip() -> None:
