@@ -44,6 +44,7 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("qsched.daemon.demo:main", "train on virtual boards with embedded defaults"),
     "train": Command("qsched.daemon.cli:train_main", "train in this process, without boards"),
     "experiment": Command("qsched.daemon.experiment:main", "compare q policies (the paper's grid)"),
+    "experiment-merge": Command("qsched.daemon.experiment_merge:main", "pool result folders run on other seeds"),
     "bench engine": Command("qsched.zo.bench_engine:main", "time the forward engine (FP32, INT8)"),
     "bench fleet": Command("qsched.daemon.bench_fleet:main", "time steps on fleets of virtual boards"),
     "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),

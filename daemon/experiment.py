@@ -797,10 +797,20 @@ def results_markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"Backbone: {p['steps']} Adam steps on {p['source']} "
                   f"(source validation accuracy {100 * p['source_val_accuracy']:.2f}%); target {p['target']} "
                   f"({p['target_train']} train / {p['target_val']} val)."]
-    env = doc["environment"]
-    lines += ["", f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) on {env['cpus']} CPUs "
-              f"(load average at the end {env['load_average_at_end']})."]
+    lines += ["", *_environment_lines(doc["environment"])]
     return "\n".join(lines) + "\n"
+
+
+def _environment_lines(env: dict[str, Any]) -> list[str]:
+    if "merged_from" not in env:
+        return [f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) on {env['cpus']} CPUs "
+                f"(load average at the end {env['load_average_at_end']})."]
+    lines = [f"Merged from {len(env['merged_from'])} result folders (grid wall time {env['grid_wall_s']} s "
+             "in all):", ""]
+    lines += [f"- `{part['folder']}`: `{part['command']}`" for part in env["merged_from"]]
+    if env["dropped_configs"]:
+        lines += ["", "Left out, not in every folder: " + ", ".join(env["dropped_configs"]) + "."]
+    return lines
 
 
 # --------------------------------------------------------------------------- command line

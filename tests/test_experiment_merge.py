@@ -1,0 +1,94 @@
+"""``qsched experiment-merge``: folders run on other seeds pool into what one grid would give."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qsched.daemon import experiment, experiment_merge
+
+TINY = ["--grid", "custom", "--policies", "fixed:2", "qscheduler", "--numerics", "fp32", "--steps", "12",
+        "--set", "eval_every=4", "--set", "batch_size=16", "--workers", "1", "--quiet", "--no-plots"]
+
+
+def _grid(out: Path, *extra: str) -> dict[str, Any]:
+    stream = io.StringIO()
+    assert experiment.main([*TINY, *extra, "--out", str(out)], stream=stream) == 0, stream.getvalue()
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same tiny grid on seeds 0-1 at once, on seed 0 alone and on seed 1 alone."""
+    root = tmp_path_factory.mktemp("merge")
+    for name, seeds in (("joint", ["0", "1"]), ("seed0", ["0"]), ("seed1", ["1"])):
+        _grid(root / name, "--seeds", *seeds)
+    return {name: root / name for name in ("joint", "seed0", "seed1")}
+
+
+def _merge(out: Path, *folders: Path) -> tuple[int, str]:
+    stream = io.StringIO()
+    status = experiment_merge.main([*map(str, folders), "--out", str(out), "--no-plots"], stream=stream)
+    return status, stream.getvalue()
+
+
+def _without_wall(config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k not in ("wall_s", "runs", "curve", "mean_q")}
+    out["runs"] = [{k: v for k, v in r.items() if k != "wall_s"} for r in config["runs"]]
+    return out
+
+
+def test_merge_equals_the_joint_grid(parts: dict[str, Path], tmp_path: Path) -> None:
+    """Merging seed 0 and seed 1 gives the joint grid's runs, statistics, curves and comparisons."""
+    status, log = _merge(tmp_path, parts["seed1"], parts["seed0"])
+    assert status == 0, log
+    merged = json.loads((tmp_path / "results.json").read_text())
+    joint = json.loads((parts["joint"] / "results.json").read_text())
+    assert merged["setting"]["seeds"] == [0, 1]
+    assert [c["key"] for c in merged["configs"]] == [c["key"] for c in joint["configs"]]
+    for mine, theirs in zip(merged["configs"], joint["configs"]):
+        assert _without_wall(mine) == _without_wall(theirs)
+        assert mine["mean_q"] == pytest.approx(theirs["mean_q"])
+        for field in ("val_accuracy_mean", "val_accuracy_std", "forward_passes_mean"):
+            assert mine["curve"][field] == pytest.approx(theirs["curve"][field])
+    for mine, theirs in zip(merged["comparisons"], joint["comparisons"]):
+        assert mine["best_fixed"] == theirs["best_fixed"] and mine["floor_met"] == theirs["floor_met"]
+        assert mine["difference_pp"] == pytest.approx(theirs["difference_pp"])
+    assert "Merged from 2 result folders" in (tmp_path / "results.md").read_text()
+
+
+def test_merge_keeps_only_configs_every_part_has(parts: dict[str, Path], tmp_path: Path) -> None:
+    """A policy run on one part only is left out and named, so no comparison mixes seed sets."""
+    _grid(tmp_path / "extra", "--seeds", "2", "--policies", "fixed:2", "qscheduler", "fixed:4")
+    status, log = _merge(tmp_path / "out", parts["seed0"], tmp_path / "extra")
+    assert status == 0, log
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [c["key"] for c in merged["configs"]] == ["fixed q=2@fp32", "qscheduler@fp32"]
+    assert merged["environment"]["dropped_configs"] == ["fixed q=4@fp32"]
+    assert "Left out, not in every folder: fixed q=4@fp32." in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_merge_refuses_a_seed_run_twice(parts: dict[str, Path], tmp_path: Path) -> None:
+    """The same seed in two parts would count one run twice."""
+    status, log = _merge(tmp_path, parts["joint"], parts["seed1"])
+    assert status == 2 and "seed run twice" in log
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_merge_refuses_other_settings(parts: dict[str, Path], tmp_path: Path) -> None:
+    """Only the seeds may differ: another step count is another experiment."""
+    _grid(tmp_path / "longer", "--seeds", "2", "--steps", "16")
+    status, log = _merge(tmp_path / "out", parts["seed0"], tmp_path / "longer")
+    assert status == 2 and "setting differs" in log
+
+
+def test_merge_refuses_one_folder_and_missing_results(parts: dict[str, Path], tmp_path: Path) -> None:
+    """One folder is nothing to merge; a folder without results.json is named in the error."""
+    status, log = _merge(tmp_path / "a", parts["seed0"])
+    assert status == 2 and "at least two" in log
+    status, log = _merge(tmp_path / "b", parts["seed0"], tmp_path / "empty")
+    assert status == 2 and "results.json" in log
