@@ -105,7 +105,10 @@ def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     merged = {k: v for k, v in baselines[0].items() if not isinstance(v, dict)}
     for stat in ("final_accuracy", "best_accuracy", "wall_s"):
-        merged[stat] = _stats([v for b in baselines for v in b[stat]["values"]])
+        # A part's values follow its seeds; the merged ones follow the sorted union.
+        by_seed = sorted((seed, value) for doc, b in zip(docs, baselines)
+                         for seed, value in zip(doc["setting"]["seeds"], b[stat]["values"]))
+        merged[stat] = _stats([value for _, value in by_seed])
     return merged
 
 

@@ -58,6 +58,8 @@ def test_merge_equals_the_joint_grid(parts: dict[str, Path], tmp_path: Path) -> 
     for mine, theirs in zip(merged["comparisons"], joint["comparisons"]):
         assert mine["best_fixed"] == theirs["best_fixed"] and mine["floor_met"] == theirs["floor_met"]
         assert mine["difference_pp"] == pytest.approx(theirs["difference_pp"])
+    for stat in ("final_accuracy", "best_accuracy"):
+        assert merged["baseline"][stat] == joint["baseline"][stat]
     assert "Merged from 2 result folders" in (tmp_path / "results.md").read_text()
 
 
