@@ -26,7 +26,7 @@ import numpy as np
 
 from .experiment import SCHEMA, ExperimentError, ExperimentResult, _stats, write_results
 
-__all__ = ["merge_documents", "main"]
+__all__ = ["main", "merge_documents"]
 
 # Setting fields that may differ between parts of one setting: the seeds (the point of
 # merging) and how long the shared backbone took to pretrain.
@@ -46,11 +46,11 @@ def _comparable_setting(setting: dict[str, Any]) -> dict[str, Any]:
 def _check_parts(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> None:
     if len(docs) < 2:
         raise ExperimentError("merging needs at least two result folders")
-    for doc, name in zip(docs, names):
+    for doc, name in zip(docs, names, strict=True):
         if doc.get("schema") != SCHEMA:
             raise ExperimentError(f"{name}: not a {SCHEMA} results.json (schema {doc.get('schema')!r})")
     reference = _comparable_setting(docs[0]["setting"])
-    for doc, name in zip(docs[1:], names[1:]):
+    for doc, name in zip(docs[1:], names[1:], strict=True):
         if _comparable_setting(doc["setting"]) != reference:
             raise ExperimentError(f"{name}: its setting differs from {names[0]}'s; only seeds may differ")
 
@@ -100,14 +100,14 @@ def _merge_config(parts: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The first-order baseline over all seeds, when every part ran it."""
-    baselines = [doc.get("baseline") for doc in docs]
-    if any(b is None for b in baselines):
+    if any(doc.get("baseline") is None for doc in docs):
         return None
+    baselines: list[dict[str, Any]] = [doc["baseline"] for doc in docs]
     merged = {k: v for k, v in baselines[0].items() if not isinstance(v, dict)}
     for stat in ("final_accuracy", "best_accuracy", "wall_s"):
         # A part's values follow its seeds; the merged ones follow the sorted union.
-        by_seed = sorted((seed, value) for doc, b in zip(docs, baselines)
-                         for seed, value in zip(doc["setting"]["seeds"], b[stat]["values"]))
+        by_seed = sorted((seed, value) for doc, b in zip(docs, baselines, strict=True)
+                         for seed, value in zip(doc["setting"]["seeds"], b[stat]["values"], strict=True))
         merged[stat] = _stats([value for _, value in by_seed])
     return merged
 
@@ -137,7 +137,7 @@ def merge_documents(docs: Sequence[dict[str, Any]], names: Sequence[str], comman
     setting["seeds"] = configs[0]["seeds"]
     environment = {
         "merged_from": [{"folder": n, "command": d.get("command", ""), "environment": d.get("environment")}
-                        for n, d in zip(names, docs)],
+                        for n, d in zip(names, docs, strict=True)],
         "dropped_configs": dropped,
         "grid_wall_s": round(sum(d["environment"].get("grid_wall_s", 0.0) for d in docs), 1),
     }

@@ -50,12 +50,12 @@ def test_merge_equals_the_joint_grid(parts: dict[str, Path], tmp_path: Path) -> 
     joint = json.loads((parts["joint"] / "results.json").read_text())
     assert merged["setting"]["seeds"] == [0, 1]
     assert [c["key"] for c in merged["configs"]] == [c["key"] for c in joint["configs"]]
-    for mine, theirs in zip(merged["configs"], joint["configs"]):
+    for mine, theirs in zip(merged["configs"], joint["configs"], strict=True):
         assert _without_wall(mine) == _without_wall(theirs)
         assert mine["mean_q"] == pytest.approx(theirs["mean_q"])
         for field in ("val_accuracy_mean", "val_accuracy_std", "forward_passes_mean"):
             assert mine["curve"][field] == pytest.approx(theirs["curve"][field])
-    for mine, theirs in zip(merged["comparisons"], joint["comparisons"]):
+    for mine, theirs in zip(merged["comparisons"], joint["comparisons"], strict=True):
         assert mine["best_fixed"] == theirs["best_fixed"] and mine["floor_met"] == theirs["floor_met"]
         assert mine["difference_pp"] == pytest.approx(theirs["difference_pp"])
     for stat in ("final_accuracy", "best_accuracy"):
