@@ -47,8 +47,9 @@ def _check_parts(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> None:
     if len(docs) < 2:
         raise ExperimentError("merging needs at least two result folders")
     for doc, name in zip(docs, names, strict=True):
-        if doc.get("schema") != SCHEMA:
-            raise ExperimentError(f"{name}: not a {SCHEMA} results.json (schema {doc.get('schema')!r})")
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        if schema != SCHEMA:
+            raise ExperimentError(f"{name}: not a {SCHEMA} results.json (schema {schema!r})")
     reference = _comparable_setting(docs[0]["setting"])
     for doc, name in zip(docs[1:], names[1:], strict=True):
         if _comparable_setting(doc["setting"]) != reference:
@@ -64,12 +65,12 @@ def _shared_keys(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[str]]:
     return ordered, dropped
 
 
-def _merge_config(parts: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+def _merge_config(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One configuration over the union of its parts' seeds."""
     first = parts[0]
     for part in parts[1:]:
         if part["policy"] != first["policy"] or part["curve"]["step"] != first["curve"]["step"]:
-            raise ExperimentError(f"{name}: {first['key']} has another policy config or validation schedule")
+            raise ExperimentError(f"{first['key']}: the folders differ in its policy config or validation schedule")
     runs = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["seed"])
     seeds = [r["seed"] for r in runs]
     if len(set(seeds)) != len(seeds):
@@ -125,14 +126,23 @@ def merge_documents(docs: Sequence[dict[str, Any]], names: Sequence[str], comman
 
     Raises:
         ExperimentError: fewer than two parts, another schema, settings that differ in
-            more than the seeds, a seed in two parts, or no configuration in common.
+            more than the seeds, a seed in two parts, no configuration in common, or a
+            document that lacks a field its schema has.
     """
     _check_parts(docs, names)
+    try:
+        return _merge(docs, names, command)
+    except (KeyError, TypeError, AttributeError) as exc:
+        # The schema tag matched but the body did not: a truncated or hand-edited file.
+        raise ExperimentError(f"a results.json lacks or mistypes a field ({exc!r})") from exc
+
+
+def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -> ExperimentResult:
     keys, dropped = _shared_keys(docs)
     if not keys:
         raise ExperimentError("the parts have no configuration in common")
     by_key = [{c["key"]: c for c in doc["configs"]} for doc in docs]
-    configs = [_merge_config([part[key] for part in by_key], names[0]) for key in keys]
+    configs = [_merge_config([part[key] for part in by_key]) for key in keys]
     setting = copy.deepcopy(docs[0]["setting"])
     setting["seeds"] = configs[0]["seeds"]
     environment = {

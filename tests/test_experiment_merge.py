@@ -94,3 +94,18 @@ def test_merge_refuses_one_folder_and_missing_results(parts: dict[str, Path], tm
     assert status == 2 and "at least two" in log
     status, log = _merge(tmp_path / "b", parts["seed0"], tmp_path / "empty")
     assert status == 2 and "results.json" in log
+
+
+def test_merge_refuses_a_malformed_results_json(parts: dict[str, Path], tmp_path: Path) -> None:
+    """A file with the right schema tag but a missing field, or not an object, is a clear error."""
+    doc = json.loads((parts["seed1"] / "results.json").read_text())
+    del doc["configs"][0]["runs"]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "results.json").write_text(json.dumps(doc))
+    status, log = _merge(tmp_path / "a", parts["seed0"], tmp_path / "cut")
+    assert status == 2 and "lacks or mistypes a field" in log and "'runs'" in log
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "results.json").write_text("[]")
+    status, log = _merge(tmp_path / "b", parts["seed0"], tmp_path / "list")
+    assert status == 2 and "not a qsched.experiment/1 results.json" in log
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
