@@ -29,9 +29,14 @@ from typing import Any, Final
 
 import structlog
 
-from qsched.daemon.links.base import INCOMING_QUEUE_SIZE, BoardAppeared, LinkClosedError, LinkError
 from qsched.protocol.codec import decode, encode, peek_header
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.links.base import (
+    INCOMING_QUEUE_SIZE,
+    BoardAppeared,
+    LinkClosedError,
+    LinkError,
+)
 from qsched.protocol.messages import TYPE_CODES, Hello, Reset
 
 __all__ = ["HELLO_ASK_AFTER_S", "HELLO_RETRY_S", "bridge_board", "main", "run_bridge"]
@@ -104,7 +109,7 @@ async def _serve_as(
 ) -> tuple[Hello, bytes] | None:
     """Act as ``hello.board_id`` on MQTT until the link ends (None) or a Hello names
     another board (returned, to serve that one instead)."""
-    from qsched.daemon.links.mqtt import MqttEndpoint
+    from qsched.protocol.links.mqtt import MqttEndpoint
 
     board = hello.board_id
     async with MqttEndpoint(cfg, topics, board, protocol_version=hello.protocol_version) as endpoint:
@@ -167,7 +172,7 @@ async def run_bridge(devices: Sequence[str], cfg: Any, topics: Any, *, baudrate:
         baudrate: the ports' line speed.
         reopen_interval: seconds between attempts to (re)open a port.
     """
-    from qsched.daemon.links.serial import SerialTransport
+    from qsched.protocol.links.serial import SerialTransport
 
     bridges: set[asyncio.Task[str]] = set()
     async with SerialTransport(devices, baudrate=baudrate, reopen_interval=reopen_interval) as transport:
@@ -217,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> tuple[list[str], Any, Any, int, float]:
     from qsched.daemon.config import load_config
-    from qsched.daemon.demo import parse_host_port
+    from qsched.protocol.links.config import parse_host_port
     from qsched.protocol.topics import TopicMap
 
     config = load_config()

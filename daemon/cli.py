@@ -39,14 +39,14 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "daemon": Command("qsched.daemon.service:main", "run the fleet daemon (boards, jobs, control API)"),
     "ctl": Command("qsched.daemon.ctl:main", "send a command to a running daemon"),
-    "board": Command("qsched.firmware.board_main:main", "run virtual boards on MQTT or serial ports"),
+    "board": Command("qsched.firmware.virtual.cli:main", "run virtual boards on MQTT or serial ports"),
     "bridge": Command("qsched.daemon.bridge:main", "expose this host's serial boards on MQTT"),
-    "demo": Command("qsched.daemon.demo:main", "train on virtual boards with embedded defaults"),
+    "demo": Command("qsched.lab.demo:main", "train on virtual boards with embedded defaults"),
     "train": Command("qsched.daemon.cli:train_main", "train in this process, without boards"),
-    "experiment": Command("qsched.daemon.experiment:main", "compare q policies (the paper's grid)"),
-    "experiment-merge": Command("qsched.daemon.experiment_merge:main", "pool result folders run on other seeds"),
-    "bench engine": Command("qsched.zo.bench_engine:main", "time the forward engine (FP32, INT8)"),
-    "bench fleet": Command("qsched.daemon.bench_fleet:main", "time steps on fleets of virtual boards"),
+    "experiment": Command("qsched.lab.experiment:main", "compare q policies (the paper's grid)"),
+    "experiment-merge": Command("qsched.lab.experiment_merge:main", "pool result folders run on other seeds"),
+    "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
+    "bench fleet": Command("qsched.lab.bench_fleet:main", "time steps on fleets of virtual boards"),
     "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),
     "schema": Command("qsched.protocol.schema:main", "write the control-plane JSON Schema"),
     "config": Command("qsched.daemon.cli:config_main", "print the effective daemon configuration"),
@@ -282,7 +282,7 @@ def train_main(argv: list[str]) -> int:
         0, or 2 when the spec is invalid or names a model, data set, policy or file that
         does not resolve (one line on stderr, no traceback).
     """
-    from qsched.zo.spec import JobSpec
+    from qsched.protocol.jobspec import JobSpec
 
     parser = argparse.ArgumentParser(
         prog="qsched train",

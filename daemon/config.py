@@ -16,7 +16,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from qsched.protocol.links.config import ConfigSection, MqttConfig, SerialConfig, TlsConfig
 
 __all__ = [
     "ENV_PREFIX",
@@ -41,46 +43,7 @@ class ConfigError(ValueError):
         self.detail = detail
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TlsConfig(_Section):
-    """TLS towards the broker (off unless ``enabled``)."""
-
-    enabled: bool = False
-    ca_file: Path | None = Field(default=None, description="CA bundle; system CAs when unset")
-    cert_file: Path | None = Field(default=None, description="client certificate (mutual TLS)")
-    key_file: Path | None = Field(default=None, description="client key (mutual TLS)")
-    insecure: bool = Field(default=False, description="skip host name verification (testing only)")
-
-
-class MqttConfig(_Section):
-    """The MQTT broker and how to stay connected to it."""
-
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = Field(default=1883, ge=1, le=65535)
-    username: str | None = None
-    password: SecretStr | None = None
-    tls: TlsConfig = Field(default_factory=TlsConfig)
-    protocol: Literal["3.1.1", "5"] = Field(default="5", description="5 gives control replies a response topic")
-    keepalive_s: int = Field(default=30, ge=5, le=3600)
-    prefix: str = "qsched/v1"
-    reconnect_min_s: float = Field(default=0.5, gt=0)
-    reconnect_max_s: float = Field(default=30.0, gt=0)
-    send_timeout_s: float = Field(default=10.0, gt=0, description="how long a send waits for a reconnect")
-
-
-class SerialConfig(_Section):
-    """USB serial boards attached to this host."""
-
-    devices: list[str] = Field(default_factory=list, description="port paths, e.g. /dev/qsched/stlink-*")
-    baudrate: int = Field(default=921600, gt=0)
-    reopen_interval_s: float = Field(default=1.0, gt=0)
-
-
-class DaemonConfig(_Section):
+class DaemonConfig(ConfigSection):
     """Everything ``qsched daemon`` reads at start."""
 
     fleet: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -89,7 +52,6 @@ class DaemonConfig(_Section):
     step_deadline_s: float = Field(default=5.0, gt=0, description="answers later than this are reassigned")
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a board is gone")
-    checkpoint_every: int = Field(default=100, gt=0, description="steps between checkpoints (the job's own wins)")
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     serial: SerialConfig = Field(default_factory=SerialConfig)
 

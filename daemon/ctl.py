@@ -32,9 +32,11 @@ import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from qsched.daemon.config import MqttConfig, load_config
+from qsched.daemon.config import load_config
 from qsched.protocol.control import ErrorReply, Reply, parse_command, parse_control
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.links.config import MqttConfig, parse_host_port
+from qsched.protocol.links.mqtt import build_client
 from qsched.protocol.topics import TopicMap
 
 __all__ = ["EXIT_NO_REPLY", "CtlError", "build_command", "main", "send_command"]
@@ -45,22 +47,6 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 
 class CtlError(Exception):
     """The command could not be sent or got no reply."""
-
-
-def _client(cfg: MqttConfig, identifier: str) -> aiomqtt.Client:
-    from qsched.daemon.links.mqtt import _tls_context
-
-    version = aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311
-    return aiomqtt.Client(
-        cfg.host,
-        cfg.port,
-        username=cfg.username,
-        password=cfg.password.get_secret_value() if cfg.password else None,
-        identifier=identifier,
-        protocol=version,
-        tls_context=_tls_context(cfg),
-        tls_insecure=cfg.tls.insecure if cfg.tls.enabled else None,
-    )
 
 
 async def send_command(
@@ -92,7 +78,7 @@ async def send_command(
         raise CtlError(f"not a valid command: {exc}") from exc
     reply_topic = f"{topics.control_reply()}/{token}" if v5 else topics.control_reply()
     try:
-        async with _client(cfg, f"qsched-ctl-{token[:12]}") as client:
+        async with build_client(cfg, f"qsched-ctl-{token[:12]}") as client:
             await client.subscribe(reply_topic, qos=1)
             properties = None
             if v5:
@@ -201,10 +187,7 @@ def _settings(args: argparse.Namespace) -> tuple[MqttConfig, TopicMap]:
     cfg = load_config(args.config)
     mqtt = cfg.mqtt.model_dump()
     if args.mqtt:
-        host, _, port = args.mqtt.rpartition(":")
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--mqtt wants HOST:PORT, got {args.mqtt!r}")
-        mqtt["host"], mqtt["port"] = host.strip("[]") or "127.0.0.1", int(port)
+        mqtt["host"], mqtt["port"] = parse_host_port(args.mqtt)
     if args.protocol:
         mqtt["protocol"] = args.protocol
     mqtt["password"] = cfg.mqtt.password
@@ -213,7 +196,7 @@ def _settings(args: argparse.Namespace) -> tuple[MqttConfig, TopicMap]:
 
 
 async def _follow_events(cfg: MqttConfig, topics: TopicMap) -> int:
-    async with _client(cfg, f"qsched-ctl-{uuid.uuid4().hex[:12]}") as client:
+    async with build_client(cfg, f"qsched-ctl-{uuid.uuid4().hex[:12]}") as client:
         await client.subscribe(topics.events(), qos=0)
         async for message in client.messages:
             payload = message.payload

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import random
 import time
 import zlib
@@ -50,11 +49,14 @@ from typing import Any, Final, Literal, cast
 import numpy as np
 import structlog
 
+from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet, FleetEvent
 from qsched.daemon.planner import plan_shards, split_proportional
 from qsched.daemon.state import Checkpoint, JobDir
 from qsched.policies import EvalReport, StepReport, create_policy
 from qsched.protocol.control import Event, EventKind
+from qsched.protocol.identity import dataset_hash64, model_hash64
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import (
     MAX_CHUNK,
     PROTOCOL_VERSION,
@@ -71,7 +73,6 @@ from qsched.protocol.messages import (
     job_id_of,
 )
 from qsched.protocol.states import JobState, check_job_transition
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.spsa import LossError, LossPairs, coefficients, forward_passes, projected_gradients
 from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult, policy_context, train_loss
 from qsched.zo.workload import TrainState, Workload
@@ -81,12 +82,7 @@ __all__ = [
     "JobError",
     "JobResult",
     "StepEngine",
-    "checkpoint_of",
-    "dataset_hash64",
     "fleet_event",
-    "model_hash64",
-    "restore_checkpoint",
-    "run_job_inprocess",
 ]
 
 _log = structlog.get_logger("qsched.engine")
@@ -169,71 +165,6 @@ class JobResult:
     def evals(self) -> list[EvalRecord]:
         """Per-validation history."""
         return self.train.evals
-
-
-def _hash64(digest: bytes) -> int:
-    return int.from_bytes(digest[:8], "little")
-
-
-def model_hash64(blob: bytes) -> int:
-    """A model blob's identity in ``Hello``: SHA-256, first 8 bytes, little-endian."""
-    return _hash64(hashlib.sha256(blob).digest())
-
-
-def dataset_hash64(content_hash: str) -> int:
-    """A data set's identity in ``SelectDataset``: its content hash's first 8 bytes, LE."""
-    return _hash64(bytes.fromhex(content_hash))
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def checkpoint_of(result: TrainResult, policy: PolicySpec) -> Checkpoint:
-    """A checkpoint holding everything a bit-identical resume needs.
-
-    Args:
-        result: the run so far (state, policy state, history).
-        policy: the policy in use (it may differ from the spec's after change_policy).
-
-    Returns:
-        The checkpoint.
-    """
-    return Checkpoint(
-        step=result.state.step,
-        train_state=result.state.to_bytes(),
-        policy_state=result.policy_state,
-        metrics=[asdict(r) for r in result.steps],
-        extra={
-            "evals": [asdict(e) for e in result.evals],
-            "forward_passes": result.forward_passes,
-            "wall_s": result.wall_s,
-            "policy": policy.model_dump(mode="json"),
-        },
-    )
-
-
-def restore_checkpoint(spec: JobSpec, checkpoint: Checkpoint) -> tuple[TrainResult, PolicySpec]:
-    """The run and policy a checkpoint holds.
-
-    Args:
-        spec: the job's spec.
-        checkpoint: its newest checkpoint.
-
-    Returns:
-        (result so far, the policy in use).
-    """
-    extra = checkpoint.extra
-    result = TrainResult(
-        spec=spec,
-        state=TrainState.from_bytes(checkpoint.train_state),
-        policy_state=dict(checkpoint.policy_state),
-        steps=[StepRecord(**r) for r in checkpoint.metrics],
-        evals=[EvalRecord(**e) for e in extra.get("evals", [])],
-        forward_passes=int(extra.get("forward_passes", 0)),
-        wall_s=float(extra.get("wall_s", 0.0)),
-    )
-    policy = PolicySpec.model_validate(extra["policy"]) if "policy" in extra else spec.policy
-    return result, policy
 
 
 # --------------------------------------------------------------------------- per-step bookkeeping
@@ -678,14 +609,14 @@ class StepEngine:
         if session.model_hash == self._blob_hash:
             return False
         await self._send_chunks(session, self._blob, lambda off, chunk: LoadModel(
-            total=len(self._blob), offset=off, chunk=chunk, crc32=_crc32(self._blob)))
+            total=len(self._blob), offset=off, chunk=chunk, crc32=zlib.crc32(self._blob)))
         session.model_hash = self._blob_hash
         return True
 
     async def _send_weights(self, session: BoardSession, step: int) -> None:
         if session.state not in ("loading", "resync"):
             session.set_state("resync", "weights")
-        raw = _weight_bytes(self.state)
+        raw = self.state.weight_bytes()
         checksum = self.state.checksum()
         await self._send_chunks(session, raw, lambda off, chunk: SetWeights(
             total=len(raw), offset=off, chunk=chunk, job_id=self.job_id, step=step, checksum=checksum),
@@ -1291,82 +1222,3 @@ def _settle_none(future: asyncio.Future[None]) -> None:
 
 def _refused(session: BoardSession) -> bool:
     return session.hello is not None and session.hello.protocol_version < PROTOCOL_VERSION
-
-
-def _crc32(data: bytes) -> int:
-    return zlib.crc32(data)
-
-
-def _le_bytes(array: np.ndarray[Any, Any]) -> bytes:
-    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-
-
-def _weight_bytes(state: TrainState) -> bytes:
-    """The SetWeights payload: exactly the bytes the checksum covers (SPEC section 5)."""
-    raw = _le_bytes(state.params)
-    return raw if state.buffer is None else raw + _le_bytes(state.buffer)
-
-
-# --------------------------------------------------------------------------- in-process fleets
-
-
-async def run_job_inprocess(
-    spec: JobSpec,
-    boards: int = 4,
-    *,
-    config: EngineConfig | None = None,
-    latency: Any = None,
-    faults: Sequence[str] = (),
-    fault_boards: Sequence[str] | None = None,
-    speeds: Sequence[float] | None = None,
-    job_dir: JobDir | None = None,
-    on_event: Callable[[Event], None] | None = None,
-    corrupt_payloads: bool = False,
-) -> JobResult:
-    """Train ``spec`` on ``boards`` virtual boards in this event loop (experiments, demo, tests).
-
-    Args:
-        spec: the job.
-        boards: how many virtual boards (ids ``vb-00``, ``vb-01``, ...).
-        config: engine knobs.
-        latency: a ``LatencyProfile`` for every board (default: none, as fast as the CPU).
-        faults: fault specs (``qsched board --fault`` syntax) for the boards in ``fault_boards``.
-        fault_boards: which boards get ``faults`` (default: all).
-        speeds: per-board speed multipliers of the latency model (heterogeneous fleets).
-        job_dir: where metrics and checkpoints go (None: nowhere).
-        on_event: control-plane events.
-        corrupt_payloads: the ``corrupt`` fault flips bits of whole payloads, as on MQTT
-            (no frame CRC: a flipped loss decodes as a valid, wrong value).
-
-    Returns:
-        The job's result.
-    """
-    from qsched.daemon.links.inproc import InProcTransport
-    from qsched.firmware.faults import FaultPlan
-    from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
-
-    plan = FaultPlan.parse(list(faults), seed=spec.seed)
-    no_faults = FaultPlan.parse([])
-    base = latency if latency is not None else LatencyProfile.off()
-    def membership(event: FleetEvent) -> None:
-        if on_event is not None:
-            on_event(fleet_event(event, spec.name))
-
-    async with InProcTransport() as transport, Fleet(transport, on_event=membership) as fleet:
-        endpoints = []
-        async with asyncio.TaskGroup() as tasks:
-            for i in range(boards):
-                board_id = f"vb-{i:02d}"
-                speed = speeds[i] if speeds is not None else base.speed
-                profile = LatencyProfile(base.macs_per_forward, speed, base.baud, base.enabled, base.npu)
-                chosen = fault_boards is None or board_id in fault_boards
-                agent = BoardAgent(board_id, latency=profile, faults=(plan if chosen else no_faults).for_board(board_id))
-                endpoint = transport.attach(board_id)
-                endpoints.append(endpoint)
-                tasks.create_task(serve_link(agent, endpoint, corrupt_payloads=corrupt_payloads), name=f"board[{board_id}].serve")
-            engine = StepEngine(spec, fleet, config=config, job_dir=job_dir, on_event=on_event)
-            try:
-                return await engine.run()
-            finally:
-                for endpoint in endpoints:
-                    await endpoint.close()

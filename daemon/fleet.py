@@ -26,11 +26,11 @@ from typing import Any, Final, Self
 
 import structlog
 
-from qsched.daemon.links.base import Link, LinkError, MessageTooLargeError, Transport
 from qsched.daemon.planner import ThroughputEstimate
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardInfo
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.links.base import Link, LinkError, MessageTooLargeError, Transport
 from qsched.protocol.messages import (
     HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,

@@ -36,9 +36,8 @@ from qsched.daemon.config import DaemonConfig, load_config
 from qsched.daemon.control import ControlError, handle_payload
 from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
 from qsched.daemon.fleet import Fleet, FleetEvent
-from qsched.daemon.links.base import MultiTransport, Transport
 from qsched.daemon.notify import Notifier
-from qsched.daemon.state import JobDir, StateError, StateStore
+from qsched.daemon.state import JobDir, StateDirError, StateStore
 from qsched.protocol.control import (
     ChangePolicy,
     ControlErrorCode,
@@ -52,8 +51,10 @@ from qsched.protocol.control import (
     parse_command,
 )
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.base import MultiTransport, Transport
+from qsched.protocol.links.config import parse_host_port
 from qsched.protocol.topics import TopicMap
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
 __all__ = ["EVENT_QUEUE_SIZE", "STATUS_INTERVAL_S", "ActiveJob", "Daemon", "main", "status_topic"]
@@ -138,14 +139,14 @@ class Daemon:
         transports: list[Transport] = list(self._extra)
         cfg = self.config
         if cfg.mqtt.enabled:
-            from qsched.daemon.links.mqtt import MqttTransport
+            from qsched.protocol.links.mqtt import MqttTransport
 
             self._mqtt = MqttTransport(cfg.mqtt, self.topics, version=self.version)
             conn = self._mqtt.connection
             conn.subscribe(self.topics.control_request(), self.topics.rule("control_request").qos, self._on_control)
             transports.append(self._mqtt)
         if cfg.serial.devices:
-            from qsched.daemon.links.serial import SerialTransport
+            from qsched.protocol.links.serial import SerialTransport
 
             transports.append(
                 SerialTransport(cfg.serial.devices, baudrate=cfg.serial.baudrate, reopen_interval=cfg.serial.reopen_interval_s)
@@ -244,7 +245,7 @@ class Daemon:
                 paused = folder.status().get("status") == "paused"
                 self._launch(spec, folder, paused=paused)
                 _log.info("job resumed", job=spec.name, step=self.job.engine.step if self.job else None)
-            except (StateError, ValueError) as exc:
+            except (StateDirError, ValueError) as exc:
                 _log.error("job cannot be resumed", job=folder.job_id, error=str(exc))
                 folder.set_status("failed", f"cannot resume: {exc}")
 
@@ -316,7 +317,7 @@ class Daemon:
             raise ControlError("conflict", f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first")
         try:
             folder = self.store.create_job(spec.name, spec.model_dump(mode="json"), status="running")
-        except StateError as exc:
+        except StateDirError as exc:
             code: ControlErrorCode = "conflict" if "exists" in exc.detail else "invalid_command"
             raise ControlError(code, f"job {spec.name!r}: {exc.detail}; choose another name") from exc
         try:
@@ -567,11 +568,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (host may be empty: 127.0.0.1) for ``--mqtt``; a usage error otherwise."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 1-65535, got {text!r}")
-    return host or "127.0.0.1", int(port)
+    """``HOST:PORT`` for ``--mqtt``; a usage error otherwise."""
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _overrides(args: argparse.Namespace, cfg: DaemonConfig) -> DaemonConfig:

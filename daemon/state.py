@@ -39,7 +39,7 @@ __all__ = [
     "Checkpoint",
     "JobDir",
     "JobStatus",
-    "StateError",
+    "StateDirError",
     "StateStore",
     "atomic_write",
     "default_state_dir",
@@ -54,7 +54,7 @@ _CKPT_NAME = re.compile(r"^ckpt-(\d{10})\.qsckpt$")
 KEEP_CHECKPOINTS = 3  # older ones are removed; more than one survives a damaged latest
 
 
-class StateError(Exception):
+class StateDirError(Exception):
     """The state directory holds something unreadable, or a request is invalid."""
 
     def __init__(self, path: Path | str, detail: str) -> None:
@@ -152,21 +152,21 @@ class Checkpoint:
             The checkpoint.
 
         Raises:
-            StateError: bad magic, truncated, or the hash does not match.
+            StateDirError: bad magic, truncated, or the hash does not match.
         """
         if not data.startswith(_CKPT_MAGIC) or len(data) < len(_CKPT_MAGIC) + 4:
-            raise StateError(origin, "not a qsched checkpoint")
+            raise StateDirError(origin, "not a qsched checkpoint")
         (head_len,) = struct.unpack_from("<I", data, len(_CKPT_MAGIC))
         start = len(_CKPT_MAGIC) + 4
         try:
             header = json.loads(data[start : start + head_len])
         except ValueError as exc:
-            raise StateError(origin, "checkpoint header is not JSON") from exc
+            raise StateDirError(origin, "checkpoint header is not JSON") from exc
         blob = data[start + head_len :]
         if len(blob) != header.get("train_state_len"):
-            raise StateError(origin, "checkpoint is truncated")
+            raise StateDirError(origin, "checkpoint is truncated")
         if hashlib.sha256(blob).hexdigest() != header.get("train_state_sha256"):
-            raise StateError(origin, "checkpoint hash mismatch")
+            raise StateDirError(origin, "checkpoint hash mismatch")
         return cls(
             step=int(header["step"]),
             train_state=blob,
@@ -195,7 +195,7 @@ class JobDir:
         return self.path / "metrics.jsonl"
 
     def spec(self) -> dict[str, Any]:
-        """The stored job spec (validate it with ``qsched.zo.spec.JobSpec``)."""
+        """The stored job spec (validate it with ``qsched.protocol.jobspec.JobSpec``)."""
         return self._read_json(self.path / "spec.json")
 
     def status(self) -> dict[str, Any]:
@@ -210,7 +210,7 @@ class JobDir:
             reason: a human sentence (why it stopped or failed).
         """
         if status not in JOB_STATUSES:
-            raise StateError(self.path, f"unknown job status {status!r}")
+            raise StateDirError(self.path, f"unknown job status {status!r}")
         record = {"status": status, "reason": reason, "updated": time.time()}
         atomic_write(self.path / "status.json", _json_bytes(record))
 
@@ -218,9 +218,9 @@ class JobDir:
         try:
             return dict(json.loads(path.read_text()))
         except FileNotFoundError as exc:
-            raise StateError(path, "missing") from exc
+            raise StateDirError(path, "missing") from exc
         except ValueError as exc:
-            raise StateError(path, "not valid JSON") from exc
+            raise StateDirError(path, "not valid JSON") from exc
 
     def save_checkpoint(self, checkpoint: Checkpoint, keep: int = KEEP_CHECKPOINTS) -> Path:
         """Write a checkpoint atomically and prune old ones.
@@ -253,7 +253,7 @@ class JobDir:
         for path in self._checkpoint_files():
             try:
                 return Checkpoint.from_bytes(path.read_bytes(), path)
-            except (StateError, OSError, KeyError, TypeError, ValueError):
+            except (StateDirError, OSError, KeyError, TypeError, ValueError):
                 continue
         return None
 
@@ -287,7 +287,7 @@ class JobDir:
         """All records of the metrics log; a torn last line is ignored.
 
         Raises:
-            StateError: a line other than the last is not valid JSON.
+            StateDirError: a line other than the last is not valid JSON.
         """
         if not self.metrics_path.exists():
             return []
@@ -301,7 +301,7 @@ class JobDir:
             except ValueError as exc:
                 if index == len(lines) - 1:  # no newline after it: torn by a crash
                     break
-                raise StateError(self.metrics_path, f"line {index + 1} is not valid JSON") from exc
+                raise StateDirError(self.metrics_path, f"line {index + 1} is not valid JSON") from exc
         return records
 
     def write_export(self, data: bytes, name: str = "model.tflite") -> Path:
@@ -315,7 +315,7 @@ class JobDir:
             The path of the exported model.
         """
         if "/" in name or name in {"", ".", ".."}:
-            raise StateError(self.path, f"bad export file name {name!r}")
+            raise StateDirError(self.path, f"bad export file name {name!r}")
         folder = self.path / "export"
         folder.mkdir(exist_ok=True)
         atomic_write(folder / name, data)
@@ -340,7 +340,7 @@ class StateStore:
 
     def _job_path(self, job_id: str) -> Path:
         if not _JOB_ID.match(job_id):
-            raise StateError(self.root, f"invalid job id {job_id!r} (letters, digits, '_', '.', '-')")
+            raise StateDirError(self.root, f"invalid job id {job_id!r} (letters, digits, '_', '.', '-')")
         return self.root / "jobs" / job_id
 
     def create_job(self, job_id: str, spec: dict[str, Any], status: JobStatus = "pending") -> JobDir:
@@ -355,13 +355,13 @@ class StateStore:
             The job folder.
 
         Raises:
-            StateError: the id is invalid or a job with this id exists.
+            StateDirError: the id is invalid or a job with this id exists.
         """
         path = self._job_path(job_id)
         try:
             path.mkdir()
         except FileExistsError as exc:
-            raise StateError(path, "a job with this id exists") from exc
+            raise StateDirError(path, "a job with this id exists") from exc
         job = JobDir(path)
         atomic_write(path / "spec.json", _json_bytes(spec))
         job.set_status(status)
@@ -372,11 +372,11 @@ class StateStore:
         """An existing job folder.
 
         Raises:
-            StateError: no such job.
+            StateDirError: no such job.
         """
         path = self._job_path(job_id)
         if not (path / "spec.json").exists():
-            raise StateError(path, "no such job")
+            raise StateDirError(path, "no such job")
         return JobDir(path)
 
     def jobs(self) -> list[JobDir]:

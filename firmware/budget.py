@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo.engine import infer_shapes
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
 __all__ = ["AGENT_STATIC_BYTES", "MemoryBudget", "main", "memory_budget"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 from .base import PolicyConfig, PolicyContext, QPolicy
 from .errors import PolicyError

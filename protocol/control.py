@@ -13,8 +13,8 @@ from typing import Annotated, Final, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.states import BoardState, JobState
-from qsched.zo.spec import JobSpec, PolicySpec
 
 __all__ = [
     "CONTROL_ERROR_CODES",

@@ -17,7 +17,7 @@ from typing import Annotated, Final, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from qsched.zo.spec import JobSpec
+from qsched.protocol.jobspec import JobSpec
 
 __all__ = [
     "BOARD_ERROR_CODES",

@@ -10,9 +10,9 @@ from typing import Self
 
 import pytest
 
-from qsched.daemon.broker import MosquittoBroker
-from qsched.daemon.links.base import BoardAppeared, Link, LinkEvent
-from qsched.daemon.links.inproc import InProcTransport
+from qsched.lab.broker import MosquittoBroker
+from qsched.protocol.links.base import BoardAppeared, Link, LinkEvent
+from qsched.protocol.links.inproc import InProcTransport
 
 
 @pytest.fixture

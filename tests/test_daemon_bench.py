@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon.bench_fleet import DEFAULT_BATCHES, ByteCounter, CountingTransport, _parser, main
-from qsched.daemon.links.base import BoardAppeared
-from qsched.daemon.links.inproc import InProcTransport
+from qsched.lab.bench_fleet import DEFAULT_BATCHES, ByteCounter, CountingTransport, _parser, main
 from qsched.protocol.codec import encode
+from qsched.protocol.links.base import BoardAppeared
+from qsched.protocol.links.inproc import InProcTransport
 from qsched.protocol.messages import ApplyUpdate, EvalRequest, Heartbeat, UpdateAck
 
 Q = 8

@@ -15,18 +15,18 @@ import pytest
 from conftest import PtyPair
 
 from qsched.daemon.bridge import main, run_bridge
-from qsched.daemon.broker import MosquittoBroker
-from qsched.daemon.config import MqttConfig
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.base import BoardAppeared, BoardGone
-from qsched.daemon.links.mqtt import MqttTransport
-from qsched.daemon.links.serial import SerialEndpoint
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.codec import decode
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.base import BoardAppeared, BoardGone
+from qsched.protocol.links.config import MqttConfig
+from qsched.protocol.links.mqtt import MqttTransport
+from qsched.protocol.links.serial import SerialEndpoint
 from qsched.protocol.messages import Hello
 from qsched.protocol.topics import TopicMap
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
 TIMEOUT_S = 30.0

@@ -11,13 +11,13 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from qsched.daemon.broker import MosquittoBroker
 from qsched.daemon.config import DaemonConfig
 from qsched.daemon.ctl import send_command
-from qsched.daemon.links.inproc import InProcTransport
 from qsched.daemon.service import Daemon, status_topic
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.control import StatusReport
+from qsched.protocol.links.inproc import InProcTransport
 
 SPEC = {"name": "ctl-job", "steps": 400, "eval_every": 50, "batch_size": 16}
 

@@ -55,7 +55,7 @@ def test_ctl_bad_mqtt_address_is_usage_error(address: str, capsys: pytest.Captur
 
 def test_ctl_events_without_broker_is_no_reply(capsys: pytest.CaptureFixture[str]) -> None:
     """`ctl events` with no broker listening exits 3 with one line, not a traceback."""
-    from qsched.daemon.broker import free_port
+    from qsched.lab.broker import free_port
 
     assert main(["--mqtt", f"127.0.0.1:{free_port()}", "events"]) == 3
     err = capsys.readouterr().err

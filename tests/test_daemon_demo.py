@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon.broker import MosquittoBroker
-from qsched.daemon.demo import main, parse_host_port, q_trajectory
-from qsched.daemon.progress import ProgressLine, format_duration, render_bar
-from qsched.zo.spec import JobSpec
+from qsched.lab.broker import MosquittoBroker
+from qsched.lab.demo import main, q_trajectory
+from qsched.lab.progress import ProgressLine, format_duration, render_bar
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.config import parse_host_port
 from qsched.zo.tflite_io import export_tflite, read_tflite
 from qsched.zo.trainer import train_zo
 from qsched.zo.workload import Workload

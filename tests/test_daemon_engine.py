@@ -7,14 +7,15 @@ import asyncio
 
 import pytest
 
-from qsched.daemon.engine import EngineConfig, StepEngine, run_job_inprocess
+from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.inproc import InProcTransport
 from qsched.daemon.state import StateStore
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.lab.harness import run_job_inprocess
 from qsched.protocol.control import Event
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.inproc import InProcTransport
 from qsched.protocol.messages import Error, EvalRequest
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
 FIXED8 = PolicySpec(name="fixed", config={"q": 8})

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from qsched.daemon.engine import EngineConfig, StepEngine, fleet_event, run_job_inprocess
+from qsched.daemon.engine import EngineConfig, StepEngine, fleet_event
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.inproc import InProcTransport
-from qsched.firmware.faults import FaultPlan, replace_losses
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.faults import FaultPlan, replace_losses
+from qsched.lab.harness import run_job_inprocess
 from qsched.protocol.codec import decode
 from qsched.protocol.control import Event
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.inproc import InProcTransport
 from qsched.protocol.messages import DataMessage, EvalRequest, EvalResult, Loaded, Ping, SetWeights
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
 FIXED8 = PolicySpec(name="fixed", config={"q": 8})

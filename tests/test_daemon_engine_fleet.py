@@ -8,8 +8,8 @@ import gc
 import pytest
 
 from qsched.daemon.fleet import BoardErrorReply, BoardFaultError, BoardSession, Fleet
-from qsched.daemon.links.inproc import InProcLink, InProcTransport
 from qsched.protocol.codec import decode, encode
+from qsched.protocol.links.inproc import InProcLink, InProcTransport
 from qsched.protocol.messages import Error, EvalRequest, EvalResult, Hello, Reset
 
 HELLO = Hello(board_id="scripted", firmware_version="test-1", npu="virtual", ram_kib=1, max_batch=64)

@@ -9,16 +9,17 @@ import os
 import tty
 from collections.abc import AsyncIterator
 
-from qsched.daemon.broker import MosquittoBroker
-from qsched.daemon.config import MqttConfig
-from qsched.daemon.engine import StepEngine, run_job_inprocess
+from qsched.daemon.engine import StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.base import Transport
-from qsched.daemon.links.mqtt import MqttEndpoint, MqttTransport
-from qsched.daemon.links.serial import SerialEndpoint, SerialTransport
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.lab.broker import MosquittoBroker
+from qsched.lab.harness import run_job_inprocess
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.base import Transport
+from qsched.protocol.links.config import MqttConfig
+from qsched.protocol.links.mqtt import MqttEndpoint, MqttTransport
+from qsched.protocol.links.serial import SerialEndpoint, SerialTransport
 from qsched.protocol.topics import TopicMap
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
 SPEC = JobSpec(name="links", steps=8, eval_every=4, batch_size=32, policy=PolicySpec(name="fixed", config={"q": 6}))

@@ -12,11 +12,11 @@ from conftest import WrappedInProcTransport
 
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet, FleetEvent
-from qsched.daemon.links.base import Link
-from qsched.firmware.faults import FaultPlan
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.faults import FaultPlan
 from qsched.protocol.codec import decode
-from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.base import Link
 from qsched.zo.trainer import train_zo
 
 SPEC = JobSpec(name="pipe", steps=9, eval_every=4, batch_size=8, policy=PolicySpec(name="fixed", config={"q": 6}))

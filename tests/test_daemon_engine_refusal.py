@@ -8,8 +8,9 @@ import pytest
 
 from qsched.daemon.engine import EngineConfig, JobError, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.inproc import InProcLink, InProcTransport
 from qsched.protocol.codec import decode, encode
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.inproc import InProcLink, InProcTransport
 from qsched.protocol.messages import (
     TYPE_CODES,
     Error,
@@ -21,7 +22,6 @@ from qsched.protocol.messages import (
     Ping,
     SelectDataset,
 )
-from qsched.zo.spec import JobSpec
 
 SPEC = JobSpec(name="refused", steps=5, batch_size=8)
 
@@ -62,7 +62,7 @@ async def test_engine_model_refused_by_every_board_fails_job() -> None:
 
 async def test_engine_model_refused_by_one_board_others_train() -> None:
     """One board refuses the model, another loads it: the job completes on the one that can."""
-    from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+    from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 
     config = EngineConfig(reply_timeout_s=2.0, resync_backoff_s=0.05)
     async with InProcTransport() as transport, Fleet(transport) as fleet, asyncio.TaskGroup() as tasks:

@@ -12,10 +12,10 @@ from conftest import WrappedInProcTransport
 
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.base import Link, SendTimeoutError
-from qsched.daemon.links.inproc import InProcTransport
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
-from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.base import Link, SendTimeoutError
+from qsched.protocol.links.inproc import InProcTransport
 
 SPEC = JobSpec(name="stall", steps=10_000, eval_every=1000, batch_size=8, policy=PolicySpec(name="fixed", config={"q": 4}))
 

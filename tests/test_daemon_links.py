@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING
 import pytest
 from pydantic import SecretStr
 
-from qsched.daemon.broker import MosquittoBroker, free_port
-from qsched.daemon.config import MqttConfig, TlsConfig
-from qsched.daemon.links import (
+from qsched.lab.broker import MosquittoBroker, free_port
+from qsched.protocol.framing import decode_frame, encode_frame
+from qsched.protocol.links import (
     BoardAppeared,
     BoardGone,
     LinkClosedError,
     MultiTransport,
     SendTimeoutError,
 )
-from qsched.daemon.links.base import LinkEvent, MessageTooLargeError
-from qsched.daemon.links.inproc import InProcTransport
-from qsched.daemon.links.mqtt import MqttConnection, MqttEndpoint, MqttTransport
-from qsched.daemon.links.serial import ByteStream, FdStream, SerialLink, SerialTransport
-from qsched.protocol.framing import decode_frame, encode_frame
+from qsched.protocol.links.base import LinkEvent, MessageTooLargeError
+from qsched.protocol.links.config import MqttConfig, TlsConfig
+from qsched.protocol.links.inproc import InProcTransport
+from qsched.protocol.links.mqtt import MqttConnection, MqttEndpoint, MqttTransport
+from qsched.protocol.links.serial import ByteStream, FdStream, SerialLink, SerialTransport
 from qsched.protocol.messages import MAX_PAYLOAD
 from qsched.protocol.topics import TopicMap
 
@@ -289,8 +289,8 @@ async def test_serial_replug_reappears(tmp_path: Path) -> None:
 
 _BOARD_SCRIPT = """
 import asyncio, sys
-from qsched.daemon.config import MqttConfig, TlsConfig
-from qsched.daemon.links.mqtt import MqttEndpoint
+from qsched.protocol.links.config import MqttConfig, TlsConfig
+from qsched.protocol.links.mqtt import MqttEndpoint
 from qsched.protocol.topics import TopicMap
 
 async def main():

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon.broker import MosquittoBroker
 from qsched.daemon.state import StateStore
-from qsched.firmware.faults import CRASH_EXIT_CODE
-from qsched.zo.spec import JobSpec
+from qsched.firmware.virtual.faults import CRASH_EXIT_CODE
+from qsched.lab.broker import MosquittoBroker
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo.trainer import EvalRecord, StepRecord, train_zo
 from qsched.zo.workload import TrainState
 

@@ -13,14 +13,14 @@ import pytest
 
 from qsched.daemon.config import DaemonConfig
 from qsched.daemon.control import handle_payload
-from qsched.daemon.links.inproc import InProcTransport
 from qsched.daemon.notify import Notifier
 from qsched.daemon.service import Daemon
 from qsched.daemon.service import main as service_main
 from qsched.daemon.state import StateStore
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.protocol.control import Reply
-from qsched.zo.spec import JobSpec
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.inproc import InProcTransport
 from qsched.zo.trainer import train_zo
 from qsched.zo.workload import TrainState
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon.state import Checkpoint, StateError, StateStore, atomic_write, default_state_dir
+from qsched.daemon.state import (
+    Checkpoint,
+    StateDirError,
+    StateStore,
+    atomic_write,
+    default_state_dir,
+)
 
 
 def _checkpoint(step: int) -> Checkpoint:
@@ -54,15 +60,15 @@ def test_state_create_and_reopen_job(tmp_path: Path) -> None:
 
 
 def test_state_rejects_bad_ids_and_duplicates(tmp_path: Path) -> None:
-    """Path-like job ids and an existing id are refused with StateError."""
+    """Path-like job ids and an existing id are refused with StateDirError."""
     store = StateStore(tmp_path)
     store.create_job("a", {})
     for bad in ["../x", "..", "a/b", "", ".hidden"]:
-        with pytest.raises(StateError):
+        with pytest.raises(StateDirError):
             store.create_job(bad, {})
-    with pytest.raises(StateError, match="exists"):
+    with pytest.raises(StateDirError, match="exists"):
         store.create_job("a", {})
-    with pytest.raises(StateError, match="no such job"):
+    with pytest.raises(StateDirError, match="no such job"):
         store.job("missing")
 
 
@@ -79,9 +85,9 @@ def test_state_resumable_lists_running_jobs_only(tmp_path: Path) -> None:
 
 
 def test_state_set_status_rejects_unknown(tmp_path: Path) -> None:
-    """An unknown status is a StateError, not a silently stored string."""
+    """An unknown status is a StateDirError, not a silently stored string."""
     job = StateStore(tmp_path).create_job("j", {})
-    with pytest.raises(StateError):
+    with pytest.raises(StateDirError):
         job.set_status("exploded")  # type: ignore[arg-type]
 
 
@@ -113,11 +119,11 @@ def test_checkpoint_damaged_latest_falls_back(tmp_path: Path) -> None:
 
 
 def test_checkpoint_from_bytes_rejects_garbage() -> None:
-    """Random bytes are a StateError, not another exception."""
-    with pytest.raises(StateError):
+    """Random bytes are a StateDirError, not another exception."""
+    with pytest.raises(StateDirError):
         Checkpoint.from_bytes(b"nonsense")
     good = _checkpoint(3).to_bytes()
-    with pytest.raises(StateError, match="truncated"):
+    with pytest.raises(StateDirError, match="truncated"):
         Checkpoint.from_bytes(good[:-1])
 
 
@@ -143,7 +149,7 @@ def test_metrics_corrupt_middle_line_is_error(tmp_path: Path) -> None:
     """Damage before the last line is reported, not skipped."""
     job = StateStore(tmp_path).create_job("j", {})
     job.metrics_path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(StateError, match="line 2"):
+    with pytest.raises(StateDirError, match="line 2"):
         job.read_metrics()
 
 
@@ -154,7 +160,7 @@ def test_export_written_atomically(tmp_path: Path) -> None:
     path = job.write_export(b"TFL3model")
     assert job.export_path() == path
     assert path.read_bytes() == b"TFL3model"
-    with pytest.raises(StateError):
+    with pytest.raises(StateDirError):
         job.write_export(b"x", name="../evil")
 
 

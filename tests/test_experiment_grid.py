@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from qsched.daemon.experiment import (
+from qsched.lab.experiment import (
     ExperimentError,
     ExperimentResult,
     GridEntry,
     Setting,
     build_grid,
 )
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 
 def test_grid_paper_has_fixed_ladder_and_qscheduler() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from qsched.daemon import experiment, experiment_merge
+from qsched.lab import experiment, experiment_merge
 
 TINY = ["--grid", "custom", "--policies", "fixed:2", "qscheduler", "--numerics", "fp32", "--steps", "12",
         "--set", "eval_every=4", "--set", "batch_size=16", "--workers", "1", "--quiet", "--no-plots"]

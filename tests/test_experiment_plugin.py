@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qsched.daemon import experiment
-from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.lab import experiment
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
 PLUGIN = '''

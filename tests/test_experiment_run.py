@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from qsched.daemon import experiment
 from qsched.daemon.cli import main as cli_main
-from qsched.daemon.plots import PLOT_FILES
+from qsched.lab import experiment
+from qsched.lab.plots import PLOT_FILES
 
 TINY = ["--grid", "custom", "--policies", "fixed:2", "qscheduler", "--seeds", "0", "1",
         "--steps", "12", "--set", "eval_every=4", "--set", "batch_size=16"]

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from qsched.firmware.native import BoardClient, board_executable
-from qsched.firmware.virtual_board import dataset_hash64, model_hash64
 from qsched.protocol.codec import encode
+from qsched.protocol.identity import dataset_hash64, model_hash64
+from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import (
     MAX_CHUNK,
     ApplyUpdate,
@@ -36,7 +37,6 @@ from qsched.protocol.messages import (
     job_config,
 )
 from qsched.zo.blob import encode_dataset_blob
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import TrainState, Workload
 
 
@@ -110,7 +110,7 @@ def _load(board: Board, job: Job) -> None:
     assert answer == Loaded(resource="model", crc32=crc, size=len(blob))
     ds = job.workload.dataset
     select = SelectDataset(
-        name=ds.name, dataset_hash=dataset_hash64(ds), train_size=len(ds.x_train), val_size=len(ds.x_val)
+        name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train), val_size=len(ds.x_val)
     )
     assert isinstance(board.client.request(select), Loaded)
     loaded = board.client.request(job.config)
@@ -200,7 +200,7 @@ def test_board_reset_answers_hello_with_model_hash(board: Board, job: Job) -> No
     _load(board, job)
     hello = board.client.request(Reset(scope="soft"))
     assert isinstance(hello, Hello) and hello.model_hash == 0
-    assert hello.dataset_hash == dataset_hash64(job.workload.dataset)
+    assert hello.dataset_hash == dataset_hash64(job.workload.dataset.content_hash)
     assert model_hash64(job.blob) != 0
 
 

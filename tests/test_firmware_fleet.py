@@ -14,12 +14,12 @@ import pytest
 
 from qsched.daemon.engine import JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
-from qsched.daemon.links.serial import SerialEndpoint, SerialTransport
 from qsched.firmware.native import HostBoard, m55_unavailable_reason, start_host_board
 from qsched.firmware.qemu import QemuBoard, start_qemu_board
-from qsched.firmware.virtual_board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.serial import SerialEndpoint, SerialTransport
 from qsched.zo.blob import encode_dataset_blob
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import TrainResult, train_zo
 from qsched.zo.workload import Workload
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qsched.firmware.latency import (
+from qsched.firmware.virtual.latency import (
     MOBILENETV2_035_128_MACS,
     MOBILENETV2_035_128_SECONDS,
     NpuLatencyModel,

@@ -14,7 +14,8 @@ import pytest
 
 from qsched.firmware.native import BoardClient, m55_unavailable_reason
 from qsched.firmware.qemu import QemuBoard, run_selftest, start_qemu_board
-from qsched.firmware.virtual_board import dataset_hash64
+from qsched.protocol.identity import dataset_hash64
+from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import (
     ApplyUpdate,
     EvalRequest,
@@ -30,7 +31,6 @@ from qsched.protocol.messages import (
 from qsched.zo import accum_int8
 from qsched.zo.blob import encode_dataset_blob
 from qsched.zo.prng import batch_indices
-from qsched.zo.spec import JobSpec
 from qsched.zo.update import apply_int8_fp16
 from qsched.zo.workload import Workload
 
@@ -125,7 +125,7 @@ def test_m55_board_trains_like_python(
     config = job_config(spec)
     first = client.recv(timeout=15)  # the Hello, repeated when our first message arrives
     ds = wl.dataset
-    select = SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds), train_size=len(ds.x_train), val_size=len(ds.x_val))
+    select = SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train), val_size=len(ds.x_val))
     if not isinstance(first, Hello):
         pytest.fail(f"expected a Hello, got {first!r}")
     answers = client.load_job(wl.model_blob(), select, config)

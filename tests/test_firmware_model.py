@@ -10,11 +10,11 @@ import pytest
 
 from qsched.firmware.budget import memory_budget
 from qsched.firmware.native import ToolProcess
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo import engine
 from qsched.zo.blob import encode_blob
 from qsched.zo.graph import AvgPool, Conv2D, Dense, MaxPool, Model, ReLU, ReLU6, Reshape
 from qsched.zo.quantize import quantize_input, quantize_model
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 from qsched.zo.zoo import build_model
 

@@ -9,15 +9,15 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from qsched.firmware.virtual_board import (
+from qsched.firmware.virtual.board import (
     BoardAgent,
     DatasetCatalog,
     LatencyProfile,
     blob_trainable_layers,
-    dataset_hash64,
-    model_hash64,
 )
 from qsched.protocol.codec import encode
+from qsched.protocol.identity import dataset_hash64, model_hash64
+from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import (
     MAX_PAYLOAD,
     ApplyUpdate,
@@ -38,7 +38,6 @@ from qsched.protocol.messages import (
     ValidateResult,
     job_config,
 )
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import TrainState, Workload
 
 CHUNK = 1000
@@ -56,21 +55,15 @@ def load_messages(workload: Workload) -> list[DataMessage]:
     msgs: list[DataMessage] = [
         LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part) for off, part in chunks(blob)
     ]
-    msgs.append(SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds), train_size=len(ds.x_train),
+    msgs.append(SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train),
                               val_size=len(ds.x_val)))
     msgs.append(job_config(workload.spec))
     return msgs
 
 
-def weight_bytes(state: TrainState) -> bytes:
-    """The bytes SetWeights carries: params then buffer, little-endian (SPEC section 5)."""
-    parts = [state.params, *([] if state.buffer is None else [state.buffer])]
-    return b"".join(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes() for a in parts)
-
-
 def weight_messages(workload: Workload, state: TrainState) -> list[SetWeights]:
     """SetWeights chunks of a state (params then buffer, as the checksum covers)."""
-    raw = weight_bytes(state)
+    raw = state.weight_bytes()
     cfg = job_config(workload.spec)
     return [
         SetWeights(total=len(raw), offset=off, job_id=cfg.job_id, step=state.step, checksum=state.checksum(), chunk=part)
@@ -124,7 +117,7 @@ async def test_agent_hello_reports_what_it_holds(int8_workload: Workload) -> Non
     await send_all(agent, load_messages(int8_workload))
     full = agent.hello()
     assert full.model_hash == model_hash64(int8_workload.model_blob())
-    assert full.dataset_hash == dataset_hash64(int8_workload.dataset)
+    assert full.dataset_hash == dataset_hash64(int8_workload.dataset.content_hash)
     assert agent.state == "ready"
 
 
@@ -177,7 +170,7 @@ async def test_agent_set_weights_resynchronises(int8_workload: Workload) -> None
     agent = await loaded_agent(int8_workload)
     answers = await send_all(agent, weight_messages(int8_workload, state))
     assert answers == [Loaded(resource="weights", job_id=job_config(int8_workload.spec).job_id,
-                              crc32=state.checksum(), size=len(weight_bytes(state)))]
+                              crc32=state.checksum(), size=len(state.weight_bytes()))]
     assert agent.train_state is not None and agent.train_state.checksum() == state.checksum()
     (result,) = await agent.handle(eval_request(int8_workload, 2, (4, 6)))
     expected = int8_workload.perturbed_losses(state, 2, (4, 6))
@@ -201,7 +194,7 @@ async def test_agent_ping_and_reset(int8_workload: Workload) -> None:
     assert isinstance(beat, Heartbeat) and beat.nonce == 1234
     (hello,) = await agent.handle(Reset(scope="soft"))
     assert isinstance(hello, Hello) and hello.model_hash == 0
-    assert hello.dataset_hash == dataset_hash64(int8_workload.dataset)  # soft keeps the data set
+    assert hello.dataset_hash == dataset_hash64(int8_workload.dataset.content_hash)  # soft keeps the data set
     assert agent.state == "idle"
     (hello,) = await agent.handle(Reset(scope="hard"))
     assert isinstance(hello, Hello) and hello.dataset_hash == 0

@@ -12,17 +12,17 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from test_firmware_virtual_board import eval_request, load_messages
 
-from qsched.daemon.broker import MosquittoBroker
-from qsched.daemon.config import MqttConfig
-from qsched.daemon.links.base import BoardAppeared, BoardGone
-from qsched.daemon.links.mqtt import MqttTransport
-from qsched.daemon.links.serial import FdStream, SerialLink
-from qsched.firmware.board_main import board_ids, main
-from qsched.firmware.faults import CRASH_EXIT_CODE
+from qsched.firmware.virtual.cli import board_ids, main
+from qsched.firmware.virtual.faults import CRASH_EXIT_CODE
+from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.codec import decode, encode
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.base import BoardAppeared, BoardGone
+from qsched.protocol.links.config import MqttConfig
+from qsched.protocol.links.mqtt import MqttTransport
+from qsched.protocol.links.serial import FdStream, SerialLink
 from qsched.protocol.messages import EvalResult, Hello, Loaded
 from qsched.protocol.topics import TopicMap
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
 # The ``qsched`` entry point, run by this interpreter wherever its scripts were installed.

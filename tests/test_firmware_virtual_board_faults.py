@@ -9,8 +9,8 @@ import time
 import pytest
 from test_firmware_virtual_board import eval_request, load_messages, loaded_agent
 
-from qsched.daemon.links.inproc import InProcTransport
-from qsched.firmware.faults import (
+from qsched.firmware.virtual.board import BoardAgent, BoardCrash, LatencyProfile, serve_link
+from qsched.firmware.virtual.faults import (
     BAD_CHECKSUM_MASK,
     LIE_OFFSET,
     CorruptingStream,
@@ -19,11 +19,12 @@ from qsched.firmware.faults import (
     FaultPlan,
     parse_fault,
 )
-from qsched.firmware.latency import MOBILENETV2_035_128_MACS, NpuLatencyModel
-from qsched.firmware.virtual_board import BoardAgent, BoardCrash, LatencyProfile, serve_link
+from qsched.firmware.virtual.latency import MOBILENETV2_035_128_MACS, NpuLatencyModel
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import FrameEncoder, FrameReader
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.inproc import InProcTransport
 from qsched.protocol.messages import (
     ApplyUpdate,
     EvalResult,
@@ -35,7 +36,6 @@ from qsched.protocol.messages import (
     ValidateResult,
     job_config,
 )
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 
 
@@ -270,7 +270,7 @@ async def test_serve_link_crash_closes_the_link(int8_workload: Workload) -> None
 
 def test_flip_bits_never_writes_a_delimiter() -> None:
     """Corruption keeps frame delimiters where they were (and adds none)."""
-    from qsched.firmware.faults import flip_bits
+    from qsched.firmware.virtual.faults import flip_bits
 
     rng = random.Random(3)
     data = bytes(range(1, 256)) + b"\x00" + bytes([1]) * 50

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qsched.policies import EvalReport, PolicyContext, StepReport, create_policy
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=100, steps_per_epoch=10.0, eval_every=10)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from qsched.policies import PolicyContext, QPolicy, StepReport, create_policy
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 
 def run(total: int, steps: int, **config: Any) -> list[int]:

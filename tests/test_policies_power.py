@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from qsched.policies import PolicyContext, StepReport, create_policy
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=25.0, eval_every=25)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=10.0, eval_every=10)
 

@@ -21,7 +21,7 @@ from qsched.policies import (
     policy_config_schema,
 )
 from qsched.policies.registry import BUILTIN_POLICIES
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=100, steps_per_epoch=10.0, eval_every=10)
 

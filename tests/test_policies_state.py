@@ -18,7 +18,7 @@ from qsched.policies import (
     StepReport,
     create_policy,
 )
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=120, steps_per_epoch=7.5, eval_every=5)
 

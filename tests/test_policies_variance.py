@@ -11,7 +11,7 @@ import numpy as np
 
 from qsched.policies import PolicyContext, QPolicy, StepReport, create_policy
 from qsched.policies.variance import noise_dominates
-from qsched.zo.spec import PolicySpec
+from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=600, steps_per_epoch=20.0, eval_every=25)
 

@@ -41,8 +41,8 @@ from qsched.protocol import (
 )
 from qsched.protocol.codec import layout_tables
 from qsched.protocol.errors import ERROR_KINDS
+from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import BOARD_ERROR_CODES, TYPE_CODES
-from qsched.zo.spec import JobSpec
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -21,6 +21,7 @@ from qsched.protocol import (
     parse_control,
 )
 from qsched.protocol.control import BoardInfo, ChangePolicy, DrainBoard, JobStatus, StartJob
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.schema import SCHEMA_PATH, control_schema, main, render
 from qsched.protocol.states import (
     BOARD_TRANSITIONS,
@@ -28,7 +29,6 @@ from qsched.protocol.states import (
     check_board_transition,
     check_job_transition,
 )
-from qsched.zo.spec import JobSpec, PolicySpec
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qsched.protocol import Frame, FrameReader, ProtocolError, decode, encode
-from qsched.protocol.make_vectors import (
+from qsched.lab.make_vectors import (
     SETS,
     VECTOR_DIR,
     main,
@@ -19,6 +18,7 @@ from qsched.protocol.make_vectors import (
     render_txt,
     vector_sets,
 )
+from qsched.protocol import Frame, FrameReader, ProtocolError, decode, encode
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.update import apply_fp32, apply_int8_fp16
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.backprop import train_backprop
 from qsched.zo.datasets import load_digits
-from qsched.zo.spec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 from qsched.zo.zoo import build_model
 

@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo import engine
 from qsched.zo import kernels_int8 as ki
 from qsched.zo.blob import (
@@ -18,7 +19,6 @@ from qsched.zo.blob import (
 )
 from qsched.zo.graph import AvgPool, Conv2D, Dense, MaxPool, Model, QuantModel, ReLU, ReLU6, Reshape
 from qsched.zo.quantize import quantize_input, quantize_model
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import Workload
 from qsched.zo.zoo import build_model
 

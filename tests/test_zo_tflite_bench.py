@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qsched.zo.bench_engine import bench_model, main
+from qsched.lab.bench_engine import bench_model, main
 
 
 def test_tflite_bench_model_measures_both_sides() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qsched.policies import FixedPolicy
-from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult, train_zo
 from qsched.zo.workload import TrainState, Workload
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
-from qsched.zo.spec import JobSpec
 from qsched.zo.spsa import LossPairs, coefficients
 from qsched.zo.workload import StateError, TrainState, Workload, WorkloadError
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
-from qsched.zo.spec import JobSpec
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo.spsa import LossPairs, coefficients, forward_passes, projected_gradients
 from qsched.zo.workload import TrainState, Workload
 

@@ -23,11 +23,11 @@ from typing import Any, Final, Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
 from qsched.zo.graph import Model, QuantizedLayer, QuantModel
 from qsched.zo.quantize import asymmetric_params, dequantize_weights, quantize_input, quantize_model
-from qsched.zo.spec import JobSpec
 from qsched.zo.spsa import LossPairs
 from qsched.zo.zoo import build_model
 
@@ -86,13 +86,40 @@ class TrainState:
     params: Flat
     buffer: Flat | None = None
 
+    def weight_bytes(self) -> bytes:
+        """The params' bytes then the buffer's, little-endian: what ``SetWeights`` carries
+        and the checksum covers (SPEC section 5)."""
+        parts = [self.params] if self.buffer is None else [self.params, self.buffer]
+        return b"".join(_le_bytes(part) for part in parts)
+
     def checksum(self) -> int:
-        """CRC-32 of the params' bytes then the buffer's bytes (SPEC section 5)."""
-        crc = zlib.crc32(np.ascontiguousarray(self.params).astype(self.params.dtype.newbyteorder("<")).tobytes())
+        """CRC-32 of :meth:`weight_bytes` (SPEC section 5)."""
+        return zlib.crc32(self.weight_bytes())
+
+    def with_weight_bytes(self, raw: bytes, step: int) -> TrainState:
+        """A state of this one's shapes and dtypes holding ``raw`` (:meth:`weight_bytes`).
+
+        Args:
+            raw: params then buffer, little-endian.
+            step: the step the new state is at.
+
+        Returns:
+            The new state.
+
+        Raises:
+            StateError: ``raw`` is not exactly as long as this state's weight bytes.
+        """
+        params = self.params
+        size = params.size * params.itemsize
+        expected = size + (0 if self.buffer is None else self.buffer.size * self.buffer.itemsize)
+        if len(raw) != expected:
+            raise StateError(f"weights are {len(raw)} bytes, the job needs {expected}")
+        new_params = np.frombuffer(raw, params.dtype.newbyteorder("<"), params.size).astype(params.dtype)
+        buffer = None
         if self.buffer is not None:
-            buf = np.ascontiguousarray(self.buffer)
-            crc = zlib.crc32(buf.astype(buf.dtype.newbyteorder("<")).tobytes(), crc)
-        return crc
+            dtype = self.buffer.dtype
+            buffer = np.frombuffer(raw, dtype.newbyteorder("<"), offset=size).astype(dtype)
+        return TrainState(step, new_params, buffer)
 
     def to_bytes(self) -> bytes:
         """Serialise: a 24-byte header (magic, version, codes, step, sizes), params, buffer.
@@ -110,10 +137,7 @@ class TrainState:
             self.params.size,
             0 if buffer is None else buffer.size,
         )
-        parts = [header, self.params.astype(self.params.dtype.newbyteorder("<")).tobytes()]
-        if buffer is not None:
-            parts.append(buffer.astype(buffer.dtype.newbyteorder("<")).tobytes())
-        return b"".join(parts)
+        return header + self.weight_bytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrainState:
@@ -152,6 +176,10 @@ class TrainState:
     def copy(self) -> TrainState:
         """A deep copy."""
         return TrainState(self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy())
+
+
+def _le_bytes(array: Flat) -> bytes:
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
 
 
 def _code_dtype(codes: dict[np.dtype[Any] | None, int], code: int, what: str) -> np.dtype[Any] | None:

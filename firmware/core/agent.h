@@ -1,6 +1,6 @@
 /*
  * The board agent: the board side of the protocol over a serial link (COBS frames,
- * acks, retransmission), and the state machine of qsched.firmware.virtual_board in C:
+ * acks, retransmission), and the state machine of qsched.firmware.virtual.board in C:
  * LoadModel / SelectDataset / JobConfig make the board ready, SetWeights resynchronises
  * it, EvalRequest / ApplyUpdate / ValidateRequest run the training steps.
  *

@@ -38,8 +38,8 @@ import structlog
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
-from qsched.daemon.config import MqttConfig
-from qsched.daemon.links.base import (
+from qsched.protocol.control import BoardPresence, DaemonPresence
+from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
     INCOMING_QUEUE_SIZE,
     BoardAppeared,
@@ -51,7 +51,7 @@ from qsched.daemon.links.base import (
     close_queue,
     iterate_queue,
 )
-from qsched.protocol.control import BoardPresence, DaemonPresence
+from qsched.protocol.links.config import MqttConfig
 from qsched.protocol.messages import MAX_PAYLOAD
 from qsched.protocol.topics import TopicKind, TopicMap
 
@@ -62,6 +62,8 @@ __all__ = [
     "MqttEndpoint",
     "MqttTransport",
     "backoff_delays",
+    "build_client",
+    "tls_context",
 ]
 
 NAME = "mqtt"
@@ -91,7 +93,8 @@ def backoff_delays(minimum: float, maximum: float) -> Callable[[int], float]:
     return delay
 
 
-def _tls_context(cfg: MqttConfig) -> ssl.SSLContext | None:
+def tls_context(cfg: MqttConfig) -> ssl.SSLContext | None:
+    """The TLS context ``cfg.tls`` asks for, or None when TLS is off."""
     tls = cfg.tls
     if not tls.enabled:
         return None
@@ -101,6 +104,44 @@ def _tls_context(cfg: MqttConfig) -> ssl.SSLContext | None:
     if tls.insecure:
         context.check_hostname = False
     return context
+
+
+def build_client(
+    cfg: MqttConfig,
+    identifier: str,
+    *,
+    will: aiomqtt.Will | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> aiomqtt.Client:
+    """The one way qsched builds an aiomqtt client: daemon, boards, bridge and ctl.
+
+    Args:
+        cfg: broker address, credentials, protocol version, TLS and timeouts.
+        identifier: the MQTT client id (unique per broker).
+        will: the Last Will, if any.
+        tls: a TLS context built beforehand (default: built here from ``cfg.tls``).
+
+    Returns:
+        A client to enter with ``async with``.
+    """
+    version = aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311
+    return aiomqtt.Client(
+        cfg.host,
+        cfg.port,
+        username=cfg.username,
+        password=cfg.password.get_secret_value() if cfg.password else None,
+        identifier=identifier,
+        protocol=version,
+        will=will,
+        keepalive=cfg.keepalive_s,
+        tls_context=tls if tls is not None else tls_context(cfg),
+        tls_insecure=cfg.tls.insecure if cfg.tls.enabled else None,
+        max_queued_incoming_messages=INCOMING_QUEUE_SIZE * 16,
+        # Small QoS 1 packets and their acks otherwise meet Nagle's algorithm and
+        # delayed ACKs: about 40 ms per hop instead of well under 1 ms.
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+        timeout=cfg.send_timeout_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -137,7 +178,7 @@ class MqttConnection:
         self._connected = asyncio.Event()
         self._delay = backoff_delays(cfg.reconnect_min_s, cfg.reconnect_max_s)
         # Built now so a missing or bad certificate fails here, not in a background task.
-        self._tls = _tls_context(cfg)
+        self._tls = tls_context(cfg)
         self.connects = 0  # successful connections so far (a reconnect makes it > 1)
 
     def subscribe(self, topic_filter: str, qos: int, handler: MessageHandler) -> None:
@@ -152,25 +193,7 @@ class MqttConnection:
         self._subscriptions.append(_Subscription(topic_filter, qos, handler))
 
     def _make_client(self) -> aiomqtt.Client:
-        cfg = self.cfg
-        version = aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311
-        return aiomqtt.Client(
-            cfg.host,
-            cfg.port,
-            username=cfg.username,
-            password=cfg.password.get_secret_value() if cfg.password else None,
-            identifier=self.identifier,
-            protocol=version,
-            will=self._will,
-            keepalive=cfg.keepalive_s,
-            tls_context=self._tls,
-            tls_insecure=cfg.tls.insecure if cfg.tls.enabled else None,
-            max_queued_incoming_messages=INCOMING_QUEUE_SIZE * 16,
-            # Small QoS 1 packets and their acks otherwise meet Nagle's algorithm and
-            # delayed ACKs: about 40 ms per hop instead of well under 1 ms.
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-            timeout=cfg.send_timeout_s,
-        )
+        return build_client(self.cfg, self.identifier, will=self._will, tls=self._tls)
 
     @property
     def connected(self) -> bool:

@@ -24,9 +24,7 @@ from typing import Any
 
 import structlog
 
-from qsched.firmware.faults import CorruptingStream, FaultError, FaultPlan
-from qsched.firmware.latency import DK_BAUD
-from qsched.firmware.virtual_board import (
+from qsched.firmware.virtual.board import (
     HEARTBEAT_INTERVAL_S,
     MODEL_LATENCIES,
     BoardAgent,
@@ -34,6 +32,8 @@ from qsched.firmware.virtual_board import (
     LatencyProfile,
     serve_link,
 )
+from qsched.firmware.virtual.faults import CorruptingStream, FaultError, FaultPlan
+from qsched.firmware.virtual.latency import DK_BAUD
 from qsched.protocol.messages import PROTOCOL_VERSION
 
 __all__ = ["board_ids", "build_parser", "main", "parse_speeds"]
@@ -153,21 +153,19 @@ def _agents(args: argparse.Namespace, count: int, serial: bool) -> list[BoardAge
 def _mqtt_config(args: argparse.Namespace) -> Any:
     from pydantic import SecretStr
 
-    from qsched.daemon.config import MqttConfig, TlsConfig
+    from qsched.protocol.links.config import MqttConfig, TlsConfig, parse_host_port
 
-    host, sep, port = args.mqtt.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--mqtt wants HOST:PORT, got {args.mqtt!r}")
+    host, port = parse_host_port(args.mqtt)
     tls = TlsConfig(enabled=args.tls, ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
                     insecure=args.tls_insecure)
     password = args.password if args.password is not None else os.environ.get("QSCHED_MQTT_PASSWORD")
     secret = SecretStr(password) if password is not None else None
-    return MqttConfig(host=host.strip("[]"), port=int(port), username=args.username, password=secret,
+    return MqttConfig(host=host, port=port, username=args.username, password=secret,
                       tls=tls, protocol=args.mqtt_protocol, prefix=args.prefix)
 
 
 async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float) -> str:
-    from qsched.daemon.links.mqtt import MqttEndpoint
+    from qsched.protocol.links.mqtt import MqttEndpoint
     from qsched.protocol.topics import TopicMap
 
     topics = TopicMap(prefix=cfg.prefix, fleet=fleet)
@@ -179,7 +177,7 @@ async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float)
 
 
 async def _serve_serial(agent: BoardAgent, device: str, baud: int, heartbeat: float) -> str:
-    from qsched.daemon.links.serial import SerialLink, SerialPortStream
+    from qsched.protocol.links.serial import SerialLink, SerialPortStream
 
     try:
         stream = await SerialPortStream.open(device, baud)

@@ -45,11 +45,17 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import structlog
 
-from qsched.daemon.links.base import LinkClosedError, LinkError
-from qsched.firmware.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
-from qsched.firmware.latency import MOBILENETV2_035_128_MACS, NpuLatencyModel, serial_seconds
+from qsched.firmware.virtual.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
+from qsched.firmware.virtual.latency import (
+    MOBILENETV2_035_128_MACS,
+    NpuLatencyModel,
+    serial_seconds,
+)
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
+from qsched.protocol.identity import dataset_hash64, model_hash64
+from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.links.base import LinkClosedError, LinkError
 from qsched.protocol.messages import (
     MAX_PAYLOAD,
     TYPE_CODES,
@@ -76,7 +82,6 @@ from qsched.protocol.messages import (
 from qsched.zo import blob as blob_format
 from qsched.zo.datasets import Dataset, DatasetError, dataset_names, load_dataset
 from qsched.zo.graph import Model, QuantModel
-from qsched.zo.spec import JobSpec
 from qsched.zo.workload import StateError, TrainState, Workload, WorkloadError
 from qsched.zo.zoo import model_summary
 
@@ -92,8 +97,6 @@ __all__ = [
     "DatasetCatalog",
     "LatencyProfile",
     "blob_trainable_layers",
-    "dataset_hash64",
-    "model_hash64",
     "serve_link",
 ]
 
@@ -114,7 +117,7 @@ _U32_MAX: Final = 0xFFFFFFFF
 
 MODEL_LATENCIES: Final[dict[str, int]] = {"mobilenetv2-0.35-128": MOBILENETV2_035_128_MACS}
 
-_log = structlog.get_logger("qsched.firmware.virtual_board")
+_log = structlog.get_logger("qsched.firmware.virtual.board")
 _T = TypeVar("_T")
 
 
@@ -134,24 +137,6 @@ class _Refusal(Exception):
         self.detail = detail
         self.job_id = job_id
         self.step = step
-
-
-# --------------------------------------------------------------------------- identities
-
-
-def _hash64(data: bytes) -> int:
-    """First 8 bytes of a SHA-256 digest as a little-endian u64 (Hello's hash fields)."""
-    return int.from_bytes(data[:8], "little")
-
-
-def model_hash64(blob: bytes) -> int:
-    """The model hash a board reports: SHA-256 of the blob, first 8 bytes, LE."""
-    return _hash64(hashlib.sha256(blob).digest())
-
-
-def dataset_hash64(dataset: Dataset) -> int:
-    """The data set hash of ``SelectDataset``/``Hello``: its content hash's first 8 bytes, LE."""
-    return _hash64(bytes.fromhex(dataset.content_hash))
 
 
 def blob_trainable_layers(blob: bytes) -> list[str]:
@@ -650,8 +635,8 @@ class BoardAgent:
         dataset = await asyncio.to_thread(self.datasets.get, msg.name)  # the first use loads it
         if dataset is None:
             raise _Refusal("dataset_missing", f"no data set {msg.name!r} here")
-        if dataset_hash64(dataset) != msg.dataset_hash:
-            raise _Refusal("dataset_missing", f"{msg.name}: hash {dataset_hash64(dataset):016x} differs")
+        if dataset_hash64(dataset.content_hash) != msg.dataset_hash:
+            raise _Refusal("dataset_missing", f"{msg.name}: hash {dataset_hash64(dataset.content_hash):016x} differs")
         if (len(dataset.x_train), len(dataset.x_val)) != (msg.train_size, msg.val_size):
             raise _Refusal("dataset_missing", f"{msg.name}: {len(dataset.x_train)}+{len(dataset.x_val)} samples")
         if self._dataset is not dataset:
@@ -722,19 +707,10 @@ class BoardAgent:
 
     @staticmethod
     def _parse_weights(workload: Workload, raw: bytes, msg: SetWeights) -> TrainState:
-        template = workload.initial_state()
-        params = template.params
-        size = params.size * params.itemsize
-        buffer_size = 0 if template.buffer is None else template.buffer.size * template.buffer.itemsize
-        if len(raw) != size + buffer_size:
-            raise _Refusal("malformed", f"weights are {len(raw)} bytes, the job needs {size + buffer_size}",
-                           job_id=msg.job_id, step=msg.step)
-        new_params = np.frombuffer(raw, dtype=params.dtype.newbyteorder("<"), count=params.size).astype(params.dtype)
-        buffer = None
-        if template.buffer is not None:
-            dtype = template.buffer.dtype
-            buffer = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), offset=size).astype(dtype)
-        state = TrainState(msg.step, new_params, buffer)
+        try:
+            state = workload.initial_state().with_weight_bytes(raw, msg.step)
+        except StateError as exc:
+            raise _Refusal("malformed", str(exc), job_id=msg.job_id, step=msg.step) from exc
         try:
             workload.check_state(state)
         except StateError as exc:

@@ -40,7 +40,16 @@ from typing import Protocol, Self
 
 import structlog
 
-from qsched.daemon.links.base import (
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.framing import (
+    ACK_TIMEOUT_S,
+    MAX_RETRIES,
+    Frame,
+    FrameEncoder,
+    FrameReader,
+    ReceiveFilter,
+)
+from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
     INCOMING_QUEUE_SIZE,
     BoardAppeared,
@@ -51,15 +60,6 @@ from qsched.daemon.links.base import (
     SendTimeoutError,
     close_queue,
     iterate_queue,
-)
-from qsched.protocol.errors import ProtocolError
-from qsched.protocol.framing import (
-    ACK_TIMEOUT_S,
-    MAX_RETRIES,
-    Frame,
-    FrameEncoder,
-    FrameReader,
-    ReceiveFilter,
 )
 from qsched.protocol.messages import MAX_PAYLOAD
 

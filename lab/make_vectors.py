@@ -1,7 +1,7 @@
 """Generate the test vectors in ``protocol/vectors/`` that Python and C tests consume.
 
-    python -m qsched.protocol.make_vectors            # rewrite the files
-    python -m qsched.protocol.make_vectors --check    # exit 1 if any file is stale
+    python -m qsched.lab.make_vectors            # rewrite the files
+    python -m qsched.lab.make_vectors --check    # exit 1 if any file is stale
 
 Each set is written twice from one ordered mapping of key -> value:
 ``<set>.txt`` with one ``key value`` per line (the value is the rest of the line;
@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import numpy as np
 
+import qsched.protocol as protocol_package
 from qsched.protocol.codec import encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import FLAG_ACK, FLAG_SYN, Frame, FrameReader, encode_frame
@@ -54,7 +55,8 @@ from qsched.zo.update import apply_fp32, apply_int8_fp16
 
 __all__ = ["VECTOR_DIR", "main", "render_json", "render_txt", "vector_sets"]
 
-VECTOR_DIR: Final = Path(__file__).with_name("vectors")
+# The vectors ship with the protocol package, beside SPEC.md, for every implementation.
+VECTOR_DIR: Final = Path(protocol_package.__file__).with_name("vectors")
 Vectors = dict[str, str]
 
 
@@ -304,7 +306,7 @@ def _rendered() -> Iterable[tuple[Path, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the vector files, or with ``--check`` report stale ones (exit status 1)."""
-    parser = argparse.ArgumentParser(prog="python -m qsched.protocol.make_vectors")
+    parser = argparse.ArgumentParser(prog="python -m qsched.lab.make_vectors")
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     stale = []

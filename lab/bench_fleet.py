@@ -7,7 +7,7 @@
 For each link (a private Mosquitto on loopback, started here; serial pseudo-terminals)
 and each fleet size, one ``qsched board`` process hosts the boards and the daemon's step
 engine runs a fixed-q job on them for a few seconds. The boards sleep for the time an
-STM32N6 NPU takes (``firmware/latency.py``, MobileNetV2-0.35 at 128x128 by default)
+STM32N6 NPU takes (``firmware/virtual/latency.py``, MobileNetV2-0.35 at 128x128 by default)
 while computing a much smaller model (the default job's MLP), so the host's CPU is not
 what is measured. Printed per configuration:
 
@@ -44,8 +44,8 @@ from typing import Any, Final, Self
 
 import structlog
 
-from qsched.daemon.demo import board_processes, sigterm_as_interrupt, wait_for_boards
-from qsched.daemon.links.base import BoardAppeared, LinkEvent
+from qsched.lab.demo import board_processes, sigterm_as_interrupt, wait_for_boards
+from qsched.protocol.links.base import BoardAppeared, LinkEvent
 
 __all__ = [
     "BenchConfig",
@@ -230,7 +230,7 @@ class CountingTransport:
 
 
 def _spec(config: BenchConfig, steps: int) -> Any:
-    from qsched.zo.spec import JobSpec, PolicySpec
+    from qsched.protocol.jobspec import JobSpec, PolicySpec
 
     # eval_every beyond the run and one step more than measured: no validation runs.
     return JobSpec(name="bench", steps=steps + 1, batch_size=config.batch, eval_every=10**6,
@@ -238,7 +238,7 @@ def _spec(config: BenchConfig, steps: int) -> Any:
 
 
 def _ideal_step_s(config: BenchConfig, boards: int, computed_macs: int) -> float:
-    from qsched.firmware.virtual_board import LatencyProfile
+    from qsched.firmware.virtual.board import LatencyProfile
 
     largest = math.ceil(config.q / boards) + (1 if config.audit and boards > 1 else 0)
     return LatencyProfile.named(config.model_latency).forward_seconds(computed_macs, 2 * largest * config.batch)
@@ -267,14 +267,13 @@ class _Clock:
 @contextlib.asynccontextmanager
 async def _daemon_transport(link: str, ports: list[Any], broker: str | None, fleet: str) -> AsyncIterator[Any]:
     if link == "serial":
-        from qsched.daemon.demo import PtyTransport
+        from qsched.lab.demo import PtyTransport
 
         async with PtyTransport(ports) as transport:
             yield transport
         return
-    from qsched.daemon.config import MqttConfig
-    from qsched.daemon.demo import parse_host_port
-    from qsched.daemon.links.mqtt import MqttTransport
+    from qsched.protocol.links.config import MqttConfig, parse_host_port
+    from qsched.protocol.links.mqtt import MqttTransport
     from qsched.protocol.topics import TopicMap
 
     assert broker is not None
@@ -341,7 +340,7 @@ async def _broker(config: BenchConfig) -> AsyncIterator[str | None]:
     elif config.mqtt is not None:
         yield config.mqtt
     else:
-        from qsched.daemon.broker import MosquittoBroker
+        from qsched.lab.broker import MosquittoBroker
 
         async with MosquittoBroker() as broker:
             yield f"{broker.host}:{broker.port}"
@@ -408,7 +407,7 @@ def model_facts(config: BenchConfig) -> ModelFacts:
     Returns:
         Names, MACs, parameters and the modelled time per inference.
     """
-    from qsched.firmware.virtual_board import LatencyProfile
+    from qsched.firmware.virtual.board import LatencyProfile
     from qsched.zo.workload import Workload
     from qsched.zo.zoo import build_model, model_summary
 

@@ -36,7 +36,8 @@ from typing import IO, Any, Final, Self, TextIO
 
 import structlog
 
-from qsched.daemon.links.base import (
+from qsched.lab.progress import ProgressLine, format_duration
+from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
     BoardAppeared,
     BoardGone,
@@ -44,8 +45,8 @@ from qsched.daemon.links.base import (
     close_queue,
     iterate_queue,
 )
-from qsched.daemon.links.serial import FdStream, SerialLink
-from qsched.daemon.progress import ProgressLine, format_duration
+from qsched.protocol.links.config import parse_host_port
+from qsched.protocol.links.serial import FdStream, SerialLink
 
 __all__ = [
     "BOARD_START_TIMEOUT_S",
@@ -57,7 +58,6 @@ __all__ = [
     "board_processes",
     "main",
     "open_ptys",
-    "parse_host_port",
     "q_trajectory",
     "run_demo",
     "sigterm_as_interrupt",
@@ -76,18 +76,6 @@ METRICS_FILE: Final = "metrics.jsonl"
 
 class DemoError(RuntimeError):
     """The demo cannot run (boards did not start, broker unreachable, bad options)."""
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """``"127.0.0.1:1883"`` -> ``("127.0.0.1", 1883)`` (IPv6 in brackets allowed).
-
-    Raises:
-        ValueError: not HOST:PORT with a port in 1..65535.
-    """
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"want HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 # --------------------------------------------------------------------------- pseudo-terminals
@@ -389,7 +377,7 @@ def _default_out() -> Path:
 
 
 def _make_spec(options: DemoOptions) -> Any:
-    from qsched.zo.spec import JobSpec
+    from qsched.protocol.jobspec import JobSpec
 
     data: dict[str, Any] = {"name": "demo", **options.overrides}
     if options.steps is not None:
@@ -434,8 +422,8 @@ async def _transport(options: DemoOptions, ports: list[PtyPort], fleet_name: str
         async with PtyTransport(ports) as transport:
             yield transport
         return
-    from qsched.daemon.config import MqttConfig
-    from qsched.daemon.links.mqtt import MqttTransport
+    from qsched.protocol.links.config import MqttConfig
+    from qsched.protocol.links.mqtt import MqttTransport
     from qsched.protocol.topics import TopicMap
 
     host, port = parse_host_port(options.mqtt)

@@ -16,7 +16,7 @@ Two settings:
   of the last ``--trainable`` layers on the target task (the on-device setting).
 
 Outputs in ``--out``: ``results.json``, ``results.csv``, ``results.md`` and PNG plots
-(``qsched.daemon.plots``).
+(``qsched.lab.plots``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any, Final
 import numpy as np
 
 from qsched.policies import create_policy
-from qsched.zo.spec import JobSpec, PolicySpec
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 
 __all__ = [
     "GRIDS",
@@ -287,7 +287,7 @@ def _train_fleet(spec: JobSpec, boards: int) -> Any:
     """Train on an in-process fleet of virtual boards (the daemon's step engine); same bits."""
     import asyncio
 
-    from qsched.daemon.engine import run_job_inprocess
+    from qsched.lab.harness import run_job_inprocess
 
     job = asyncio.run(run_job_inprocess(spec, boards=boards))
     if job.status != "completed":
@@ -720,7 +720,7 @@ def write_results(result: ExperimentResult, out: Path, plots: bool = True) -> li
     _write_csv(doc, files[1])
     files[2].write_text(results_markdown(doc))
     if plots:
-        from qsched.daemon.plots import plot_results
+        from qsched.lab.plots import plot_results
 
         files += plot_results(doc, out)
     return files

@@ -5,7 +5,7 @@
 module; this package re-exports only the interface so importing it stays cheap.
 """
 
-from qsched.daemon.links.base import (
+from qsched.protocol.links.base import (
     BoardAppeared,
     BoardGone,
     Link,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
-from qsched.daemon.links.base import (
+from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
     INCOMING_QUEUE_SIZE,
     BoardAppeared,
