@@ -38,6 +38,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from qsched.lab.progress import ProgressLine
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 
@@ -500,36 +501,22 @@ def _compare(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str, A
 # --------------------------------------------------------------------------- running the grid
 
 
-class _Progress:
-    """A one-line text progress bar on a stream: steps done, runs done, elapsed and ETA."""
+class _GridProgress:
+    """The grid's steps and finished runs on one ``ProgressLine`` (or nowhere)."""
 
-    def __init__(self, total_steps: int, total_runs: int, stream: Any, enabled: bool) -> None:
-        self.total, self.runs_total = max(1, total_steps), total_runs
-        self.done, self.runs = 0, 0
-        self.stream, self.enabled = stream, enabled
-        self.started = time.perf_counter()
-        self._last = 0.0
+    def __init__(self, steps: int, runs: int, stream: Any, enabled: bool) -> None:
+        self.line = ProgressLine(steps, label="grid", stream=stream) if enabled else None
+        self.steps, self.runs, self.runs_total = 0, 0, runs
 
     def advance(self, steps: int = 0, runs: int = 0) -> None:
-        self.done += steps
+        self.steps += steps
         self.runs += runs
-        now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.5 or self.runs == self.runs_total):
-            self._last = now
-            self.stream.write("\r" + self.line(now - self.started))
-            self.stream.flush()
-
-    def line(self, elapsed: float) -> str:
-        frac = min(1.0, self.done / self.total)
-        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        eta_text = "?" if math.isnan(eta) else f"{eta:5.0f}s"
-        return f"[{bar}] {100 * frac:5.1f}%  runs {self.runs}/{self.runs_total}  {elapsed:5.0f}s  eta {eta_text}"
+        if self.line is not None:
+            self.line.update(self.steps, runs=f"{self.runs}/{self.runs_total}")
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.line is not None:
+            self.line.close()
 
 
 def _cost(entry: GridEntry, steps: int) -> float:
@@ -540,7 +527,7 @@ def _cost(entry: GridEntry, steps: int) -> float:
 
 def _run_tasks(
     tasks: list[tuple[GridEntry, int]], setting: Setting, prepared: _Prepared | None, workers: int,
-    bar: _Progress,
+    bar: _GridProgress,
 ) -> list[RunRecord]:
     if workers <= 1:
         _init_worker(setting, prepared, lambda steps, runs: bar.advance(steps, runs))
@@ -553,7 +540,7 @@ def _run_tasks(
 
 def _run_pool(
     tasks: list[tuple[GridEntry, int]], setting: Setting, prepared: _Prepared | None, workers: int,
-    bar: _Progress,
+    bar: _GridProgress,
 ) -> list[RunRecord]:
     # spawn: fresh interpreters (no fork of a threaded parent); one BLAS thread per worker
     # so that `workers` processes use `workers` cores.
@@ -587,7 +574,7 @@ def _init_pool_worker(setting: Setting, prepared: Any, queue: Any) -> None:
     _init_worker(setting, prepared, report)
 
 
-def _drain(queue: Any, bar: _Progress, timeout: float) -> None:
+def _drain(queue: Any, bar: _GridProgress, timeout: float) -> None:
     """Fold every progress message waiting in the queue into the bar (wait up to ``timeout``)."""
     import queue as queue_module
 
@@ -640,7 +627,7 @@ def run_experiment(
     base = _validate(entries, seeds, setting)
     prepared = _prepare_transfer(setting, base) if setting.transfer is not None else None
     tasks = sorted(((e, s) for e in entries for s in seeds), key=lambda t: -_cost(t[0], base.steps))
-    bar = _Progress(len(tasks) * base.steps, len(tasks), stream or sys.stderr, progress)
+    bar = _GridProgress(len(tasks) * base.steps, len(tasks), stream or sys.stderr, progress)
     started = time.perf_counter()
     try:
         records = _run_tasks(tasks, setting, prepared, workers, bar)

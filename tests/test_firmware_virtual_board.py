@@ -13,7 +13,6 @@ from qsched.firmware.virtual.board import (
     BoardAgent,
     DatasetCatalog,
     LatencyProfile,
-    blob_trainable_layers,
 )
 from qsched.protocol.codec import encode
 from qsched.protocol.identity import dataset_hash64, model_hash64
@@ -38,6 +37,7 @@ from qsched.protocol.messages import (
     ValidateResult,
     job_config,
 )
+from qsched.zo.blob import trainable_layers
 from qsched.zo.workload import TrainState, Workload
 
 CHUNK = 1000
@@ -271,7 +271,7 @@ async def test_agent_refuses_bad_weights(int8_workload: Workload) -> None:
 
 def test_blob_trainable_layers_follow_the_spec(fp32_workload: Workload) -> None:
     """The blob's trainable flags name the spec's trainable layers."""
-    assert blob_trainable_layers(fp32_workload.model_blob()) == fp32_workload.trainable_layers
+    assert trainable_layers(fp32_workload.model_blob()) == fp32_workload.trainable_layers
 
 
 async def test_agent_numeric_error_on_non_finite_loss(fp32_workload: Workload) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "decode_dataset_blob",
     "encode_blob",
     "encode_dataset_blob",
+    "trainable_layers",
 ]
 
 BLOB_MAGIC: Final = b"QZMB"
@@ -379,6 +380,25 @@ def decode_blob(blob: bytes) -> QuantModel | Model:
     if not int8:
         return model
     return QuantModel(model=model, tensors=dict(zip(names, quants, strict=True)), layers=layers)
+
+
+def trainable_layers(blob: bytes) -> list[str]:
+    """Names of the ops a model blob marks trainable, in model order.
+
+    Args:
+        blob: a model blob.
+
+    Returns:
+        The trainable layer names.
+
+    Raises:
+        BlobError: the blob's header, sizes or CRC are wrong.
+    """
+    header = _check_header(blob)
+    n_tensors, n_ops = header[4], header[5]
+    start = _HEADER.size + _TABLE.size + n_tensors * _TENSOR.size
+    records = (_OpFields._make(_OP.unpack_from(blob, start + i * _OP.size)) for i in range(n_ops))
+    return [record.name.rstrip(b"\0").decode() for record in records if record.flags & OP_TRAINABLE]
 
 
 class _OpFields(NamedTuple):

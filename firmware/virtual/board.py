@@ -96,7 +96,6 @@ __all__ = [
     "BoardCrash",
     "DatasetCatalog",
     "LatencyProfile",
-    "blob_trainable_layers",
     "serve_link",
 ]
 
@@ -137,26 +136,6 @@ class _Refusal(Exception):
         self.detail = detail
         self.job_id = job_id
         self.step = step
-
-
-def blob_trainable_layers(blob: bytes) -> list[str]:
-    """Names of the ops a model blob marks trainable, in model order.
-
-    Args:
-        blob: a model blob (already validated by ``decode_blob``).
-
-    Returns:
-        The trainable layer names.
-    """
-    header = blob_format._HEADER.unpack_from(blob)
-    n_tensors, n_ops = header[4], header[5]
-    pos = blob_format._HEADER.size + blob_format._TABLE.size + n_tensors * blob_format._TENSOR.size
-    names = []
-    for i in range(n_ops):
-        record = blob_format._OP.unpack_from(blob, pos + i * blob_format._OP.size)
-        if record[4] & blob_format.OP_TRAINABLE:
-            names.append(bytes(record[0]).rstrip(b"\0").decode())
-    return names
 
 
 # --------------------------------------------------------------------------- latency
@@ -622,7 +601,7 @@ class BoardAgent:
     def _install_model(self, blob: bytes) -> None:
         try:
             model = blob_format.decode_blob(blob)
-            trainable = blob_trainable_layers(blob)
+            trainable = blob_format.trainable_layers(blob)
             macs = model_summary(model.model if isinstance(model, QuantModel) else model)[1]
         except (blob_format.BlobError, ValueError, KeyError) as exc:
             raise _Refusal("model_invalid", str(exc)) from exc
