@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 from qsched.daemon.state import Checkpoint
 from qsched.protocol.jobspec import JobSpec, PolicySpec
-from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult
+from qsched.zo.step import EvalRecord, StepRecord
+from qsched.zo.trainer import TrainResult
 from qsched.zo.workload import TrainState
 
 __all__ = ["checkpoint_of", "restore_checkpoint"]

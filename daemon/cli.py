@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from qsched.daemon.config import ConfigError, load_config
 from qsched.daemon.logging import LEVELS, configure_logging
@@ -42,7 +40,7 @@ COMMANDS: dict[str, Command] = {
     "board": Command("qsched.firmware.virtual.cli:main", "run virtual boards on MQTT or serial ports"),
     "bridge": Command("qsched.daemon.bridge:main", "expose this host's serial boards on MQTT"),
     "demo": Command("qsched.lab.demo:main", "train on virtual boards with embedded defaults"),
-    "train": Command("qsched.daemon.cli:train_main", "train in this process, without boards"),
+    "train": Command("qsched.daemon.train:main", "train in this process, without boards"),
     "experiment": Command("qsched.lab.experiment:main", "compare q policies (the paper's grid)"),
     "experiment-merge": Command("qsched.lab.experiment_merge:main", "pool result folders run on other seeds"),
     "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
@@ -211,107 +209,6 @@ def zoo_main(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="qsched zoo", description="List the model zoo.").parse_args(argv)
     zoo_table = resolve("qsched.zo.zoo:zoo_table")
     print(zoo_table())  # type: ignore[call-arg]
-    return 0
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # a bare word such as fp32 or digits
-
-
-def _load_spec_data(path: Path | None, overrides: list[str]) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    if path is not None:
-        raw = path.read_bytes()
-        data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set wants KEY=VALUE, got {item!r}")
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = _parse_value(value)
-    return data
-
-
-def _summary(result: Any) -> dict[str, Any]:
-    steps, evals = list(getattr(result, "steps", [])), list(getattr(result, "evals", []))
-    last = steps[-1] if steps else None
-    return {
-        "steps": len(steps),
-        "final_q": getattr(last, "q", None),
-        "final_train_loss": getattr(last, "train_loss", None),
-        "final_val_accuracy": getattr(evals[-1], "val_accuracy", None) if evals else None,
-        "forward_passes": getattr(result, "forward_passes", None),
-        "wall_s": round(float(getattr(result, "wall_s", 0.0)), 3),
-    }
-
-
-def _progress(record: Any, evaluation: Any) -> None:
-    if evaluation is not None:  # one line per validation: quiet enough for long runs
-        print(
-            f"step {evaluation.step:>6}  q {record.q:>3}  train loss {record.train_loss:.4f}  "
-            f"val acc {evaluation.val_accuracy:.4f}  forward passes {evaluation.forward_passes}",
-            file=sys.stderr,
-        )
-
-
-def _spec_errors() -> tuple[type[Exception], ...]:
-    """The typed errors a job spec's names and paths raise (unknown model, data set, policy...)."""
-    from qsched.policies.errors import PolicyError
-    from qsched.zo.datasets import DatasetError
-    from qsched.zo.graph import GraphError
-    from qsched.zo.tflite_io import TFLiteError
-    from qsched.zo.workload import WorkloadError
-    from qsched.zo.zoo import ZooError
-
-    return (DatasetError, GraphError, PolicyError, TFLiteError, WorkloadError, ZooError)
-
-
-def train_main(argv: list[str]) -> int:
-    """``qsched train``: run a job spec in this process (the reference loop, no boards).
-
-    Args:
-        argv: ``[--spec FILE] [--set KEY=VALUE ...]``.
-
-    Returns:
-        0, or 2 when the spec is invalid or names a model, data set, policy or file that
-        does not resolve (one line on stderr, no traceback).
-    """
-    from qsched.protocol.jobspec import JobSpec
-
-    parser = argparse.ArgumentParser(
-        prog="qsched train",
-        description="Run a job spec in this process (the reference loop, no boards). Spec fields: "
-        f"{', '.join(JobSpec.model_fields)} (policy.name, policy.config.KEY).",
-        epilog="example: qsched train --set model=cnn --set steps=200 --set policy.name=fixed "
-        "--set policy.config.q=4",
-    )
-    parser.add_argument("--spec", type=Path, help="job spec, JSON or TOML (default: the built-in defaults)")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (JSON value)"
-    )
-    args = parser.parse_args(argv)
-    from pydantic import ValidationError
-
-    try:
-        spec = JobSpec.model_validate(_load_spec_data(args.spec, args.set))
-    except (OSError, ValueError, ValidationError) as exc:
-        print(f"qsched train: invalid job spec: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    # Not a command: the signature resolve() states does not apply.
-    train_zo: Callable[..., Any] = resolve("qsched.zo.trainer:train_zo")
-    unresolved: tuple[type[Exception], ...] = (OSError, *_spec_errors())
-    try:
-        result = train_zo(spec, on_step=_progress)
-    except unresolved as exc:  # a name or path in the spec that does not resolve
-        print(f"qsched train: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    print(json.dumps(_summary(result), indent=2))
     return 0
 
 

@@ -33,6 +33,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from qsched.daemon.config import load_config
+from qsched.daemon.specfile import load_spec_data
 from qsched.protocol.control import ErrorReply, Reply, parse_command, parse_control
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.config import MqttConfig, parse_host_port
@@ -110,12 +111,6 @@ async def _await_reply(client: aiomqtt.Client, token: str, request_id: str | Non
     raise CtlError("the broker closed the connection")
 
 
-def _spec_data(path: Path, overrides: list[str]) -> dict[str, Any]:
-    from qsched.daemon.cli import _load_spec_data
-
-    return _load_spec_data(path, overrides)
-
-
 def _policy_config(text: str) -> dict[str, Any]:
     config = json.loads(text)
     if not isinstance(config, dict):
@@ -128,7 +123,7 @@ def build_command(args: argparse.Namespace) -> dict[str, Any]:
     name = args.action
     job = {"job": args.job} if getattr(args, "job", None) else {}
     if name == "start":
-        return {"type": "start_job", "spec": _spec_data(args.spec, args.set)}
+        return {"type": "start_job", "spec": load_spec_data(args.spec, args.set)}
     if name in ("pause", "resume", "stop", "checkpoint"):
         return {"type": name, **job}
     if name == "status":

@@ -46,14 +46,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, cast
 
-import numpy as np
 import structlog
 
 from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet, FleetEvent
 from qsched.daemon.planner import plan_shards, split_proportional
 from qsched.daemon.state import Checkpoint, JobDir
-from qsched.policies import EvalReport, StepReport, create_policy
+from qsched.policies import create_policy
 from qsched.protocol.control import Event, EventKind
 from qsched.protocol.identity import dataset_hash64, model_hash64
 from qsched.protocol.jobspec import JobSpec, PolicySpec
@@ -73,8 +72,16 @@ from qsched.protocol.messages import (
     job_id_of,
 )
 from qsched.protocol.states import JobState, check_job_transition
-from qsched.zo.spsa import LossError, LossPairs, coefficients, forward_passes, projected_gradients
-from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult, policy_context, train_loss
+from qsched.zo.spsa import LossError, LossPairs
+from qsched.zo.step import (
+    EvalRecord,
+    StepRecord,
+    checkpoint_due,
+    eval_record,
+    settle_step,
+    validates_after,
+)
+from qsched.zo.trainer import TrainResult, policy_context
 from qsched.zo.workload import TrainState, Workload
 
 __all__ = [
@@ -415,7 +422,7 @@ class StepEngine:
 
     def _after_step(self) -> None:
         every = self.config.checkpoint_every or self.spec.checkpoint_every
-        if self.step % every == 0 or self._checkpoint_waiters:
+        if checkpoint_due(self.step, every) or self._checkpoint_waiters:
             self._write_checkpoint()
             self._settle_checkpoints()
 
@@ -443,15 +450,13 @@ class StepEngine:
         self.status_line = f"step {t}/{self.spec.steps} q={q}"
         await self._sync_boards()
         losses = await self._collect(t, q)
-        spec = self.spec
         try:
-            pairs = coefficients(losses, spec.lr, spec.eps, q, spec.estimator)
-            grads = projected_gradients(losses, spec.eps, spec.estimator)
+            settled = settle_step(self.spec, t, q, losses, self.result.forward_passes)
         except LossError as exc:
             raise JobError("numeric", str(exc)) from exc
-        record = StepRecord(t, q, train_loss(losses), self.result.forward_passes + forward_passes(q, spec.estimator))
-        self.policy.on_step(StepReport(t, q, record.train_loss, np.array([grads[k] for k in range(q)]), record.forward_passes))
-        validate = (t + 1) % spec.eval_every == 0 or t + 1 == spec.steps
+        pairs, record = settled.pairs, settled.record
+        self.policy.on_step(settled.report)
+        validate = validates_after(self.spec, t)
         if self._may_pipeline(validate):
             # The policy knows step t, so q of t+1 is known: its requests go right behind
             # the update (boards take messages in order) and the acks are checked with them.
@@ -474,7 +479,7 @@ class StepEngine:
         if validate:
             evaluation = await self._validate(t)
             self.result.evals.append(evaluation)
-            self.policy.on_eval(EvalReport(t, evaluation.val_loss, evaluation.val_accuracy))
+            self.policy.on_eval(evaluation.report())
             self._log_eval(evaluation)
 
     def _log_step(self, record: StepRecord) -> None:
@@ -1123,7 +1128,7 @@ class StepEngine:
         results = await asyncio.gather(*(self._val_slice(t, s, start, count) for s, start, count in slices))
         loss_sum = sum(r[0] for r in results)
         correct = sum(r[1] for r in results)
-        return EvalRecord(t, loss_sum / n_val, correct / n_val, self.result.forward_passes)
+        return eval_record(t, loss_sum, correct, n_val, self.result.forward_passes)
 
     def _val_slices(self, n_val: int, workers: list[BoardSession]) -> list[tuple[BoardSession | None, int, int]]:
         if not workers:

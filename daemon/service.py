@@ -27,7 +27,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-import numpy as np
 import structlog
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -35,6 +34,7 @@ from paho.mqtt.properties import Properties
 from qsched.daemon.config import DaemonConfig, load_config
 from qsched.daemon.control import ControlError, handle_payload
 from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
+from qsched.daemon.export import ExportError, default_format, export_model
 from qsched.daemon.fleet import Fleet, FleetEvent
 from qsched.daemon.notify import Notifier
 from qsched.daemon.state import JobDir, StateDirError, StateStore
@@ -278,7 +278,7 @@ class Daemon:
         finally:
             self._status_changed.set()
         if result.status == "completed":
-            await self._export(job, "tflite" if job.spec.numerics == "int8" else "npz")
+            await self._export(job, default_format(job.engine.workload))
             job.folder.set_status("completed")
         elif result.status == "stopped":
             job.folder.set_status("stopped", "stopped by a control command")
@@ -398,17 +398,11 @@ class Daemon:
 
     async def _export(self, job: ActiveJob, fmt: str) -> Path:
         workload, state = job.engine.workload, job.engine.state.copy()
-        if fmt == "tflite":
-            if not workload.int8:
-                raise ControlError("unsupported", "tflite export needs an INT8 job; use format npz")
-            from qsched.zo.tflite_io import export_tflite
-
-            data = await asyncio.to_thread(lambda: export_tflite(workload.to_quant_model(state)))
-            return job.folder.write_export(data, f"{job.spec.name}.tflite")
-        if fmt == "npz":
-            data = await asyncio.to_thread(_npz_bytes, workload, state)
-            return job.folder.write_export(data, f"{job.spec.name}.npz")
-        raise ControlError("unsupported", f"unknown export format {fmt!r}")
+        try:
+            data = await asyncio.to_thread(export_model, workload, state, fmt)
+        except ExportError as exc:
+            raise ControlError("unsupported", str(exc)) from exc
+        return job.folder.write_export(data, f"{job.spec.name}.{fmt}")
 
     # ------------------------------------------------------------------ status and events
 
@@ -536,20 +530,6 @@ def _raise_if_cancelling() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-def _npz_bytes(workload: Any, state: Any) -> bytes:
-    import io
-
-    model = workload.to_model(state)
-    arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for node in model.param_nodes():
-        arrays[f"{node.name}/weight"] = np.asarray(node.weight)
-        if getattr(node, "bias", None) is not None:
-            arrays[f"{node.name}/bias"] = np.asarray(node.bias)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy stubs: **kwds also meets allow_pickle: bool
-    return buffer.getvalue()
 
 
 # --------------------------------------------------------------------------- command line

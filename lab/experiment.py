@@ -38,6 +38,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from qsched.daemon.specfile import parse_value
 from qsched.lab.progress import ProgressLine
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
@@ -251,7 +252,8 @@ def _workload(spec: JobSpec, prepared: Any) -> Any:
 
 def _run(task: tuple[GridEntry, int]) -> RunRecord:
     """Run one (entry, seed) in this process, reporting progress every validation."""
-    from qsched.zo.trainer import EvalRecord, StepRecord, policy_context, train_zo
+    from qsched.zo.step import EvalRecord, StepRecord
+    from qsched.zo.trainer import policy_context, train_zo
 
     entry, seed = task
     setting: Setting = _WORKER["setting"]
@@ -833,13 +835,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     common: dict[str, Any] = {}
     per: dict[str, dict[str, Any]] = {}
@@ -850,7 +845,7 @@ def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict
         token, colon, key = head.rpartition(":")
         if colon and token not in NUMERICS:
             raise ExperimentError(f"--set {item!r}: {token!r} is not one of {', '.join(NUMERICS)}")
-        (per.setdefault(token, {}) if colon else common)[key] = _parse_value(value)
+        (per.setdefault(token, {}) if colon else common)[key] = parse_value(value)
     for name in ("steps", "dataset", "model"):
         if getattr(args, name) is not None:
             common[name] = getattr(args, name)

@@ -21,7 +21,8 @@ from qsched.daemon.state import StateStore
 from qsched.firmware.virtual.faults import CRASH_EXIT_CODE
 from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.jobspec import JobSpec
-from qsched.zo.trainer import EvalRecord, StepRecord, train_zo
+from qsched.zo.step import EvalRecord, StepRecord
+from qsched.zo.trainer import train_zo
 from qsched.zo.workload import TrainState
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,8 @@ import pytest
 
 from qsched.policies import FixedPolicy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
-from qsched.zo.trainer import EvalRecord, StepRecord, TrainResult, train_zo
+from qsched.zo.step import EvalRecord, StepRecord
+from qsched.zo.trainer import TrainResult, train_zo
 from qsched.zo.workload import TrainState, Workload
 
 

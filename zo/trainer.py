@@ -1,8 +1,8 @@
 """Single-process ZO training: the fleet's step, run in one process.
 
-Each step is exactly what the daemon and its boards do together (``workload.py``): the
-policy's q, the step's minibatch, the losses of perturbations k = 0..q-1, the SPSA
-coefficients, the update, and every ``eval_every`` steps a validation. Used by the
+Each step is exactly what the daemon and its boards do together: the policy's q, the
+losses of perturbations k = 0..q-1 on the step's minibatch (``workload.py``), then the
+pure step both share (``step.py``: coefficients, update, records, validation cadence). Used by the
 experiment runner, by tests, and as the reference a fleet run must reproduce bit for bit.
 """
 
@@ -13,34 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
+from qsched.policies import PolicyContext, QPolicy, create_policy
 from qsched.protocol.jobspec import JobSpec
-from qsched.zo.spsa import LossPairs, coefficients, forward_passes, projected_gradients
+from qsched.zo.step import EvalRecord, StepRecord, eval_record, settle_step, validates_after
 from qsched.zo.workload import TrainState, Workload
 
-__all__ = ["EvalRecord", "StepRecord", "TrainResult", "policy_context", "train_loss", "train_zo"]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished step: its q, training loss and the cumulative forward passes."""
-
-    step: int
-    q: int
-    train_loss: float
-    forward_passes: int
-
-
-@dataclass(frozen=True)
-class EvalRecord:
-    """One validation, after step ``step``."""
-
-    step: int
-    val_loss: float
-    val_accuracy: float
-    forward_passes: int
+__all__ = ["TrainResult", "policy_context", "train_zo"]
 
 
 @dataclass
@@ -76,14 +54,6 @@ def policy_context(spec: JobSpec, workload: Workload) -> PolicyContext:
         steps_per_epoch=len(workload.dataset.x_train) / spec.batch_size,
         eval_every=spec.eval_every,
     )
-
-
-def train_loss(losses: LossPairs) -> float:
-    """The step's training loss: mean over k of (L+ + L-) / 2, or L0 one-sided."""
-    if losses.base is not None:
-        return float(losses.base)
-    ks = losses.ks
-    return float(sum((losses.plus[k] + losses.minus[k]) / 2.0 for k in ks) / len(ks))
 
 
 def train_zo(
@@ -135,20 +105,15 @@ def train_zo(
 
 def _one_step(wl: Workload, policy: QPolicy, result: TrainResult) -> tuple[StepRecord, EvalRecord | None]:
     spec, step, q = wl.spec, result.state.step, policy.q
-    ks = range(q)
-    losses = wl.perturbed_losses(result.state, step, ks)
-    pairs = coefficients(losses, spec.lr, spec.eps, q, spec.estimator)
-    grads = projected_gradients(losses, spec.eps, spec.estimator)
-    result.state = wl.apply_update(result.state, step, pairs)
-    result.forward_passes += forward_passes(q, spec.estimator)
-    loss = train_loss(losses)
-    record = StepRecord(step, q, loss, result.forward_passes)
-    result.steps.append(record)
-    policy.on_step(StepReport(step, q, loss, np.array([grads[k] for k in ks]), result.forward_passes))
+    losses = wl.perturbed_losses(result.state, step, range(q))
+    settled = settle_step(spec, step, q, losses, result.forward_passes)
+    result.state = wl.apply_update(result.state, step, settled.pairs)
+    result.forward_passes = settled.record.forward_passes
+    result.steps.append(settled.record)
+    policy.on_step(settled.report)
     evaluation = None
-    if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
-        loss_sum, correct, n = wl.validate(result.state)
-        evaluation = EvalRecord(step, loss_sum / n, correct / n, result.forward_passes)
+    if validates_after(spec, step):
+        evaluation = eval_record(step, *wl.validate(result.state), result.forward_passes)
         result.evals.append(evaluation)
-        policy.on_eval(EvalReport(step, evaluation.val_loss, evaluation.val_accuracy))
-    return record, evaluation
+        policy.on_eval(evaluation.report())
+    return settled.record, evaluation
