@@ -55,7 +55,7 @@ class JobSpec(_Frozen):
     trainable: Literal["all"] | str | list[str] = Field(
         default="all", description="'all', 'last:N' (last N parametrised layers) or a list of layer names"
     )
-    backbone: str | None = Field(default=None, description="pretrained model file to start from (.tflite or .npz)")
+    backbone: str | None = Field(default=None, description="pretrained model to start from: an int8 .tflite file")
     policy: PolicySpec = Field(default_factory=PolicySpec)
     eval_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qsched.zo import native
 from qsched.zo.engine import (
     bench_engine,
     infer_shapes,
     prefix_activations,
+    prepare_int8,
     run_fp32,
     run_fp32_perturbed,
     run_int8,
@@ -90,6 +92,23 @@ def test_int8_perturbed_chunks_agree(setup) -> None:
     xq = quantize_input(qm, x)
     sets = _int8_sets(qm, ["pw", "fc"], 4, np.random.default_rng(2))
     np.testing.assert_array_equal(run_int8_perturbed(qm, xq, sets, max_bytes=1), run_int8_perturbed(qm, xq, sets))
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built or disabled")
+@pytest.mark.parametrize("names", [["fc"], ["stem", "dw", "pw", "grp", "fc"]])
+def test_int8_prepared_native_and_numpy_paths_agree(setup, names) -> None:
+    """One prepared model, evaluated again and again, gives the same bits on either kernel path."""
+    model, x = setup
+    qm = quantize_model(model, x)
+    xq = quantize_input(qm, x)
+    on_c, on_numpy = prepare_int8(qm, use_native=True), prepare_int8(qm, use_native=False)
+    for seed in range(3):  # the same prepared objects serve every call
+        sets = _int8_sets(qm, names, 4, np.random.default_rng(seed))
+        expected = run_int8_perturbed(on_numpy, xq, sets)
+        np.testing.assert_array_equal(run_int8_perturbed(on_c, xq, sets), expected)
+        np.testing.assert_array_equal(run_int8_perturbed(qm, xq, sets), expected)
+        single = {k: v[0] for k, v in sets.items()}
+        np.testing.assert_array_equal(run_int8(on_c, xq, single), run_int8(on_numpy, xq, single))
 
 
 def test_fp32_perturbed_equals_separate_passes(setup) -> None:

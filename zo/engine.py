@@ -56,10 +56,12 @@ __all__ = [
     "ROUNDING_BY_OP",
     "SINGLE_ROUNDING",
     "Activations",
+    "PreparedInt8",
     "bench_engine",
     "fp32_tensors",
     "infer_shapes",
     "prefix_activations",
+    "prepare_int8",
     "run_fp32",
     "run_fp32_perturbed",
     "run_int8",
@@ -214,14 +216,30 @@ class _Ctx:
     """What one evaluation carries: weights by layer (stacked) and the patch cache.
 
     ``shared`` names the tensors computed once for all copies (the prefix); only their
-    patches are cached, since a chunk of one copy also has a set axis of 1.
+    patches are cached, since a chunk of one copy also has a set axis of 1. ``kernels``
+    is the INT8 kernel module, ``native`` or ``kernels_int8`` (same signatures, same bits).
     """
 
     weights: dict[str, tuple[Array, Array]]
     cache: dict[str, Array]
-    qmodel: QuantModel | None = None
+    plan: _Plan
     stages: dict[str, Any] | None = None
+    kernels: Any = ki
     shared: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the graph alone decides: tensor shapes, each tensor's last use, and whether
+    the kernels are lean (the native INT8 ones build no patches nor wide temporaries)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    last_use: dict[str, int]
+    lean: bool = False
+
+    @classmethod
+    def of(cls, model: Model, lean: bool = False) -> _Plan:
+        return cls(infer_shapes(model), _last_use(model), lean)
 
 
 def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
@@ -295,52 +313,27 @@ def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
 
 
 def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
-    if native.available():
-        return _int8_node_native(node, env, ctx)
+    """One INT8 node on ``ctx.kernels``: one call per layer for all P copies and N samples."""
     x = env[node.inputs[0]]
     assert ctx.stages is not None
     # OutputStage or AddParams by node type; None for the ops that do not rescale.
     stage: Any = ctx.stages.get(node.name)
-    sr = ROUNDING_BY_OP
+    sr, kernels = ROUNDING_BY_OP, ctx.kernels
     y: Array
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
         if node.depthwise:
-            y = ki.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
+            y = kernels.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
+        elif kernels is native:
+            y = native.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"])
         else:
             cols = _cached_patches(node, x, stage, ctx)
             y = ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols)
     elif isinstance(node, Dense):
         w, b = ctx.weights[node.name]
-        y = ki.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
+        y = kernels.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
     elif isinstance(node, Add):
-        y = ki.add(x, env[node.inputs[1]], stage, sr["add"])
-    elif isinstance(node, (ReLU, ReLU6)):
-        y = ki.relu(x, stage, sr["relu"])
-    else:
-        y = _shape_op(node, x, ki)
-    return y
-
-
-def _int8_node_native(node: Node, env: Env, ctx: _Ctx) -> Array:
-    """``_int8_node`` on the C kernels (same bits): one call per layer for all P and N."""
-    x = env[node.inputs[0]]
-    assert ctx.stages is not None
-    # OutputStage or AddParams by node type; None for the ops that do not rescale.
-    stage: Any = ctx.stages.get(node.name)
-    sr = ROUNDING_BY_OP
-    y: Array
-    if isinstance(node, Conv2D):
-        w, b = ctx.weights[node.name]
-        if node.depthwise:
-            y = native.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
-        else:
-            y = native.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"])
-    elif isinstance(node, Dense):
-        w, b = ctx.weights[node.name]
-        y = native.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
-    elif isinstance(node, Add):
-        y = native.add(x, env[node.inputs[1]], stage, sr["add"])
+        y = kernels.add(x, env[node.inputs[1]], stage, sr["add"])
     elif isinstance(node, (ReLU, ReLU6)):
         y = ki.relu(x, stage, sr["relu"])
     else:
@@ -364,8 +357,9 @@ def _cached_patches(node: Conv2D, x: Array, stage: ki.OutputStage, ctx: _Ctx) ->
 _NodeFn: TypeAlias = Callable[[Node, Env, _Ctx], Array]
 
 
-def _run(model: Model, env: Env, start: int, stop: int, ctx: _Ctx, fn: _NodeFn, last: dict[str, int]) -> Env:
+def _run(model: Model, env: Env, start: int, stop: int, ctx: _Ctx, fn: _NodeFn, last: dict[str, int] | None = None) -> Env:
     """Run nodes [start, stop) on stacked tensors, dropping tensors after their last use."""
+    last = ctx.plan.last_use if last is None else last
     for i in range(start, stop):
         node = model.nodes[i]
         env[node.output] = fn(node, env, ctx)
@@ -445,22 +439,20 @@ def _first_index(model: Model, names: Iterable[str]) -> int:
     return len(model.nodes)
 
 
-def _chunk_size(model: Model, start: int, batch: int, sets: int, max_bytes: int, fn: _NodeFn | None = None) -> int:
+def _chunk_size(model: Model, plan: _Plan, start: int, batch: int, sets: int, max_bytes: int) -> int:
     """How many perturbed copies fit the budget: the widest node output plus its patches.
 
-    The native INT8 kernels build no patches and no wide temporaries: a copy then needs
-    its int8 tensors only (input, output and a skip connection live at once).
+    Lean kernels (the native INT8 ones) build no patches and no wide temporaries: a copy
+    then needs its int8 tensors only (input, output and a skip connection live at once).
     """
-    shapes = infer_shapes(model)
-    lean = fn is _int8_node and native.available()
     widest = 1
     for node in model.nodes[start:]:
-        size = int(np.prod(shapes[node.output]))
-        if isinstance(node, Conv2D) and not node.depthwise and not lean:
+        size = int(np.prod(plan.shapes[node.output]))
+        if isinstance(node, Conv2D) and not node.depthwise and not plan.lean:
             size += size // node.weight.shape[0] * int(np.prod(node.weight.shape[1:])) * node.groups
         widest = max(widest, size)
     # Float64 intermediates, and a factor for the temporaries of one kernel.
-    per_copy = widest * batch * (3 if lean else 8 * 3)
+    per_copy = widest * batch * (3 if plan.lean else 8 * 3)
     return int(max(1, min(sets, max_bytes // per_copy)))
 
 
@@ -469,11 +461,10 @@ def _run_by_samples(
 ) -> Env:
     """``_run`` over slices of the samples that fit the budget (results do not depend on it)."""
     n = int(next(iter(env.values())).shape[1])
-    per = _chunk_size(model, start, 1, n, max_bytes, fn)
-    last = _last_use(model)
+    per = _chunk_size(model, ctx.plan, start, 1, n, max_bytes)
     if per >= n:
-        return _run(model, env, start, stop, ctx, fn, last)
-    parts = [_run(model, {k: v[:, i : i + per] for k, v in env.items()}, start, stop, ctx, fn, last) for i in range(0, n, per)]
+        return _run(model, env, start, stop, ctx, fn)
+    parts = [_run(model, {k: v[:, i : i + per] for k, v in env.items()}, start, stop, ctx, fn) for i in range(0, n, per)]
     return {k: np.concatenate([part[k] for part in parts], axis=1) for k in parts[0]}
 
 
@@ -487,7 +478,6 @@ def _evaluate(
     max_bytes: int,
 ) -> Array:
     """Run the model; with ``sets``, P stacked copies in chunks after a shared prefix."""
-    last = _last_use(model)
     if not sets:
         return _run_by_samples(model, env, start, len(model.nodes), ctx, fn, max_bytes)[model.output_name]
     first = max(start, _first_index(model, sets))
@@ -495,12 +485,12 @@ def _evaluate(
     ctx.shared = frozenset(env)
     p = next(iter(sets.values()))[0].shape[0]
     batch = next(iter(env.values())).shape[1]
-    chunk = _chunk_size(model, first, batch, p, max_bytes, fn)
+    chunk = _chunk_size(model, ctx.plan, first, batch, p, max_bytes)
     outs = []
     base = dict(ctx.weights)
     for c0 in range(0, p, chunk):
         ctx.weights = {**base, **{k: (w[c0 : c0 + chunk], b if b.shape[0] == 1 else b[c0 : c0 + chunk]) for k, (w, b) in sets.items()}}
-        y = _run(model, dict(env), first, len(model.nodes), ctx, fn, last)[model.output_name]
+        y = _run(model, dict(env), first, len(model.nodes), ctx, fn)[model.output_name]
         outs.append(np.broadcast_to(y, (min(chunk, p - c0), *y.shape[1:])))
     ctx.weights = base
     return np.concatenate(outs, axis=0)
@@ -526,10 +516,10 @@ def run_fp32(
     Returns:
         ``(N, num_classes)`` float32 logits (the output tensor).
     """
-    infer_shapes(model)
+    plan = _Plan.of(model)
     env, start = _start_env(model, x, quantized=False)
     _check_after_prefix(model, params or {}, start)
-    ctx = _Ctx(_fp32_weights(model, params, stacked=False), {})
+    ctx = _Ctx(_fp32_weights(model, params, stacked=False), {}, plan)
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, None, max_bytes)[0])
 
 
@@ -550,19 +540,67 @@ def run_fp32_perturbed(
     Returns:
         ``(P, N, num_classes)`` float32; ``[p]`` equals ``run_fp32`` with the p-th weights.
     """
-    infer_shapes(model)
+    plan = _Plan.of(model)
     _check_set_count(param_sets.values(), lambda v: np.shape(v[0])[0])
     env, start = _start_env(model, x, quantized=False)
     _check_after_prefix(model, param_sets, start)
     weights = _fp32_weights(model, None, stacked=False)
     sets = _fp32_weights(model, param_sets, stacked=True)
     sets = {k: sets[k] for k in param_sets}
-    ctx = _Ctx(weights, {})
+    ctx = _Ctx(weights, {}, plan)
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _fp32_node, sets, max_bytes))
 
 
+@dataclass(frozen=True)
+class PreparedInt8:
+    """An INT8 model after TFLite's Prepare, done once; evaluate it many times.
+
+    Holds what does not change between forward passes: tensor shapes and last uses,
+    requantisation parameters (multipliers, shifts, activation ranges), the frozen
+    layers' weights, and the kernel module (native or numpy, chosen once). A ZO step
+    evaluates 2q weight sets of the same model, so the workload prepares it once.
+    """
+
+    qmodel: QuantModel
+    plan: _Plan
+    stages: dict[str, Any]
+    weights: dict[str, tuple[Array, Array]]
+    kernels: Any
+
+    def context(self) -> _Ctx:
+        """A fresh evaluation context (its own patch cache) over the prepared state."""
+        return _Ctx(dict(self.weights), {}, self.plan, self.stages, self.kernels)
+
+
+def prepare_int8(qmodel: QuantModel, *, use_native: bool | None = None) -> PreparedInt8:
+    """TFLite's Prepare for the whole model: validate it and compute what Eval reuses.
+
+    Args:
+        qmodel: the quantized model.
+        use_native: the C kernels (True), the numpy kernels (False) or the C kernels when
+            they are built (None); both give the same bits.
+
+    Returns:
+        The prepared model, for ``run_int8`` and ``run_int8_perturbed``.
+
+    Raises:
+        GraphError: a tensor without quantisation parameters or a layer without weights.
+        NativeError: ``use_native`` is True but the C kernels are not available.
+    """
+    lean = native.available() if use_native is None else use_native
+    if lean and not native.available():
+        raise native.NativeError("native INT8 kernels are not available (see the logged warning)")
+    plan = _Plan.of(qmodel.model, lean)
+    weights = _int8_weights(qmodel, None, stacked=False)
+    return PreparedInt8(qmodel, plan, _prepare_int8(qmodel), weights, native if lean else ki)
+
+
+def _prepared(model: QuantModel | PreparedInt8) -> PreparedInt8:
+    return model if isinstance(model, PreparedInt8) else prepare_int8(model)
+
+
 def run_int8(
-    qmodel: QuantModel,
+    qmodel: QuantModel | PreparedInt8,
     x_q: Array | Activations,
     weights: Mapping[str, Array] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -570,7 +608,7 @@ def run_int8(
     """INT8 forward pass with TFLite reference-kernel semantics.
 
     Args:
-        qmodel: the quantized model.
+        qmodel: the quantized model, or ``prepare_int8`` of it (saves the preparation).
         x_q: ``(N, *input_shape)`` int8 input (see ``quantize.quantize_input``), or
             ``prefix_activations`` of it.
         weights: layer name -> int8 weight replacing that layer's.
@@ -579,16 +617,18 @@ def run_int8(
     Returns:
         ``(N, num_classes)`` int8 logits.
     """
-    model = qmodel.model
-    infer_shapes(model)
+    prepared = _prepared(qmodel)
+    model = prepared.qmodel.model
     env, start = _start_env(model, x_q, quantized=True)
     _check_after_prefix(model, weights or {}, start)
-    ctx = _Ctx(_int8_weights(qmodel, weights, stacked=False), {}, qmodel, _prepare_int8(qmodel))
+    ctx = prepared.context()
+    if weights:
+        ctx.weights.update(_int8_weights(prepared.qmodel, weights, stacked=False))
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, None, max_bytes)[0])
 
 
 def run_int8_perturbed(
-    qmodel: QuantModel,
+    qmodel: QuantModel | PreparedInt8,
     x_q: Array | Activations,
     weight_sets: Mapping[str, Array],
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -596,7 +636,7 @@ def run_int8_perturbed(
     """P INT8 forward passes under P int8 weight sets of some layers.
 
     Args:
-        qmodel: the quantized model.
+        qmodel: the quantized model, or ``prepare_int8`` of it (saves the preparation).
         x_q: ``(N, *input_shape)`` int8 input, or ``prefix_activations`` of it.
         weight_sets: layer name -> int8 array ``(P, *weight.shape)``.
         max_bytes: working-set budget for one chunk of copies.
@@ -604,15 +644,14 @@ def run_int8_perturbed(
     Returns:
         ``(P, N, num_classes)`` int8; ``[p]`` equals ``run_int8`` with the p-th weights.
     """
-    model = qmodel.model
-    infer_shapes(model)
+    prepared = _prepared(qmodel)
+    model = prepared.qmodel.model
     _check_set_count(weight_sets.values(), lambda v: np.shape(v)[0])
     env, start = _start_env(model, x_q, quantized=True)
     _check_after_prefix(model, weight_sets, start)
-    base = _int8_weights(qmodel, None, stacked=False)
-    sets = _int8_weights(qmodel, weight_sets, stacked=True)
+    sets = _int8_weights(prepared.qmodel, weight_sets, stacked=True)
     sets = {k: sets[k] for k in weight_sets}
-    ctx = _Ctx(base, {}, qmodel, _prepare_int8(qmodel))
+    ctx = prepared.context()
     return np.ascontiguousarray(_evaluate(model, env, start, ctx, _int8_node, sets, max_bytes))
 
 
@@ -644,9 +683,9 @@ def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
     Returns:
         Tensor name -> ``(N, ...)`` float32 values, the input included.
     """
-    infer_shapes(model)
+    plan = _Plan.of(model)
     env, _ = _start_env(model, x, quantized=False)
-    ctx = _Ctx(_fp32_weights(model, None, stacked=False), {})
+    ctx = _Ctx(_fp32_weights(model, None, stacked=False), {}, plan)
     keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
     env = _run(model, env, 0, len(model.nodes), ctx, _fp32_node, keep)
     return {k: v[0] for k, v in env.items()}
@@ -678,15 +717,13 @@ def prefix_activations(
     unknown = [n for n in names if n not in known]
     if unknown:
         raise GraphError(unknown[0], "no such layer")
-    infer_shapes(graph)
     stop = _first_index(graph, names)
     env, start = _start_env(graph, x, quantized)
-    if quantized:
-        assert isinstance(model, QuantModel)
-        ctx = _Ctx(_int8_weights(model, None, stacked=False), {}, model, _prepare_int8(model))
+    if isinstance(model, QuantModel):
+        ctx = prepare_int8(model).context()
         fn: _NodeFn = _int8_node
     else:
-        ctx = _Ctx(_fp32_weights(graph, None, stacked=False), {})
+        ctx = _Ctx(_fp32_weights(graph, None, stacked=False), {}, _Plan.of(graph))
         fn = _fp32_node
     env = _run_by_samples(graph, env, start, stop, ctx, fn, max_bytes)
     return Activations(stop, {k: np.ascontiguousarray(v[0]) for k, v in env.items()}, quantized)
@@ -727,7 +764,8 @@ def bench_engine(
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    single = best(lambda: run_int8(qmodel, x))
-    batched = best(lambda: run_int8_perturbed(qmodel, x, wsets))
+    prepared = prepare_int8(qmodel)
+    single = best(lambda: run_int8(prepared, x))
+    batched = best(lambda: run_int8_perturbed(prepared, x, wsets))
     looped = single * sets
     return {"single_s": single, "looped_estimate_s": looped, "batched_s": batched, "speedup": looped / batched}

@@ -269,6 +269,7 @@ class Workload:
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
         self._train_prefix: engine.Activations | None = None
+        self._prepared: engine.PreparedInt8 | None = None  # prepared on the first pass
         self._x_train: Flat = dataset.x_train
         self._x_val: Flat = dataset.x_val
         if qmodel is not None:
@@ -502,7 +503,9 @@ class Workload:
         views = {s: stacked[:, s.start : s.stop].reshape(count, *s.shape) for s in self.segments}
         if self.qmodel is not None:
             weight_sets = {s.layer: views[s].astype(np.int8) for s in self.segments}
-            logits: Flat = engine.run_int8_perturbed(self.qmodel, x, weight_sets)
+            if self._prepared is None:
+                self._prepared = engine.prepare_int8(self.qmodel)
+            logits: Flat = engine.run_int8_perturbed(self._prepared, x, weight_sets)
             return logits
         param_sets = {
             layer: (views[self._segment(layer, "weight")], views[self._segment(layer, "bias")])
