@@ -74,7 +74,9 @@ async def _pump(link: Any, queue: asyncio.Queue[bytes]) -> None:
             queue.put_nowait(_END)
 
 
-async def _await_hello(link: Any, queue: asyncio.Queue[bytes], ask_after: float) -> tuple[Hello, bytes] | None:
+async def _await_hello(
+    link: Any, queue: asyncio.Queue[bytes], ask_after: float
+) -> tuple[Hello, bytes] | None:
     """The board's next Hello (other messages dropped: no session exists yet); None: link gone."""
     wait = ask_after
     while True:
@@ -112,7 +114,9 @@ async def _serve_as(
     from qsched.protocol.links.mqtt import MqttEndpoint
 
     board = hello.board_id
-    async with MqttEndpoint(cfg, topics, board, protocol_version=hello.protocol_version) as endpoint:
+    async with MqttEndpoint(
+        cfg, topics, board, protocol_version=hello.protocol_version
+    ) as endpoint:
         await endpoint.wait_connected()
         _log.info("board bridged", board=board, port=link.board_id, fleet=topics.fleet)
         down = asyncio.create_task(_downlink(endpoint, link), name=f"bridge[{board}].downlink")
@@ -126,7 +130,9 @@ async def _serve_as(
                 try:
                     await endpoint.send(data)
                 except LinkError as exc:  # broker away longer than send_timeout_s
-                    _log.warning("message from the board not delivered", board=board, error=str(exc))
+                    _log.warning(
+                        "message from the board not delivered", board=board, error=str(exc)
+                    )
                 data = await queue.get()
             return None
         finally:
@@ -136,7 +142,9 @@ async def _serve_as(
             _log.info("board unbridged", board=board, port=link.board_id)
 
 
-async def bridge_board(link: Any, cfg: Any, topics: Any, *, ask_after: float = HELLO_ASK_AFTER_S) -> str:
+async def bridge_board(
+    link: Any, cfg: Any, topics: Any, *, ask_after: float = HELLO_ASK_AFTER_S
+) -> str:
     """Expose the board on one serial link as an MQTT board until the link ends.
 
     Args:
@@ -161,8 +169,14 @@ async def bridge_board(link: Any, cfg: Any, topics: Any, *, ask_after: float = H
             await reader
 
 
-async def run_bridge(devices: Sequence[str], cfg: Any, topics: Any, *, baudrate: int = 921600,
-                     reopen_interval: float = 1.0) -> None:
+async def run_bridge(
+    devices: Sequence[str],
+    cfg: Any,
+    topics: Any,
+    *,
+    baudrate: int = 921600,
+    reopen_interval: float = 1.0,
+) -> None:
     """Bridge every port in ``devices`` (paths or glob patterns) until cancelled.
 
     Args:
@@ -175,11 +189,15 @@ async def run_bridge(devices: Sequence[str], cfg: Any, topics: Any, *, baudrate:
     from qsched.protocol.links.serial import SerialTransport
 
     bridges: set[asyncio.Task[str]] = set()
-    async with SerialTransport(devices, baudrate=baudrate, reopen_interval=reopen_interval) as transport:
+    async with SerialTransport(
+        devices, baudrate=baudrate, reopen_interval=reopen_interval
+    ) as transport:
         try:
             async for event in transport.events():
                 if isinstance(event, BoardAppeared):
-                    task = asyncio.create_task(bridge_board(event.link, cfg, topics), name=f"bridge[{event.board_id}]")
+                    task = asyncio.create_task(
+                        bridge_board(event.link, cfg, topics), name=f"bridge[{event.board_id}]"
+                    )
                     bridges.add(task)
                     task.add_done_callback(_finished)
                     task.add_done_callback(bridges.discard)
@@ -211,12 +229,25 @@ async def _cancel_until_done(tasks: set[asyncio.Task[str]]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched bridge", description="Expose this host's serial boards on MQTT.")
-    p.add_argument("--serial", action="append", default=[], metavar="DEVICE",
-                   help="a serial port or glob pattern (repeatable; default: the configuration's serial.devices)")
-    p.add_argument("--mqtt", metavar="HOST:PORT", help="the broker (default: the configuration's mqtt.host/port)")
+    p = argparse.ArgumentParser(
+        prog="qsched bridge", description="Expose this host's serial boards on MQTT."
+    )
+    p.add_argument(
+        "--serial",
+        action="append",
+        default=[],
+        metavar="DEVICE",
+        help="a serial port or glob pattern (repeatable; default: the configuration's serial.devices)",
+    )
+    p.add_argument(
+        "--mqtt",
+        metavar="HOST:PORT",
+        help="the broker (default: the configuration's mqtt.host/port)",
+    )
     p.add_argument("--fleet", help="fleet name (default: the configuration's)")
-    p.add_argument("--baud", type=int, help="line speed (default: the configuration's serial.baudrate)")
+    p.add_argument(
+        "--baud", type=int, help="line speed (default: the configuration's serial.baudrate)"
+    )
     return p
 
 
@@ -232,7 +263,9 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], Any, Any, int, float
         mqtt = mqtt.model_copy(update={"host": host, "port": port})
     devices = args.serial or list(config.serial.devices)
     if not devices:
-        raise ValueError("no serial ports: give --serial DEVICE or set serial.devices in the configuration")
+        raise ValueError(
+            "no serial ports: give --serial DEVICE or set serial.devices in the configuration"
+        )
     topics = TopicMap(prefix=mqtt.prefix, fleet=args.fleet or config.fleet)
     baud = args.baud if args.baud is not None else config.serial.baudrate
     if baud <= 0:
@@ -246,7 +279,9 @@ async def _run(devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: fl
     assert task is not None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
-    _log.info("bridge starting", ports=devices, broker=f"{mqtt.host}:{mqtt.port}", fleet=topics.fleet)
+    _log.info(
+        "bridge starting", ports=devices, broker=f"{mqtt.host}:{mqtt.port}", fleet=topics.fleet
+    )
     try:
         await run_bridge(devices, mqtt, topics, baudrate=baud, reopen_interval=reopen)
     except asyncio.CancelledError:

@@ -35,14 +35,20 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "daemon": Command("qsched.daemon.service:main", "run the fleet daemon (boards, jobs, control API)"),
+    "daemon": Command(
+        "qsched.daemon.service:main", "run the fleet daemon (boards, jobs, control API)"
+    ),
     "ctl": Command("qsched.daemon.ctl:main", "send a command to a running daemon"),
-    "board": Command("qsched.firmware.virtual.cli:main", "run virtual boards on MQTT or serial ports"),
+    "board": Command(
+        "qsched.firmware.virtual.cli:main", "run virtual boards on MQTT or serial ports"
+    ),
     "bridge": Command("qsched.daemon.bridge:main", "expose this host's serial boards on MQTT"),
     "demo": Command("qsched.lab.demo:main", "train on virtual boards with embedded defaults"),
     "train": Command("qsched.daemon.train:main", "train in this process, without boards"),
     "experiment": Command("qsched.lab.experiment:main", "compare q policies (the paper's grid)"),
-    "experiment-merge": Command("qsched.lab.experiment_merge:main", "pool result folders run on other seeds"),
+    "experiment-merge": Command(
+        "qsched.lab.experiment_merge:main", "pool result folders run on other seeds"
+    ),
     "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
     "bench fleet": Command("qsched.lab.bench_fleet:main", "time steps on fleets of virtual boards"),
     "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),
@@ -105,9 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--config", type=Path, help="daemon configuration (TOML); also $QSCHED_CONFIG")
     parser.add_argument(
-        "--log-level", choices=sorted(LEVELS), default=os.environ.get("QSCHED_LOG_LEVEL", "info").lower()
+        "--config", type=Path, help="daemon configuration (TOML); also $QSCHED_CONFIG"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=sorted(LEVELS),
+        default=os.environ.get("QSCHED_LOG_LEVEL", "info").lower(),
     )
     parser.add_argument("command", metavar="COMMAND", choices=sorted(_groups()), help="see below")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -190,7 +200,9 @@ def config_main(argv: list[str]) -> int:
         "then QSCHED_* environment variables; secrets are masked."
     )
     parser = argparse.ArgumentParser(prog="qsched config", description=description)
-    parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG, else none)")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file (default: $QSCHED_CONFIG, else none)"
+    )
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     print(cfg.model_dump_json(indent=2))

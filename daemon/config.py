@@ -47,16 +47,24 @@ class DaemonConfig(ConfigSection):
     """Everything ``qsched daemon`` reads at start."""
 
     fleet: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    state_dir: Path | None = Field(default=None, description="default: $STATE_DIRECTORY or ~/.local/state/qsched")
+    state_dir: Path | None = Field(
+        default=None, description="default: $STATE_DIRECTORY or ~/.local/state/qsched"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    step_deadline_s: float = Field(default=5.0, gt=0, description="answers later than this are reassigned")
+    step_deadline_s: float = Field(
+        default=5.0, gt=0, description="answers later than this are reassigned"
+    )
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    heartbeat_misses: int = Field(default=3, ge=1, description="missed heartbeats before a board is gone")
+    heartbeat_misses: int = Field(
+        default=3, ge=1, description="missed heartbeats before a board is gone"
+    )
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     serial: SerialConfig = Field(default_factory=SerialConfig)
 
 
-def _leaves(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+def _leaves(
+    model: type[BaseModel], path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any]]:
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -140,7 +148,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), f"not valid TOML: {exc}") from exc
 
 
-def load_config(path: Path | str | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+def load_config(
+    path: Path | str | None = None, environ: Mapping[str, str] | None = None
+) -> DaemonConfig:
     """Read the configuration: defaults, then the TOML file, then the environment.
 
     Args:

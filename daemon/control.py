@@ -118,7 +118,10 @@ async def _drain(host: JobHost, cmd: DrainBoard) -> dict[str, Any]:
 
 
 async def _export(host: JobHost, cmd: ExportModel) -> dict[str, Any]:
-    return {"path": await host.export_job(cmd.job, cmd.format), "message": f"exported as {cmd.format}"}
+    return {
+        "path": await host.export_job(cmd.job, cmd.format),
+        "message": f"exported as {cmd.format}",
+    }
 
 
 _HANDLERS: Final[dict[type, Callable[[JobHost, Any], Awaitable[dict[str, Any]]]]] = {
@@ -150,11 +153,15 @@ async def handle_command(host: JobHost, command: Command) -> Reply | ErrorReply:
         fields = await handler(host, command)
         return Reply(command=command.type, request_id=command.request_id, **fields)
     except ControlError as exc:
-        return ErrorReply(command=command.type, request_id=command.request_id, code=exc.code, message=exc.message)
+        return ErrorReply(
+            command=command.type, request_id=command.request_id, code=exc.code, message=exc.message
+        )
     except Exception as exc:  # a bug: answer anyway, and leave a trace
         _log.exception("control command failed", command=command.type)
         message = f"{type(exc).__name__}: {exc}"
-        return ErrorReply(command=command.type, request_id=command.request_id, code="internal", message=message)
+        return ErrorReply(
+            command=command.type, request_id=command.request_id, code="internal", message=message
+        )
 
 
 async def handle_payload(host: JobHost, payload: bytes | str) -> Reply | ErrorReply:

@@ -87,14 +87,20 @@ async def send_command(
                 properties.ResponseTopic = reply_topic
                 properties.CorrelationData = token.encode()
             await client.publish(topics.control_request(), payload, qos=1, properties=properties)
-            return await asyncio.wait_for(_await_reply(client, token, document.get("request_id"), v5), timeout)
+            return await asyncio.wait_for(
+                _await_reply(client, token, document.get("request_id"), v5), timeout
+            )
     except TimeoutError as exc:
-        raise CtlError(f"no reply within {timeout:.0f} s (is the daemon running on this fleet?)") from exc
+        raise CtlError(
+            f"no reply within {timeout:.0f} s (is the daemon running on this fleet?)"
+        ) from exc
     except aiomqtt.MqttError as exc:
         raise CtlError(f"broker {cfg.host}:{cfg.port}: {exc}") from exc
 
 
-async def _await_reply(client: aiomqtt.Client, token: str, request_id: str | None, v5: bool) -> Reply | ErrorReply:
+async def _await_reply(
+    client: aiomqtt.Client, token: str, request_id: str | None, v5: bool
+) -> Reply | ErrorReply:
     async for message in client.messages:
         try:
             reply = parse_control(message.payload)
@@ -133,7 +139,11 @@ def build_command(args: argparse.Namespace) -> dict[str, Any]:
     if name == "drain":
         return {"type": "drain_board", "board_id": args.board, "drain": not args.undo}
     if name == "policy":
-        return {"type": "change_policy", "policy": {"name": args.name, "config": _policy_config(args.policy_config)}, **job}
+        return {
+            "type": "change_policy",
+            "policy": {"name": args.name, "config": _policy_config(args.policy_config)},
+            **job,
+        }
     if name == "export":
         return {"type": "export", "format": args.format, **job}
     if name == "raw":
@@ -145,17 +155,27 @@ def build_command(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qsched ctl", description="Send a command to a running daemon.")
+    parser = argparse.ArgumentParser(
+        prog="qsched ctl", description="Send a command to a running daemon."
+    )
     parser.add_argument("--config", type=Path, help="daemon configuration (broker, fleet)")
     parser.add_argument("--mqtt", metavar="HOST:PORT", help="broker address")
     parser.add_argument("--fleet", help="fleet name")
-    parser.add_argument("--protocol", choices=["3.1.1", "5"], help="MQTT version (default: the configuration's)")
+    parser.add_argument(
+        "--protocol", choices=["3.1.1", "5"], help="MQTT version (default: the configuration's)"
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     sub = parser.add_subparsers(dest="action", required=True)
     start = sub.add_parser("start", help="start a job from a spec (JSON or TOML)")
-    start.add_argument("spec", type=Path, nargs="?", help="job spec file (.json or .toml); default: all defaults")
     start.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (dotted keys nest)"
+        "spec", type=Path, nargs="?", help="job spec file (.json or .toml); default: all defaults"
+    )
+    start.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field (dotted keys nest)",
     )
     for name in ("pause", "resume", "stop", "checkpoint"):
         sub.add_parser(name, help=f"{name} the job").add_argument("job", nargs="?")
@@ -165,9 +185,13 @@ def _parser() -> argparse.ArgumentParser:
     drain.add_argument("board")
     drain.add_argument("--undo", action="store_true", help="give it work again")
     policy = sub.add_parser("policy", help="change the job's q policy")
-    policy.add_argument("name", help="a registered policy (fixed, qscheduler, linear, power, variance, ...)")
+    policy.add_argument(
+        "name", help="a registered policy (fixed, qscheduler, linear, power, variance, ...)"
+    )
     # Its own dest: the top-level --config names the daemon's configuration file.
-    policy.add_argument("--config", dest="policy_config", default="{}", help="the policy's configuration (JSON)")
+    policy.add_argument(
+        "--config", dest="policy_config", default="{}", help="the policy's configuration (JSON)"
+    )
     policy.add_argument("--job", help="the job (default: the current one)")
     export = sub.add_parser("export", help="export the job's model")
     export.add_argument("job", nargs="?")
@@ -195,7 +219,9 @@ async def _follow_events(cfg: MqttConfig, topics: TopicMap) -> int:
         await client.subscribe(topics.events(), qos=0)
         async for message in client.messages:
             payload = message.payload
-            print(payload.decode() if isinstance(payload, bytes | bytearray) else payload, flush=True)
+            print(
+                payload.decode() if isinstance(payload, bytes | bytearray) else payload, flush=True
+            )
     return 0
 
 

@@ -197,7 +197,9 @@ class _Collected:
     base: float | None = None
     excluded: set[str] = field(default_factory=set)  # addresses out of this step
     checked: set[int] = field(default_factory=set)  # keys whose value the daemon computed
-    groups: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # accepted results (address, ks)
+    groups: list[tuple[str, tuple[int, ...]]] = field(
+        default_factory=list
+    )  # accepted results (address, ks)
 
     def confirmed(self, ks: Sequence[int]) -> bool:
         """Whether a result with keys ``ks`` was audited: one of its keys agrees with a
@@ -384,7 +386,14 @@ class StepEngine:
             self._emit("job_stopped", message=f"at step {self.step}")
         self.status_line = self.job_state
         self._settle_checkpoints()
-        return JobResult(self.job_state, self.result, self.faults, self.reassigned, self.policy_spec, dict(self.work))
+        return JobResult(
+            self.job_state,
+            self.result,
+            self.faults,
+            self.reassigned,
+            self.policy_spec,
+            dict(self.work),
+        )
 
     def _finish_failed(self, exc: JobError, started: float) -> None:
         self.result.wall_s += time.perf_counter() - started
@@ -464,7 +473,9 @@ class StepEngine:
             try:
                 await self._send_update_and_next(t, pairs, expected)
                 # Only now: a computing thread holds the GIL and would delay the sends.
-                new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
+                new_state = await asyncio.to_thread(
+                    self.workload.apply_update, self.state, t, pairs
+                )
                 expected.set_result(new_state.checksum())
             finally:
                 if not expected.done():
@@ -483,7 +494,11 @@ class StepEngine:
             self._log_eval(evaluation)
 
     def _log_step(self, record: StepRecord) -> None:
-        metrics = {"q": float(record.q), "train_loss": record.train_loss, "forward_passes": float(record.forward_passes)}
+        metrics = {
+            "q": float(record.q),
+            "train_loss": record.train_loss,
+            "forward_passes": float(record.forward_passes),
+        }
         if self.job_dir is not None:
             self.job_dir.append_metrics({"kind": "step", "time": time.time(), **asdict(record)})
         self._emit("step", step=record.step, metrics=metrics)
@@ -491,7 +506,9 @@ class StepEngine:
     def _log_eval(self, evaluation: EvalRecord) -> None:
         metrics = {"val_loss": evaluation.val_loss, "val_accuracy": evaluation.val_accuracy}
         if self.job_dir is not None:
-            self.job_dir.append_metrics({"kind": "validation", "time": time.time(), **asdict(evaluation)})
+            self.job_dir.append_metrics(
+                {"kind": "validation", "time": time.time(), **asdict(evaluation)}
+            )
         self._emit("validation", step=evaluation.step, metrics=metrics)
 
     # ------------------------------------------------------------------ boards
@@ -499,9 +516,15 @@ class StepEngine:
     def workers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[BoardSession]:
         """Boards that may get work now: ready at this step, not draining, not excluded."""
         return [
-            s for s in self.fleet.boards()
-            if s.alive and s.state == "ready" and s.job_id == self.job_id and s.step == self.step
-            and not s.draining and s.address not in exclude and s.address not in self._unverified
+            s
+            for s in self.fleet.boards()
+            if s.alive
+            and s.state == "ready"
+            and s.job_id == self.job_id
+            and s.step == self.step
+            and not s.draining
+            and s.address not in exclude
+            and s.address not in self._unverified
         ]
 
     async def _sync_boards(self) -> None:
@@ -510,12 +533,15 @@ class StepEngine:
         reply is lost does not hold up the others; it joins when its load is done."""
         now = asyncio.get_running_loop().time()
         todo = [
-            s for s in self.fleet.boards()
+            s
+            for s in self.fleet.boards()
             if self._needs_sync(s) and s.retry_at <= now and s.address not in self._syncing
         ]
         started: list[asyncio.Task[None]] = []
         for session in todo:
-            task = asyncio.create_task(self._prepare(session), name=f"fleet[{session.address}].sync")
+            task = asyncio.create_task(
+                self._prepare(session), name=f"fleet[{session.address}].sync"
+            )
             self._syncing[session.address] = task
             task.add_done_callback(functools.partial(self._sync_done, session.address))
             started.append(task)
@@ -538,12 +564,18 @@ class StepEngine:
 
     def _check_model_loadable(self) -> None:
         """SPEC 9.2: when every board that could work refused the model, the job fails."""
-        candidates = [s for s in self.fleet.boards() if s.alive and s.hello is not None and not _refused(s)]
+        candidates = [
+            s for s in self.fleet.boards() if s.alive and s.hello is not None and not _refused(s)
+        ]
         refusals = [self._model_refusals.get(s.address) for s in candidates]
-        if not candidates or any(r is None or r[0] != s.epoch for r, s in zip(refusals, candidates, strict=True)):
+        if not candidates or any(
+            r is None or r[0] != s.epoch for r, s in zip(refusals, candidates, strict=True)
+        ):
             return
         detail = next(r[1] for r in refusals if r is not None)
-        raise JobError("model_invalid", f"no board can load the model ({len(candidates)} refused it): {detail}")
+        raise JobError(
+            "model_invalid", f"no board can load the model ({len(candidates)} refused it): {detail}"
+        )
 
     def _note_refusal(self, session: BoardSession, exc: BoardFaultError) -> None:
         """Remember a board that refused the model (its answer, or an Error sent unasked)."""
@@ -570,11 +602,18 @@ class StepEngine:
         except BoardFaultError as exc:
             self._note_refusal(session, exc)
             # A board that keeps failing costs each step a timeout: back off, doubling.
-            delay = min(_MAX_BACKOFF_S, self.config.resync_backoff_s * 2 ** min(session.sync_failures, 16))
+            delay = min(
+                _MAX_BACKOFF_S, self.config.resync_backoff_s * 2 ** min(session.sync_failures, 16)
+            )
             session.sync_failures += 1
             session.retry_at = asyncio.get_running_loop().time() + delay
-            _log.warning("board load failed; retrying later", board=session.board_id, step=t,
-                         error=f"{exc.reason} {exc.detail}".strip(), retry_in_s=round(delay, 2))
+            _log.warning(
+                "board load failed; retrying later",
+                board=session.board_id,
+                step=t,
+                error=f"{exc.reason} {exc.detail}".strip(),
+                retry_in_s=round(delay, 2),
+            )
             if session.state in ("loading", "resync", "hello"):
                 self._fault(session, f"resync failed: {exc}")
             await self.fleet.notify_changed()
@@ -595,7 +634,7 @@ class StepEngine:
         await self.fleet.notify_changed()
 
     async def _load_job(self, session: BoardSession) -> bool:
-        """Job config, data set and (if the board lacks it) model; returns whether the model was sent."""
+        """Job config, data set and (if the board lacks it) model; True when the model was sent."""
         session.last_error = None  # only what the board says about this load counts
         if session.job_id == self.job_id:
             session.set_state("resync", "weights")
@@ -606,15 +645,22 @@ class StepEngine:
         data = self.workload.dataset
         await session.request(
             SelectDataset(
-                name=data.name, dataset_hash=dataset_hash64(data.content_hash),
-                train_size=len(data.x_train), val_size=len(data.x_val),
+                name=data.name,
+                dataset_hash=dataset_hash64(data.content_hash),
+                train_size=len(data.x_train),
+                val_size=len(data.x_val),
             ),
             timeout,
         )
         if session.model_hash == self._blob_hash:
             return False
-        await self._send_chunks(session, self._blob, lambda off, chunk: LoadModel(
-            total=len(self._blob), offset=off, chunk=chunk, crc32=zlib.crc32(self._blob)))
+        await self._send_chunks(
+            session,
+            self._blob,
+            lambda off, chunk: LoadModel(
+                total=len(self._blob), offset=off, chunk=chunk, crc32=zlib.crc32(self._blob)
+            ),
+        )
         session.model_hash = self._blob_hash
         return True
 
@@ -623,18 +669,34 @@ class StepEngine:
             session.set_state("resync", "weights")
         raw = self.state.weight_bytes()
         checksum = self.state.checksum()
-        await self._send_chunks(session, raw, lambda off, chunk: SetWeights(
-            total=len(raw), offset=off, chunk=chunk, job_id=self.job_id, step=step, checksum=checksum),
-            self.config.resync_timeout_s)
+        await self._send_chunks(
+            session,
+            raw,
+            lambda off, chunk: SetWeights(
+                total=len(raw),
+                offset=off,
+                chunk=chunk,
+                job_id=self.job_id,
+                step=step,
+                checksum=checksum,
+            ),
+            self.config.resync_timeout_s,
+        )
 
     async def _send_chunks(
-        self, session: BoardSession, data: bytes, make: Callable[[int, bytes], Any], timeout: float | None = None
+        self,
+        session: BoardSession,
+        data: bytes,
+        make: Callable[[int, bytes], Any],
+        timeout: float | None = None,
     ) -> None:
         offsets = list(range(0, len(data), MAX_CHUNK)) or [0]
         for offset in offsets[:-1]:
             await session.send(make(offset, data[offset : offset + MAX_CHUNK]))
         last = offsets[-1]
-        await session.request(make(last, data[last : last + MAX_CHUNK]), timeout or self.config.load_timeout_s)
+        await session.request(
+            make(last, data[last : last + MAX_CHUNK]), timeout or self.config.load_timeout_s
+        )
 
     def _fault(self, session: BoardSession, reason: str) -> None:
         self.faults += 1
@@ -672,12 +734,20 @@ class StepEngine:
     def _request(self, t: int, ks: Sequence[int]) -> EvalRequest:
         spec = self.spec
         return EvalRequest(
-            job_id=self.job_id, step=t, batch_size=spec.batch_size, eps=spec.eps,
-            estimator=spec.estimator, ks=tuple(sorted(ks)),
+            job_id=self.job_id,
+            step=t,
+            batch_size=spec.batch_size,
+            eps=spec.eps,
+            estimator=spec.estimator,
+            ks=tuple(sorted(ks)),
         )
 
     def _plan(
-        self, missing: Sequence[int], workers: list[BoardSession], audit: bool, step: int | None = None
+        self,
+        missing: Sequence[int],
+        workers: list[BoardSession],
+        audit: bool,
+        step: int | None = None,
     ) -> dict[str, list[int]]:
         rates = _planning_rates(workers)
         plan = plan_shards(list(missing), rates)
@@ -739,7 +809,12 @@ class StepEngine:
             self._safe_point = False
 
     async def _dispatch(
-        self, t: int, keys: list[int], got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight], first: bool
+        self,
+        t: int,
+        keys: list[int],
+        got: _Collected,
+        flights: dict[asyncio.Task[EvalResult], _Flight],
+        first: bool,
     ) -> None:
         busy = {f.session.address for f in flights.values()}
         workers = self.workers(got.excluded | busy)
@@ -778,7 +853,14 @@ class StepEngine:
         plan = self._plan(keys, workers, audit=True)
         if len(plan) == 1 and self._audit_step(t):
             ((address, ks),) = plan.items()
-            known = next((k for k in sorted(got.values) if got.sources.get(k) and address not in got.sources[k]), None)
+            known = next(
+                (
+                    k
+                    for k in sorted(got.values)
+                    if got.sources.get(k) and address not in got.sources[k]
+                ),
+                None,
+            )
             if known is not None:
                 plan[address] = sorted({*ks, known})
         return plan
@@ -796,7 +878,12 @@ class StepEngine:
         if not open_groups:
             return False
         keys = sorted({ks[0] for _, ks in open_groups})
-        _log.info("daemon audits unconfirmed results", job=self.spec.name, step=t, results=len(open_groups))
+        _log.info(
+            "daemon audits unconfirmed results",
+            job=self.spec.name,
+            step=t,
+            results=len(open_groups),
+        )
         liars = await self._daemon_truth(t, keys, got)
         self._drop_liars(t, liars, got, keep=set(keys))
         return bool(liars)
@@ -825,7 +912,9 @@ class StepEngine:
             if liar is not None:
                 self._fault(liar, f"step {t}: losses disagree with the daemon's")
 
-    async def _await_some(self, t: int, got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight]) -> None:
+    async def _await_some(
+        self, t: int, got: _Collected, flights: dict[asyncio.Task[EvalResult], _Flight]
+    ) -> None:
         loop = asyncio.get_running_loop()
         pending_deadlines = [f.deadline for f in flights.values() if not f.late]
         timeout = max(0.0, min(pending_deadlines) - loop.time()) if pending_deadlines else None
@@ -846,7 +935,12 @@ class StepEngine:
                 flight.late = True
                 got.excluded.add(flight.session.address)
                 flight.session.throughput.observe(len(flight.ks), now - flight.sent)
-                _log.warning("shard late; reassigning", board=flight.session.board_id, step=t, ks=len(flight.ks))
+                _log.warning(
+                    "shard late; reassigning",
+                    board=flight.session.board_id,
+                    step=t,
+                    ks=len(flight.ks),
+                )
 
     async def _on_answer(
         self, t: int, task: asyncio.Task[EvalResult], flight: _Flight, got: _Collected, now: float
@@ -868,11 +962,15 @@ class StepEngine:
 
     def _check_result(self, result: EvalResult, t: int, flight: _Flight) -> None:
         if not isinstance(result, EvalResult) or result.step != t or result.job_id != self.job_id:
-            raise BoardFaultError(flight.session.board_id, "wrong_answer", "result for another job or step")
+            raise BoardFaultError(
+                flight.session.board_id, "wrong_answer", "result for another job or step"
+            )
         if tuple(result.ks) != flight.ks or result.estimator != self.spec.estimator:
             raise BoardFaultError(flight.session.board_id, "wrong_answer", "result for other keys")
 
-    async def _accept(self, t: int, session: BoardSession, result: EvalResult, got: _Collected) -> None:
+    async def _accept(
+        self, t: int, session: BoardSession, result: EvalResult, got: _Collected
+    ) -> None:
         two_sided = result.estimator == "two_sided"
         conflicts: list[int] = []
         for i, k in enumerate(result.ks):
@@ -897,7 +995,10 @@ class StepEngine:
         Returns the addresses found lying."""
         two_sided = self.spec.estimator == "two_sided"
         index = {k: i for i, k in enumerate(result.ks)}
-        theirs = {k: (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None) for k in keys}
+        theirs = {
+            k: (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None)
+            for k in keys
+        }
         liars = await self._daemon_truth(t, keys, got)
         if any(theirs[k] != got.values[k] for k in keys):
             liars.add(session.address)
@@ -925,7 +1026,8 @@ class StepEngine:
 
     def _update_targets(self, t: int) -> list[BoardSession]:
         return [
-            s for s in self.fleet.boards()
+            s
+            for s in self.fleet.boards()
             if s.alive and s.state in ("ready", "busy") and s.job_id == self.job_id and s.step == t
         ]
 
@@ -934,12 +1036,15 @@ class StepEngine:
         ks = tuple(k for k, _ in pairs)
         return ApplyUpdate(job_id=job_id, step=t, ks=ks, coefficients=tuple(c for _, c in pairs))
 
-    async def _broadcast_update(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
+    async def _broadcast_update(
+        self, t: int, pairs: list[tuple[int, float]], expected: int
+    ) -> None:
         await self._settle_unverified()
         message = self._update_message(self.job_id, t, pairs)
         targets = self._update_targets(t)
         answers = await asyncio.gather(
-            *(s.request(message, self.config.reply_timeout_s) for s in targets), return_exceptions=True
+            *(s.request(message, self.config.reply_timeout_s) for s in targets),
+            return_exceptions=True,
         )
         for session, answer in zip(targets, answers, strict=True):
             if isinstance(answer, UpdateAck) and answer.checksum == expected and answer.step == t:
@@ -947,7 +1052,9 @@ class StepEngine:
                 if session.state == "busy":
                     session.set_state("ready", "updated")
             elif isinstance(answer, UpdateAck):
-                self._fault(session, f"step {t}: checksum {answer.checksum:08x}, expected {expected:08x}")
+                self._fault(
+                    session, f"step {t}: checksum {answer.checksum:08x}, expected {expected:08x}"
+                )
             elif isinstance(answer, BoardFaultError):
                 self._fault(session, f"step {t} update: {answer.reason} {answer.detail}".strip())
             elif isinstance(answer, BaseException):
@@ -960,8 +1067,12 @@ class StepEngine:
         validation or the last step, nor while a stop, pause, policy change or checkpoint
         waits for the step to end (those want a whole step, and may change q)."""
         return (
-            self.config.pipeline and not validate and not self._stop.is_set() and self._resume.is_set()
-            and self._new_policy is None and not self._checkpoint_waiters
+            self.config.pipeline
+            and not validate
+            and not self._stop.is_set()
+            and self._resume.is_set()
+            and self._new_policy is None
+            and not self._checkpoint_waiters
         )
 
     async def _send_update_and_next(
@@ -985,7 +1096,8 @@ class StepEngine:
             sent.append(done)
             if ks is None:
                 self._unverified[session.address] = asyncio.create_task(
-                    self._update_only(session, message, expected, done), name=f"fleet[{session.address}].update[{t}]"
+                    self._update_only(session, message, expected, done),
+                    name=f"fleet[{session.address}].update[{t}]",
                 )
                 continue
             request = self._request(t + 1, ks)
@@ -1002,8 +1114,13 @@ class StepEngine:
             await asyncio.wait(sent)
 
     async def _update_then_eval(
-        self, session: BoardSession, update: ApplyUpdate, request: EvalRequest,
-        expected: asyncio.Future[int], timeout: float, sent: asyncio.Future[None],
+        self,
+        session: BoardSession,
+        update: ApplyUpdate,
+        request: EvalRequest,
+        expected: asyncio.Future[int],
+        timeout: float,
+        sent: asyncio.Future[None],
     ) -> EvalResult:
         """Send the update and the next step's request; the result counts only after the
         update's ack matched the daemon's checksum (else ``BoardFaultError``)."""
@@ -1032,7 +1149,11 @@ class StepEngine:
             session.forget(("eval", request.step, request.ks), answer)
 
     async def _update_only(
-        self, session: BoardSession, update: ApplyUpdate, expected: asyncio.Future[int], sent: asyncio.Future[None]
+        self,
+        session: BoardSession,
+        update: ApplyUpdate,
+        expected: asyncio.Future[int],
+        sent: asyncio.Future[None],
     ) -> None:
         """A board without work in the next step: its ack is checked in the background."""
         try:
@@ -1051,12 +1172,18 @@ class StepEngine:
             self._unverified.pop(session.address, None)
         await self.fleet.notify_changed()  # it may take work now
 
-    async def _check_ack(self, session: BoardSession, t: int, reply: Any, expected: asyncio.Future[int]) -> None:
+    async def _check_ack(
+        self, session: BoardSession, t: int, reply: Any, expected: asyncio.Future[int]
+    ) -> None:
         checksum = await expected
         if not isinstance(reply, UpdateAck) or reply.step != t:
             raise BoardFaultError(session.board_id, "wrong_answer", f"step {t}: not its update ack")
         if reply.checksum != checksum:
-            raise BoardFaultError(session.board_id, "checksum", f"step {t}: checksum {reply.checksum:08x}, expected {checksum:08x}")
+            raise BoardFaultError(
+                session.board_id,
+                "checksum",
+                f"step {t}: checksum {reply.checksum:08x}, expected {checksum:08x}",
+            )
 
     async def _settle_unverified(self) -> None:
         """Wait for the update acks still being checked (normally all in already)."""
@@ -1125,12 +1252,16 @@ class StepEngine:
         n_val = len(self.workload.dataset.x_val)
         workers = self.workers() if self.config.validate_on == "boards" else []
         slices = self._val_slices(n_val, workers)
-        results = await asyncio.gather(*(self._val_slice(t, s, start, count) for s, start, count in slices))
+        results = await asyncio.gather(
+            *(self._val_slice(t, s, start, count) for s, start, count in slices)
+        )
         loss_sum = sum(r[0] for r in results)
         correct = sum(r[1] for r in results)
         return eval_record(t, loss_sum, correct, n_val, self.result.forward_passes)
 
-    def _val_slices(self, n_val: int, workers: list[BoardSession]) -> list[tuple[BoardSession | None, int, int]]:
+    def _val_slices(
+        self, n_val: int, workers: list[BoardSession]
+    ) -> list[tuple[BoardSession | None, int, int]]:
         if not workers:
             return [(None, 0, n_val)]
         rates = _planning_rates(workers)
@@ -1151,7 +1282,9 @@ class StepEngine:
         expected = keys / max(session.throughput.rate, 1e-6)
         return max(self.config.step_deadline_s, self.config.deadline_factor * expected)
 
-    async def _val_slice(self, t: int, session: BoardSession | None, start: int, count: int) -> tuple[float, int]:
+    async def _val_slice(
+        self, t: int, session: BoardSession | None, start: int, count: int
+    ) -> tuple[float, int]:
         if session is not None:
             request = ValidateRequest(job_id=self.job_id, step=t + 1, start=start, count=count)
             try:
@@ -1161,20 +1294,35 @@ class StepEngine:
                 raise BoardFaultError(session.board_id, "wrong_answer", "validation slice mismatch")
             except BoardFaultError as exc:
                 self._fault(session, f"validation: {exc.reason} {exc.detail}".strip())
-        loss_sum, correct, _ = await asyncio.to_thread(self.workload.validate, self.state, start, count)
+        loss_sum, correct, _ = await asyncio.to_thread(
+            self.workload.validate, self.state, start, count
+        )
         return loss_sum, correct
 
     # ------------------------------------------------------------------ events
 
-    def _emit(self, kind: EventKind, *, step: int | None = None, message: str = "", metrics: dict[str, float] | None = None) -> None:
+    def _emit(
+        self,
+        kind: EventKind,
+        *,
+        step: int | None = None,
+        message: str = "",
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         if self._on_event is None:
             return
-        event = Event(kind=kind, time=time.time(), job=self.spec.name, step=step, message=message, metrics=metrics or {})
+        event = Event(
+            kind=kind,
+            time=time.time(),
+            job=self.spec.name,
+            step=step,
+            message=message,
+            metrics=metrics or {},
+        )
         try:
             self._on_event(event)
         except Exception:  # a consumer's bug must not stop training
             _log.exception("event handler failed", kind=kind)
-
 
 
 def fleet_event(event: FleetEvent, job: str | None = None) -> Event:
@@ -1187,7 +1335,13 @@ def fleet_event(event: FleetEvent, job: str | None = None) -> Event:
     Returns:
         The event.
     """
-    return Event(kind=event.kind, time=time.time(), job=job, board_id=event.board_id, message=event.message)  # type: ignore[arg-type]
+    return Event(
+        kind=event.kind,  # type: ignore[arg-type]
+        time=time.time(),
+        job=job,
+        board_id=event.board_id,
+        message=event.message,
+    )
 
 
 def _planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:

@@ -164,7 +164,10 @@ def _error_matches(error: Error, key: Hashable) -> bool:
     if cls in _LOADED_RESOURCE:
         return key == ("loaded", _LOADED_RESOURCE[cls])
     kinds: dict[type, str] = {
-        EvalRequest: "eval", ApplyUpdate: "update", ValidateRequest: "validate", Ping: "ping"
+        EvalRequest: "eval",
+        ApplyUpdate: "update",
+        ValidateRequest: "validate",
+        Ping: "ping",
     }
     kind = kinds.get(cls)
     # Errors carry the step but not the ks or the slice: they refuse every such request.
@@ -227,7 +230,9 @@ class BoardSession:
         try:
             check_board_transition(self.state, new)
         except ValueError as exc:
-            _log.error("board state change refused", board=self.board_id, error=str(exc), reason=reason)
+            _log.error(
+                "board state change refused", board=self.board_id, error=str(exc), reason=reason
+            )
             return False
         _log.debug("board state", board=self.board_id, old=self.state, new=new, reason=reason)
         self.state = new
@@ -245,7 +250,9 @@ class BoardSession:
             protocol_version=hello.protocol_version if hello else None,
             firmware_version=hello.firmware_version if hello else None,
             npu=hello.npu if hello else None,
-            throughput=round(max(0.0, self.throughput.rate), 3) if self.throughput.observations else 0.0,
+            throughput=round(max(0.0, self.throughput.rate), 3)
+            if self.throughput.observations
+            else 0.0,
             last_seen=self.last_seen_wall,
         )
 
@@ -268,7 +275,9 @@ class BoardSession:
             _log.info("board link up again", board=self.board_id)
         self.link_down = False
 
-    async def request(self, msg: DataMessage, timeout: float, key: Hashable | None = None) -> DataMessage:
+    async def request(
+        self, msg: DataMessage, timeout: float, key: Hashable | None = None
+    ) -> DataMessage:
         """Send ``msg`` and wait for its answer.
 
         Args:
@@ -291,7 +300,9 @@ class BoardSession:
         finally:
             self.forget(key, future)
 
-    async def send_expecting(self, msg: DataMessage, key: Hashable | None = None) -> asyncio.Future[DataMessage]:
+    async def send_expecting(
+        self, msg: DataMessage, key: Hashable | None = None
+    ) -> asyncio.Future[DataMessage]:
         """Send a request without waiting for its answer (pipelining: several in order).
 
         Args:
@@ -323,19 +334,25 @@ class BoardSession:
         """
         key = request_key(msg) if key is None else key
         if len(self._waiters) >= MAX_IN_FLIGHT:
-            raise BoardFaultError(self.board_id, "overloaded", f"{len(self._waiters)} requests in flight")
+            raise BoardFaultError(
+                self.board_id, "overloaded", f"{len(self._waiters)} requests in flight"
+            )
         if key in self._waiters:
             raise BoardFaultError(self.board_id, "duplicate_request", repr(key))
         future: asyncio.Future[DataMessage] = asyncio.get_running_loop().create_future()
         self._waiters[key] = future  # registered before sending: a fast answer finds it
         return future
 
-    async def reply(self, msg: DataMessage, future: asyncio.Future[DataMessage], timeout: float) -> DataMessage:
+    async def reply(
+        self, msg: DataMessage, future: asyncio.Future[DataMessage], timeout: float
+    ) -> DataMessage:
         """Wait for the answer ``send_expecting`` registered (``BoardFaultError`` as ``request``)."""
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
-            raise BoardFaultError(self.board_id, "timeout", f"no answer to {msg.type} in {timeout:.1f} s") from exc
+            raise BoardFaultError(
+                self.board_id, "timeout", f"no answer to {msg.type} in {timeout:.1f} s"
+            ) from exc
 
     def forget(self, key: Hashable, future: asyncio.Future[DataMessage]) -> None:
         """Release a waiter (only if it is still this one); an answer after this is dropped."""
@@ -375,7 +392,9 @@ class BoardSession:
 
 
 def _settle(
-    future: asyncio.Future[DataMessage], result: DataMessage | None = None, exc: BaseException | None = None
+    future: asyncio.Future[DataMessage],
+    result: DataMessage | None = None,
+    exc: BaseException | None = None,
 ) -> None:
     if future.done():
         return
@@ -434,7 +453,10 @@ class Fleet:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         for task in [*self._main, *self._readers.values(), *self._helpers]:
             task.cancel()
@@ -547,9 +569,18 @@ class Fleet:
             _log.exception("board message handling failed", board=session.board_id, type=msg.type)
 
     async def _bad_message(self, session: BoardSession, exc: ProtocolError) -> None:
-        _log.warning("undecodable message from board", board=session.board_id, kind=exc.kind, detail=exc.detail)
+        _log.warning(
+            "undecodable message from board",
+            board=session.board_id,
+            kind=exc.kind,
+            detail=exc.detail,
+        )
         if exc.kind == "unsupported_version":
-            error = Error(code="unsupported_version", ref_type=exc.msg_type or 0, detail=f"daemon speaks {PROTOCOL_VERSION}")
+            error = Error(
+                code="unsupported_version",
+                ref_type=exc.msg_type or 0,
+                detail=f"daemon speaks {PROTOCOL_VERSION}",
+            )
             with contextlib.suppress(BoardFaultError):
                 await session.send(error)
             if session.state == "unknown":
@@ -563,7 +594,13 @@ class Fleet:
             return
         if not session.deliver(msg) and not isinstance(msg, Heartbeat):
             if isinstance(msg, Error):
-                _log.warning("board error", board=session.board_id, code=msg.code, detail=msg.detail, step=msg.step)
+                _log.warning(
+                    "board error",
+                    board=session.board_id,
+                    code=msg.code,
+                    detail=msg.detail,
+                    step=msg.step,
+                )
             else:
                 _log.debug("unexpected answer dropped", board=session.board_id, type=msg.type)
 
@@ -598,11 +635,16 @@ class Fleet:
                     await self._ask_hello(session, now)
                 silent = now - session.last_seen
                 if silent > self._silence_limit:
-                    _log.warning("board silent; giving up", board=session.board_id, silent_s=round(silent, 1))
+                    _log.warning(
+                        "board silent; giving up", board=session.board_id, silent_s=round(silent, 1)
+                    )
                     with contextlib.suppress(Exception):
                         await session.link.close()
                     await self._gone(session.address, "silent")
-                elif (silent > self._interval or session.link_down) and session.state not in ("gone", "unknown"):
+                elif (silent > self._interval or session.link_down) and session.state not in (
+                    "gone",
+                    "unknown",
+                ):
                     self._spawn_ping(session)
 
     async def _hello_watch(self, session: BoardSession) -> None:

@@ -15,7 +15,12 @@ import structlog
 
 __all__ = ["LEVELS", "configure_logging"]
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 class _Stderr:
@@ -31,7 +36,9 @@ class _Stderr:
         return sys.stderr.isatty()
 
 
-def configure_logging(level: str = "info", *, json: bool | None = None, stream: TextIO | None = None) -> None:
+def configure_logging(
+    level: str = "info", *, json: bool | None = None, stream: TextIO | None = None
+) -> None:
     """Configure structlog and the standard ``logging`` module.
 
     Args:

@@ -32,7 +32,11 @@ class ThroughputEstimate:
         if samples <= 0 or seconds <= 0:
             return
         measured = samples / seconds
-        self.rate = measured if self.observations == 0 else (1 - self.weight) * self.rate + self.weight * measured
+        self.rate = (
+            measured
+            if self.observations == 0
+            else (1 - self.weight) * self.rate + self.weight * measured
+        )
         self.observations += 1
 
 

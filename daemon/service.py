@@ -143,13 +143,21 @@ class Daemon:
 
             self._mqtt = MqttTransport(cfg.mqtt, self.topics, version=self.version)
             conn = self._mqtt.connection
-            conn.subscribe(self.topics.control_request(), self.topics.rule("control_request").qos, self._on_control)
+            conn.subscribe(
+                self.topics.control_request(),
+                self.topics.rule("control_request").qos,
+                self._on_control,
+            )
             transports.append(self._mqtt)
         if cfg.serial.devices:
             from qsched.protocol.links.serial import SerialTransport
 
             transports.append(
-                SerialTransport(cfg.serial.devices, baudrate=cfg.serial.baudrate, reopen_interval=cfg.serial.reopen_interval_s)
+                SerialTransport(
+                    cfg.serial.devices,
+                    baudrate=cfg.serial.baudrate,
+                    reopen_interval=cfg.serial.reopen_interval_s,
+                )
             )
         return transports
 
@@ -177,11 +185,19 @@ class Daemon:
             await stack.__aexit__(None, None, None)
             raise
         self.notifier.ready(self._status_text())
-        _log.info("daemon ready", fleet=self.config.fleet, state_dir=str(self.store.root), mqtt=self.config.mqtt.enabled)
+        _log.info(
+            "daemon ready",
+            fleet=self.config.fleet,
+            state_dir=str(self.store.root),
+            mqtt=self.config.mqtt.enabled,
+        )
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.notifier.stopping("shutting down")
         await self._shutdown_job()
@@ -234,7 +250,9 @@ class Daemon:
     # ------------------------------------------------------------------ jobs
 
     def _resume_jobs(self) -> None:
-        candidates = [j for j in self.store.jobs() if j.status().get("status") in ("running", "paused")]
+        candidates = [
+            j for j in self.store.jobs() if j.status().get("status") in ("running", "paused")
+        ]
         candidates.sort(key=lambda j: j.status().get("updated", 0.0))
         for stale in candidates[:-1]:  # one job at a time: older ones wait, stopped
             stale.set_status("stopped", "another job was running when the daemon restarted")
@@ -244,19 +262,31 @@ class Daemon:
                 spec = JobSpec.model_validate(folder.spec())
                 paused = folder.status().get("status") == "paused"
                 self._launch(spec, folder, paused=paused)
-                _log.info("job resumed", job=spec.name, step=self.job.engine.step if self.job else None)
+                _log.info(
+                    "job resumed", job=spec.name, step=self.job.engine.step if self.job else None
+                )
             except (StateDirError, ValueError) as exc:
                 _log.error("job cannot be resumed", job=folder.job_id, error=str(exc))
                 folder.set_status("failed", f"cannot resume: {exc}")
 
     def _launch(
-        self, spec: JobSpec, folder: JobDir, *, paused: bool = False, workload: Workload | None = None
+        self,
+        spec: JobSpec,
+        folder: JobDir,
+        *,
+        paused: bool = False,
+        workload: Workload | None = None,
     ) -> ActiveJob:
         assert self.fleet is not None
         checkpoint = folder.load_checkpoint()
         engine = StepEngine(
-            spec, self.fleet, config=self.engine_config, workload=workload, resume=checkpoint,
-            job_dir=folder, on_event=self._on_event,
+            spec,
+            self.fleet,
+            config=self.engine_config,
+            workload=workload,
+            resume=checkpoint,
+            job_dir=folder,
+            on_event=self._on_event,
         )
         job = ActiveJob(spec, engine, folder)
         self.job = job
@@ -288,7 +318,9 @@ class Daemon:
         if self.job is None:
             raise ControlError("no_job", "no job is loaded; start one with start_job")
         if name is not None and name != self.job.spec.name:
-            raise ControlError("unknown_job", f"no job named {name!r}; the current job is {self.job.spec.name!r}")
+            raise ControlError(
+                "unknown_job", f"no job named {name!r}; the current job is {self.job.spec.name!r}"
+            )
         return self.job
 
     def job_status(self, name: str | None = None) -> JobStatus:
@@ -314,15 +346,26 @@ class Daemon:
         """Start a job from its spec (one at a time)."""
         spec = command.spec
         if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
-            raise ControlError("conflict", f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first")
+            raise ControlError(
+                "conflict",
+                f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first",
+            )
         try:
-            folder = self.store.create_job(spec.name, spec.model_dump(mode="json"), status="running")
+            folder = self.store.create_job(
+                spec.name, spec.model_dump(mode="json"), status="running"
+            )
         except StateDirError as exc:
             code: ControlErrorCode = "conflict" if "exists" in exc.detail else "invalid_command"
-            raise ControlError(code, f"job {spec.name!r}: {exc.detail}; choose another name") from exc
+            raise ControlError(
+                code, f"job {spec.name!r}: {exc.detail}; choose another name"
+            ) from exc
         try:
             workload = await asyncio.to_thread(Workload.from_spec, spec)  # CPU-bound: off the loop
-            if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
+            if self.job is not None and self.job.engine.job_state in (
+                "pending",
+                "running",
+                "paused",
+            ):
                 folder.set_status("stopped", "another job started first")
                 raise ControlError("conflict", f"job {self.job.spec.name!r} started meanwhile")
             self._launch(spec, folder, workload=workload)
@@ -335,7 +378,9 @@ class Daemon:
         """Pause the current job after its step."""
         job = self._current(name)
         if job.engine.job_state != "running":
-            raise ControlError("conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not running")
+            raise ControlError(
+                "conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not running"
+            )
         job.engine.pause()
         job.folder.set_status("paused")
         self._status_changed.set()
@@ -345,7 +390,9 @@ class Daemon:
         """Resume the paused job."""
         job = self._current(name)
         if job.engine.job_state != "paused":
-            raise ControlError("conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not paused")
+            raise ControlError(
+                "conflict", f"job {job.spec.name!r} is {job.engine.job_state}, not paused"
+            )
         job.engine.resume()
         job.folder.set_status("running")
         self._status_changed.set()
@@ -355,7 +402,9 @@ class Daemon:
         """Stop the current job for good (with a final checkpoint)."""
         job = self._current(name)
         if job.engine.job_state not in ("running", "paused", "pending"):
-            raise ControlError("conflict", f"job {job.spec.name!r} is already {job.engine.job_state}")
+            raise ControlError(
+                "conflict", f"job {job.spec.name!r} is already {job.engine.job_state}"
+            )
         job.engine.stop()
         self._status_changed.set()
         return self.job_status()
@@ -366,7 +415,9 @@ class Daemon:
         if job.task is None or job.task.done():
             path = job.engine.last_checkpoint
             if path is None:
-                raise ControlError("conflict", f"job {job.spec.name!r} has ended without a checkpoint")
+                raise ControlError(
+                    "conflict", f"job {job.spec.name!r} has ended without a checkpoint"
+                )
             return path
         try:
             return await job.engine.request_checkpoint()
@@ -445,7 +496,10 @@ class Daemon:
             rule = self.topics.rule("events")
             try:
                 await self._mqtt.connection.publish(
-                    self.topics.events(), event.model_dump_json(exclude_none=True), qos=rule.qos, timeout=2.0
+                    self.topics.events(),
+                    event.model_dump_json(exclude_none=True),
+                    qos=rule.qos,
+                    timeout=2.0,
                 )
             except TimeoutError:
                 _log.debug("event not published (broker away)", kind=event.kind)
@@ -468,25 +522,41 @@ class Daemon:
             return
         with contextlib.suppress(TimeoutError):
             await self._mqtt.connection.publish(
-                status_topic(self.topics), self.status().model_dump_json(), qos=1, retain=True, timeout=2.0
+                status_topic(self.topics),
+                self.status().model_dump_json(),
+                qos=1,
+                retain=True,
+                timeout=2.0,
             )
 
     # ------------------------------------------------------------------ control over MQTT
 
     async def _on_control(self, message: Any) -> None:
-        payload = message.payload if isinstance(message.payload, bytes | bytearray) else str(message.payload or "")
+        payload = (
+            message.payload
+            if isinstance(message.payload, bytes | bytearray)
+            else str(message.payload or "")
+        )
         props = getattr(message, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
         # Commands run as tasks: a slow one (checkpoint) must not hold up the others or
         # the data plane, which share this MQTT message loop.
-        self._spawn_control(bytes(payload) if not isinstance(payload, str) else payload, response_topic, correlation)
+        self._spawn_control(
+            bytes(payload) if not isinstance(payload, str) else payload, response_topic, correlation
+        )
 
-    def _spawn_control(self, payload: bytes | str, response_topic: str | None, correlation: bytes | None) -> None:
+    def _spawn_control(
+        self, payload: bytes | str, response_topic: str | None, correlation: bytes | None
+    ) -> None:
         assert self._tasks is not None
-        self._tasks.create_task(self._answer(payload, response_topic, correlation), name="control.command")
+        self._tasks.create_task(
+            self._answer(payload, response_topic, correlation), name="control.command"
+        )
 
-    async def _answer(self, payload: bytes | str, response_topic: str | None, correlation: bytes | None) -> None:
+    async def _answer(
+        self, payload: bytes | str, response_topic: str | None, correlation: bytes | None
+    ) -> None:
         if self._control_backlog >= _CONTROL_BACKLOG:
             reply: Reply | ErrorReply = _busy_reply(payload)
         else:
@@ -498,7 +568,9 @@ class Daemon:
                 self._control_backlog -= 1
         await self._send_reply(reply, response_topic, correlation)
 
-    async def _send_reply(self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None) -> None:
+    async def _send_reply(
+        self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None
+    ) -> None:
         topic = response_topic or self.topics.control_reply()
         properties = None
         if self.config.mqtt.protocol == "5" and correlation is not None:
@@ -519,7 +591,9 @@ def _busy_reply(payload: bytes | str) -> ErrorReply:
     except ProtocolError as exc:
         return error_reply(exc)
     return ErrorReply(
-        command=command.type, request_id=command.request_id, code="busy",
+        command=command.type,
+        request_id=command.request_id,
+        code="busy",
         message=f"more than {_CONTROL_BACKLOG} commands are waiting; retry later",
     )
 
@@ -538,10 +612,21 @@ def _raise_if_cancelling() -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qsched daemon", description="Run the fleet daemon.")
     parser.add_argument("--config", type=Path, help="TOML file (default: $QSCHED_CONFIG)")
-    parser.add_argument("--state-dir", type=Path, help="state directory (default: $STATE_DIRECTORY)")
-    parser.add_argument("--mqtt", metavar="HOST:PORT", type=_host_port, help="broker address (overrides the configuration)")
-    parser.add_argument("--no-mqtt", action="store_true", help="run without a broker (serial boards only)")
-    parser.add_argument("--serial", nargs="*", default=None, metavar="DEV", help="serial ports or globs")
+    parser.add_argument(
+        "--state-dir", type=Path, help="state directory (default: $STATE_DIRECTORY)"
+    )
+    parser.add_argument(
+        "--mqtt",
+        metavar="HOST:PORT",
+        type=_host_port,
+        help="broker address (overrides the configuration)",
+    )
+    parser.add_argument(
+        "--no-mqtt", action="store_true", help="run without a broker (serial boards only)"
+    )
+    parser.add_argument(
+        "--serial", nargs="*", default=None, metavar="DEV", help="serial ports or globs"
+    )
     parser.add_argument("--fleet", help="fleet name (one topic level)")
     parser.add_argument("--step-deadline", type=float, help="seconds before a shard is reassigned")
     return parser

@@ -301,7 +301,9 @@ class JobDir:
             except ValueError as exc:
                 if index == len(lines) - 1:  # no newline after it: torn by a crash
                     break
-                raise StateDirError(self.metrics_path, f"line {index + 1} is not valid JSON") from exc
+                raise StateDirError(
+                    self.metrics_path, f"line {index + 1} is not valid JSON"
+                ) from exc
         return records
 
     def write_export(self, data: bytes, name: str = "model.tflite") -> Path:
@@ -340,10 +342,14 @@ class StateStore:
 
     def _job_path(self, job_id: str) -> Path:
         if not _JOB_ID.match(job_id):
-            raise StateDirError(self.root, f"invalid job id {job_id!r} (letters, digits, '_', '.', '-')")
+            raise StateDirError(
+                self.root, f"invalid job id {job_id!r} (letters, digits, '_', '.', '-')"
+            )
         return self.root / "jobs" / job_id
 
-    def create_job(self, job_id: str, spec: dict[str, Any], status: JobStatus = "pending") -> JobDir:
+    def create_job(
+        self, job_id: str, spec: dict[str, Any], status: JobStatus = "pending"
+    ) -> JobDir:
         """Create a job folder with its spec and initial status.
 
         Args:

@@ -158,7 +158,15 @@ def _spec_errors() -> tuple[type[Exception], ...]:
     from qsched.zo.workload import WorkloadError
     from qsched.zo.zoo import ZooError
 
-    return (DatasetError, ExportError, GraphError, PolicyError, TFLiteError, WorkloadError, ZooError)
+    return (
+        DatasetError,
+        ExportError,
+        GraphError,
+        PolicyError,
+        TFLiteError,
+        WorkloadError,
+        ZooError,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,13 +178,25 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: qsched train --set model=cnn --set steps=200 --set policy.name=fixed "
         "--set policy.config.q=4 --out runs/cnn-q4",
     )
-    parser.add_argument("--spec", type=Path, help="job spec, JSON or TOML (default: the built-in defaults)")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field (JSON value)"
+        "--spec", type=Path, help="job spec, JSON or TOML (default: the built-in defaults)"
     )
-    parser.add_argument("--out", type=Path, help="the run folder (default: runs/train-<name>-<time>/)")
-    parser.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint")
-    parser.add_argument("--stop-at", type=int, metavar="STEP", help=argparse.SUPPRESS)  # tests: a kill
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field (JSON value)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="the run folder (default: runs/train-<name>-<time>/)"
+    )
+    parser.add_argument(
+        "--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint"
+    )
+    parser.add_argument(
+        "--stop-at", type=int, metavar="STEP", help=argparse.SUPPRESS
+    )  # tests: a kill
     return parser
 
 
@@ -184,7 +204,9 @@ def _prepare(args: argparse.Namespace) -> tuple[RunFolder, Workload, TrainResult
     """The folder, the workload and the resume point the options name (errors: one line)."""
     if args.resume is not None:
         if args.spec is not None or args.set or args.out is not None:
-            raise ValueError("--resume takes the spec from the run folder: give no --spec, --set or --out")
+            raise ValueError(
+                "--resume takes the spec from the run folder: give no --spec, --set or --out"
+            )
         folder = RunFolder(args.resume)
         spec, resume = folder.load()
         workload = Workload.from_spec(spec)

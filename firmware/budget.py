@@ -78,14 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qsched.firmware.budget")
     parser.add_argument("pairs", nargs="+", help="model:dataset, e.g. mlp:digits")
     args = parser.parse_args(argv)
-    print("| model | data set | blob | P | weights+buffer+copy+staging (7P) | arena | region | with agent |")
+    print(
+        "| model | data set | blob | P | weights+buffer+copy+staging (7P) | arena | region | with agent |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for pair in args.pairs:
         model, _, dataset = pair.partition(":")
         b = memory_budget(Workload.from_spec(JobSpec(model=model, dataset=dataset or "digits")))
         kib = lambda n: f"{n / 1024:.1f} KiB"  # noqa: E731
-        print(f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} | {kib(b.arena)} | "
-              f"{kib(b.region)} | {kib(b.total)} |")
+        print(
+            f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} | {kib(b.arena)} | "
+            f"{kib(b.region)} | {kib(b.total)} |"
+        )
     return 0
 
 

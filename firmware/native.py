@@ -161,17 +161,27 @@ def start_host_board(
     Raises:
         FirmwareBuildError: the build failed or the board did not start.
     """
-    cmd = [str(board_executable(sanitized)), "--pty", os.fspath(pty_link_path), "--board-id", board_id]
+    cmd = [
+        str(board_executable(sanitized)),
+        "--pty",
+        os.fspath(pty_link_path),
+        "--board-id",
+        board_id,
+    ]
     if dataset is not None:
         cmd += ["--dataset", os.fspath(dataset)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline().decode(errors="replace") if ready else ""
     if not line.startswith("qs_board: serving "):
         proc.kill()
         _, err = proc.communicate()
-        raise FirmwareBuildError(f"qs_board did not start: {line!r} {err.decode(errors='replace')[-2000:]}")
+        raise FirmwareBuildError(
+            f"qs_board did not start: {line!r} {err.decode(errors='replace')[-2000:]}"
+        )
     return HostBoard(line.split()[2], Path(pty_link_path), proc)
 
 
@@ -331,5 +341,12 @@ class BoardClient:
 
         crc = zlib.crc32(blob)
         for offset in range(0, len(blob), MAX_CHUNK):
-            self.send(LoadModel(total=len(blob), offset=offset, crc32=crc, chunk=blob[offset : offset + MAX_CHUNK]))
+            self.send(
+                LoadModel(
+                    total=len(blob),
+                    offset=offset,
+                    crc32=crc,
+                    chunk=blob[offset : offset + MAX_CHUNK],
+                )
+            )
         return [self.recv(), self.request(select), self.request(config)]

@@ -69,8 +69,16 @@ class QemuBoard:
 
 def _qemu_command(image: Path, extra: list[str]) -> list[str]:
     return [
-        "qemu-system-arm", "-M", QEMU_MACHINE, "-display", "none", "-monitor", "none",
-        "-kernel", str(image), *extra,
+        "qemu-system-arm",
+        "-M",
+        QEMU_MACHINE,
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-kernel",
+        str(image),
+        *extra,
     ]
 
 
@@ -91,10 +99,14 @@ def _read_pty_path(proc: subprocess.Popen[bytes], timeout: float) -> str:
                 return text.split(_PTY_MARKER, 1)[1].split()[0]
         elif proc.poll() is not None:
             break
-    raise FirmwareBuildError(f"QEMU did not report its pty: {seen.decode(errors='replace')[-2000:]}")
+    raise FirmwareBuildError(
+        f"QEMU did not report its pty: {seen.decode(errors='replace')[-2000:]}"
+    )
 
 
-def start_qemu_board(pty_link_path: str | os.PathLike[str], *, dataset: str | os.PathLike[str] | None = None) -> QemuBoard:
+def start_qemu_board(
+    pty_link_path: str | os.PathLike[str], *, dataset: str | os.PathLike[str] | None = None
+) -> QemuBoard:
     """Build the Cortex-M55 board image if needed and launch it under QEMU.
 
     Args:
@@ -119,11 +131,20 @@ def start_qemu_board(pty_link_path: str | os.PathLike[str], *, dataset: str | os
     if dataset is not None:
         size = Path(dataset).stat().st_size
         if size > DATASET_MAX_BYTES:
-            raise FirmwareBuildError(f"data set blob of {size} bytes > {DATASET_MAX_BYTES} the board has room for")
-        extra += ["-device", f"loader,file={os.fspath(dataset)},addr=0x{DATASET_ADDRESS:08x},force-raw=on"]
+            raise FirmwareBuildError(
+                f"data set blob of {size} bytes > {DATASET_MAX_BYTES} the board has room for"
+            )
+        extra += [
+            "-device",
+            f"loader,file={os.fspath(dataset)},addr=0x{DATASET_ADDRESS:08x},force-raw=on",
+        ]
     # QEMU says little after start-up (its pty line, fatal errors): one pipe for both.
-    proc = subprocess.Popen(_qemu_command(image, extra), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        _qemu_command(image, extra),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     link = Path(pty_link_path)
     try:
         pty_path = _read_pty_path(proc, START_TIMEOUT_S)
@@ -150,12 +171,18 @@ def run_selftest(timeout: float = 60.0) -> str:
     if reason is not None:
         raise FirmwareBuildError(f"cannot run the Cortex-M55 self-test: {reason}")
     image = build("m55") / "qs_selftest.elf"
-    cmd = _qemu_command(image, ["-serial", "stdio", "-semihosting-config", "enable=on,target=native"])
+    cmd = _qemu_command(
+        image, ["-serial", "stdio", "-semihosting-config", "enable=on,target=native"]
+    )
     try:
-        proc = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd, capture_output=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as exc:
         raise FirmwareBuildError(f"the M55 self-test did not finish in {timeout} s") from exc
     for line in proc.stdout.decode(errors="replace").splitlines():
         if line.startswith("QS-SELFTEST"):
             return line.strip()
-    raise FirmwareBuildError(f"no QS-SELFTEST line (exit {proc.returncode}): {proc.stderr.decode()[-1000:]}")
+    raise FirmwareBuildError(
+        f"no QS-SELFTEST line (exit {proc.returncode}): {proc.stderr.decode()[-1000:]}"
+    )

@@ -64,12 +64,19 @@ __all__ = [
 _log = structlog.get_logger("qsched.bench.fleet")
 
 LINKS: Final = ("mqtt", "serial")
-DEFAULT_BATCH: Final = 4  # samples per perturbed forward pass: a realistic minibatch (1: the worst case)
+DEFAULT_BATCH: Final = (
+    4  # samples per perturbed forward pass: a realistic minibatch (1: the worst case)
+)
 DEFAULT_BATCHES: Final = (DEFAULT_BATCH, 1)
 EFFICIENCY_FLOOR: Final = 0.9
 FLOOR_BOARDS: Final = 8
 # Type codes of the step's own messages (protocol/messages.py TYPE_CODES).
-STEP_TYPES: Final = {0x45: "eval_request", 0x03: "eval_result", 0x46: "apply_update", 0x04: "update_ack"}
+STEP_TYPES: Final = {
+    0x45: "eval_request",
+    0x03: "eval_result",
+    0x46: "apply_update",
+    0x04: "update_ack",
+}
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,10 @@ class CountingTransport:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         return None
 
@@ -222,7 +232,9 @@ class CountingTransport:
         """The wrapped transport's events, with counting links."""
         async for event in self.transport.events():
             if isinstance(event, BoardAppeared):
-                event = BoardAppeared(event.board_id, CountingLink(event.link, self.counter), event.transport)
+                event = BoardAppeared(
+                    event.board_id, CountingLink(event.link, self.counter), event.transport
+                )
             yield event
 
 
@@ -233,15 +245,23 @@ def _spec(config: BenchConfig, steps: int) -> Any:
     from qsched.protocol.jobspec import JobSpec, PolicySpec
 
     # eval_every beyond the run and one step more than measured: no validation runs.
-    return JobSpec(name="bench", steps=steps + 1, batch_size=config.batch, eval_every=10**6,
-                   checkpoint_every=10**6, policy=PolicySpec(name="fixed", config={"q": config.q}))
+    return JobSpec(
+        name="bench",
+        steps=steps + 1,
+        batch_size=config.batch,
+        eval_every=10**6,
+        checkpoint_every=10**6,
+        policy=PolicySpec(name="fixed", config={"q": config.q}),
+    )
 
 
 def _ideal_step_s(config: BenchConfig, boards: int, computed_macs: int) -> float:
     from qsched.firmware.virtual.board import LatencyProfile
 
     largest = math.ceil(config.q / boards) + (1 if config.audit and boards > 1 else 0)
-    return LatencyProfile.named(config.model_latency).forward_seconds(computed_macs, 2 * largest * config.batch)
+    return LatencyProfile.named(config.model_latency).forward_seconds(
+        computed_macs, 2 * largest * config.batch
+    )
 
 
 class _Clock:
@@ -265,7 +285,9 @@ class _Clock:
 
 
 @contextlib.asynccontextmanager
-async def _daemon_transport(link: str, ports: list[Any], broker: str | None, fleet: str) -> AsyncIterator[Any]:
+async def _daemon_transport(
+    link: str, ports: list[Any], broker: str | None, fleet: str
+) -> AsyncIterator[Any]:
     if link == "serial":
         from qsched.lab.demo import PtyTransport
 
@@ -283,7 +305,9 @@ async def _daemon_transport(link: str, ports: list[Any], broker: str | None, fle
         yield transport
 
 
-async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | None = None) -> BenchRow:
+async def bench_one(
+    config: BenchConfig, link: str, boards: int, broker: str | None = None
+) -> BenchRow:
     """Time one fleet size on one link.
 
     Args:
@@ -302,7 +326,9 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
 
     computed_macs = model_summary(Workload.from_spec(_spec(config, 1)).model)[1]
     ideal = _ideal_step_s(config, boards, computed_macs)
-    measured = min(config.max_steps, max(config.min_steps, math.ceil(config.window_s / max(ideal, 1e-3))))
+    measured = min(
+        config.max_steps, max(config.min_steps, math.ceil(config.window_s / max(ideal, 1e-3)))
+    )
     spec = _spec(config, config.warmup_steps + measured)
     counter = ByteCounter()
     counter.steps = range(config.warmup_steps, config.warmup_steps + measured)  # the timed steps
@@ -310,15 +336,22 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
     fleet_name = f"bench-{link}-{boards}-{int(time.time() * 1000) % 10**9}"
     extra = ["--model-latency", config.model_latency]
     async with (
-        board_processes(boards, mqtt=broker if link == "mqtt" else None, fleet=fleet_name,
-                        processes=config.processes,
-                        extra=extra, id_prefix="bench") as ports,
+        board_processes(
+            boards,
+            mqtt=broker if link == "mqtt" else None,
+            fleet=fleet_name,
+            processes=config.processes,
+            extra=extra,
+            id_prefix="bench",
+        ) as ports,
         _daemon_transport(link, ports, broker, fleet_name) as inner,
         CountingTransport(inner, counter) as transport,
         Fleet(transport) as fleet,
     ):
         await wait_for_boards(fleet, boards)
-        knobs = EngineConfig(audit_every=1 if config.audit else 0, validate_on="daemon", pipeline=config.pipeline)
+        knobs = EngineConfig(
+            audit_every=1 if config.audit else 0, validate_on="daemon", pipeline=config.pipeline
+        )
         engine = StepEngine(spec, fleet, config=knobs, on_event=clock.on_event)
         clock.engine = engine
         result = await engine.run()
@@ -326,10 +359,15 @@ async def bench_one(config: BenchConfig, link: str, boards: int, broker: str | N
     step_s = (end - start) / measured
     per_type = {kind: count / measured for kind, count in sorted(counter.bytes.items())}
     return BenchRow(
-        link=link, boards=boards, steps=measured, step_s=step_s, ideal_step_s=ideal,
+        link=link,
+        boards=boards,
+        steps=measured,
+        step_s=step_s,
+        ideal_step_s=ideal,
         forward_passes_per_s=2 * config.q / step_s,
         payload_bytes_per_step=sum(v for k, v in per_type.items() if k != "other"),
-        bytes_by_type=per_type, work=dict(sorted(result.work.items())),
+        bytes_by_type=per_type,
+        work=dict(sorted(result.work.items())),
     )
 
 
@@ -372,7 +410,11 @@ async def run_bench(config: BenchConfig, on_row: Any = None) -> list[BenchRow]:
 def _fill_efficiency(rows: list[BenchRow], config: BenchConfig) -> None:
     for row in rows:
         single = next((r for r in rows if r.link == row.link and r.boards == 1), None)
-        one_rate = single.forward_passes_per_s if single is not None else 2 * config.q / _one_board_ideal(config, rows)
+        one_rate = (
+            single.forward_passes_per_s
+            if single is not None
+            else 2 * config.q / _one_board_ideal(config, rows)
+        )
         row.efficiency = row.forward_passes_per_s / (row.boards * one_rate)
 
 
@@ -415,13 +457,25 @@ def model_facts(config: BenchConfig) -> ModelFacts:
     computed_params, computed_macs = model_summary(Workload.from_spec(spec).model)
     profile = LatencyProfile.named(config.model_latency)
     if profile.macs_per_forward is None:  # the boards model the model they compute
-        return ModelFacts(f"{spec.model} (computed)", computed_macs, computed_params,
-                          profile.forward_seconds(computed_macs, 1), f"{spec.model} on {spec.dataset}", computed_macs)
+        return ModelFacts(
+            f"{spec.model} (computed)",
+            computed_macs,
+            computed_params,
+            profile.forward_seconds(computed_macs, 1),
+            f"{spec.model} on {spec.dataset}",
+            computed_macs,
+        )
     params = computed_params
     if config.model_latency == "mobilenetv2-0.35-128":
         params = model_summary(build_model("mobilenetv2", (128, 128, 3), 1000, 0, width=0.35))[0]
-    return ModelFacts(config.model_latency, profile.macs_per_forward, params, profile.forward_seconds(0, 1),
-                      f"{spec.model} on {spec.dataset}", computed_macs)
+    return ModelFacts(
+        config.model_latency,
+        profile.macs_per_forward,
+        params,
+        profile.forward_seconds(0, 1),
+        f"{spec.model} on {spec.dataset}",
+        computed_macs,
+    )
 
 
 def _si(value: float, unit: str) -> str:
@@ -473,7 +527,9 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
     floor = _floor(rows)
     if floor is not None:
         verdict = "met" if floor >= EFFICIENCY_FLOOR else "NOT met"
-        lines.append(f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: {verdict} ({floor:.3f})")
+        lines.append(
+            f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: {verdict} ({floor:.3f})"
+        )
     return lines
 
 
@@ -494,7 +550,9 @@ def _floor(rows: Sequence[BenchRow]) -> float | None:
 def _int_list(text: str) -> tuple[int, ...]:
     values = tuple(int(part) for part in text.split(","))
     if not values or any(v < 1 or v > 64 for v in values):
-        raise argparse.ArgumentTypeError(f"want a comma list of board counts in 1..64, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"want a comma list of board counts in 1..64, got {text!r}"
+        )
     return values
 
 
@@ -516,37 +574,75 @@ def _links(text: str) -> tuple[str, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched bench fleet", description="Time ZO steps on fleets of virtual boards.")
-    p.add_argument("--boards", type=_int_list, default=(1, 2, 4, 8), help="fleet sizes (default 1,2,4,8)")
+    p = argparse.ArgumentParser(
+        prog="qsched bench fleet", description="Time ZO steps on fleets of virtual boards."
+    )
+    p.add_argument(
+        "--boards", type=_int_list, default=(1, 2, 4, 8), help="fleet sizes (default 1,2,4,8)"
+    )
     p.add_argument("--links", type=_links, default=LINKS, help="mqtt, serial or both (default)")
     p.add_argument("--q", type=int, default=64, help="perturbations per step (default 64)")
-    p.add_argument("--batch", type=_batches, default=DEFAULT_BATCHES,
-                   help="samples per forward pass, a comma list run one after the other (default 4,1: "
-                        "a small minibatch, then the worst case of one sample per pass)")
-    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per configuration (default 3)")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=DEFAULT_BATCHES,
+        help="samples per forward pass, a comma list run one after the other (default 4,1: "
+        "a small minibatch, then the worst case of one sample per pass)",
+    )
+    p.add_argument(
+        "--seconds", type=float, default=3.0, help="measured seconds per configuration (default 3)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
-    p.add_argument("--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model")
+    p.add_argument(
+        "--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model"
+    )
     p.add_argument("--audit", action="store_true", help="keep the shard audit on")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="wait for every update ack before the next step's requests (the engine's old way)")
-    p.add_argument("--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto")
-    p.add_argument("--board-processes", type=int, default=1, help="processes hosting the boards (default 1)")
+    p.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="wait for every update ack before the next step's requests (the engine's old way)",
+    )
+    p.add_argument(
+        "--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto"
+    )
+    p.add_argument(
+        "--board-processes", type=int, default=1, help="processes hosting the boards (default 1)"
+    )
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
-    p.add_argument("--log", type=Path, help="write the daemon's log (info and up) here (default: warnings to stderr)")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 when the 8-board MQTT efficiency floor is missed (first --batch)")
+    p.add_argument(
+        "--log",
+        type=Path,
+        help="write the daemon's log (info and up) here (default: warnings to stderr)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when the 8-board MQTT efficiency floor is missed (first --batch)",
+    )
     return p
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
     if min(args.q, args.warmup, args.min_steps, args.board_processes) < 1 or args.seconds <= 0:
-        raise ValueError("--q, --batch, --warmup, --min-steps and --board-processes must be at least 1, "
-                         "--seconds positive")
-    return BenchConfig(boards=args.boards, links=args.links, q=args.q, batch=args.batch[0], window_s=args.seconds,
-                       warmup_steps=args.warmup, min_steps=args.min_steps, model_latency=args.model_latency,
-                       audit=args.audit, mqtt=args.mqtt, processes=args.board_processes,
-                       pipeline=not args.no_pipeline)
+        raise ValueError(
+            "--q, --batch, --warmup, --min-steps and --board-processes must be at least 1, "
+            "--seconds positive"
+        )
+    return BenchConfig(
+        boards=args.boards,
+        links=args.links,
+        q=args.q,
+        batch=args.batch[0],
+        window_s=args.seconds,
+        warmup_steps=args.warmup,
+        min_steps=args.min_steps,
+        model_latency=args.model_latency,
+        audit=args.audit,
+        mqtt=args.mqtt,
+        processes=args.board_processes,
+        pipeline=not args.no_pipeline,
+    )
 
 
 @contextlib.contextmanager
@@ -567,7 +663,9 @@ def _quiet_logs(path: Path | None) -> Iterator[None]:
             stack.callback(logging.getLogger("mqtt").setLevel, logging.getLogger("mqtt").level)
             logging.getLogger("mqtt").setLevel(logging.ERROR)
         else:
-            configure_logging("info", json=True, stream=stack.enter_context(path.open("a", encoding="utf-8")))
+            configure_logging(
+                "info", json=True, stream=stack.enter_context(path.open("a", encoding="utf-8"))
+            )
         try:
             yield
         finally:
@@ -598,7 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, config in enumerate(configs):
         print("\n".join([*([""] if i else []), *_header(config, facts), "", _COLUMNS]), flush=True)
         with sigterm_as_interrupt(), _quiet_logs(args.log):
-            rows = asyncio.run(run_bench(config, on_row=lambda row: print(format_row(row, facts), flush=True)))
+            rows = asyncio.run(
+                run_bench(config, on_row=lambda row: print(format_row(row, facts), flush=True))
+            )
         print("\n".join(["", *format_notes(rows, facts)]), flush=True)
         dumped += [{**asdict(r), "overhead_s": r.overhead_s, "batch": config.batch} for r in rows]
         floor = _floor(rows)

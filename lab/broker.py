@@ -114,7 +114,10 @@ class MosquittoBroker:
         log = open(Path(self._tmp.name) / "mosquitto.log", "ab")  # noqa: SIM115 - child owns it
         try:
             self._proc = subprocess.Popen(
-                [binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                [binary, "-c", str(conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         finally:
             log.close()
@@ -153,12 +156,16 @@ class MosquittoBroker:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise BrokerError(f"mosquitto exited with {self._proc.returncode}: {self._log_tail()}")
+                raise BrokerError(
+                    f"mosquitto exited with {self._proc.returncode}: {self._log_tail()}"
+                )
             if _port_accepts(self.host, self.port):
                 return
             time.sleep(0.02)
         self.stop()
-        raise BrokerError(f"mosquitto did not accept on {self.host}:{self.port} within {_START_TIMEOUT_S} s")
+        raise BrokerError(
+            f"mosquitto did not accept on {self.host}:{self.port} within {_START_TIMEOUT_S} s"
+        )
 
     def _log_tail(self) -> str:
         path = self.log_path
@@ -207,7 +214,10 @@ class MosquittoBroker:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -216,7 +226,10 @@ class MosquittoBroker:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await asyncio.to_thread(self.close)
 

@@ -157,7 +157,9 @@ class PtyTransport:
             await link.__aenter__()
             self.links.append(link)
             self._events.put_nowait(BoardAppeared(address, link, self.name))
-            self._watchers.append(asyncio.create_task(self._watch(link), name=f"pty[{port.path}].watch"))
+            self._watchers.append(
+                asyncio.create_task(self._watch(link), name=f"pty[{port.path}].watch")
+            )
         return self
 
     async def _watch(self, link: SerialLink) -> None:
@@ -165,7 +167,10 @@ class PtyTransport:
         await self._events.put(BoardGone(link.board_id, reason, self.name))
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         for watcher in self._watchers:
             watcher.cancel()
@@ -219,8 +224,15 @@ async def board_processes(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for args in _board_argv(count, ports, mqtt, fleet, processes, id_prefix):
-            procs.append(subprocess.Popen(_board_command([*args, *extra]), stdin=subprocess.DEVNULL,
-                                          stdout=out, stderr=out, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    _board_command([*args, *extra]),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                )
+            )
         yield ports
     finally:
         await asyncio.to_thread(_stop_processes, procs)
@@ -229,7 +241,12 @@ async def board_processes(
 
 
 def _board_argv(
-    count: int, ports: list[PtyPort], mqtt: str | None, fleet: str, processes: int | None, prefix: str
+    count: int,
+    ports: list[PtyPort],
+    mqtt: str | None,
+    fleet: str,
+    processes: int | None,
+    prefix: str,
 ) -> list[list[str]]:
     """One argument list per process; boards are dealt to processes in contiguous groups."""
     n = max(1, min(count, processes or (1 if mqtt is not None else count)))
@@ -241,7 +258,18 @@ def _board_argv(
         # Ids stay unique across processes: a group's prefix carries its number.
         group_prefix = prefix if n == 1 else f"{prefix}{group}"
         if mqtt is not None:
-            out.append(["--mqtt", mqtt, "--fleet", fleet, "--count", str(size), "--id-prefix", group_prefix])
+            out.append(
+                [
+                    "--mqtt",
+                    mqtt,
+                    "--fleet",
+                    fleet,
+                    "--count",
+                    str(size),
+                    "--id-prefix",
+                    group_prefix,
+                ]
+            )
         elif size == 1:
             out.append(["--serial", ports[start].path, "--id", f"{prefix}-{start:0{width}d}"])
         else:
@@ -405,10 +433,17 @@ class _Live:
             return
         if event.kind == "step" and event.step is not None:
             metrics = event.metrics
-            self.bar.update(event.step + 1, q=int(metrics.get("q", 0)), loss=metrics.get("train_loss"),
-                            acc=self.accuracy, boards=self.ready())
+            self.bar.update(
+                event.step + 1,
+                q=int(metrics.get("q", 0)),
+                loss=metrics.get("train_loss"),
+                acc=self.accuracy,
+                boards=self.ready(),
+            )
         elif event.kind in ("board_left", "board_faulty", "board_resynced"):
-            self.bar.note(f"  {event.kind.replace('_', ' ')}: {event.board_id} {event.message}".rstrip())
+            self.bar.note(
+                f"  {event.kind.replace('_', ' ')}: {event.board_id} {event.message}".rstrip()
+            )
 
     def on_fleet_event(self, event: Any) -> None:
         from qsched.daemon.engine import fleet_event
@@ -417,7 +452,9 @@ class _Live:
 
 
 @contextlib.asynccontextmanager
-async def _transport(options: DemoOptions, ports: list[PtyPort], fleet_name: str) -> AsyncIterator[Any]:
+async def _transport(
+    options: DemoOptions, ports: list[PtyPort], fleet_name: str
+) -> AsyncIterator[Any]:
     if options.mqtt is None:
         async with PtyTransport(ports) as transport:
             yield transport
@@ -428,7 +465,9 @@ async def _transport(options: DemoOptions, ports: list[PtyPort], fleet_name: str
 
     host, port = parse_host_port(options.mqtt)
     cfg = MqttConfig(host=host, port=port, reconnect_min_s=0.2)
-    async with MqttTransport(cfg, TopicMap(fleet=fleet_name), identifier=f"qsched-demo-{fleet_name}") as mqtt:
+    async with MqttTransport(
+        cfg, TopicMap(fleet=fleet_name), identifier=f"qsched-demo-{fleet_name}"
+    ) as mqtt:
         try:
             await mqtt.wait_connected(10.0)
         except TimeoutError as exc:
@@ -465,9 +504,14 @@ async def run_demo(options: DemoOptions, stream: TextIO | None = None) -> DemoSu
     extra = ["--model-latency", options.model_latency]
     with open(out / "boards.log", "wb") as board_log:
         async with (
-            board_processes(options.boards, mqtt=options.mqtt, fleet=fleet_name,
-                            processes=1 if options.one_process else None,
-                            extra=extra, log=board_log) as ports,
+            board_processes(
+                options.boards,
+                mqtt=options.mqtt,
+                fleet=fleet_name,
+                processes=1 if options.one_process else None,
+                extra=extra,
+                log=board_log,
+            ) as ports,
             _transport(options, ports, fleet_name) as transport,
         ):
             live = _Live(bar, None, options.boards)
@@ -490,20 +534,30 @@ async def run_demo(options: DemoOptions, stream: TextIO | None = None) -> DemoSu
     return summary
 
 
-def _summary(out: Path, link: str, boards: int, result: Any, files: dict[str, str], wall_s: float) -> DemoSummary:
+def _summary(
+    out: Path, link: str, boards: int, result: Any, files: dict[str, str], wall_s: float
+) -> DemoSummary:
     evals = result.evals
     best = max(evals, key=lambda e: e.val_accuracy) if evals else None
     steps = result.steps
     return DemoSummary(
-        out=out, link=link, boards=boards, steps=len(steps), forward_passes=result.train.forward_passes,
+        out=out,
+        link=link,
+        boards=boards,
+        steps=len(steps),
+        forward_passes=result.train.forward_passes,
         final_accuracy=evals[-1].val_accuracy if evals else None,
         best_accuracy=best.val_accuracy if best else None,
         best_step=best.step + 1 if best else None,
         final_train_loss=steps[-1].train_loss if steps else None,
         q_trajectory=q_trajectory([(s.step, s.q) for s in steps]),
-        wall_s=round(wall_s, 3), train_wall_s=round(result.train.wall_s, 3),
-        work=dict(sorted(result.work.items())), faults=result.faults, reassigned=result.reassigned,
-        status=result.status, files=files,
+        wall_s=round(wall_s, 3),
+        train_wall_s=round(result.train.wall_s, 3),
+        work=dict(sorted(result.work.items())),
+        faults=result.faults,
+        reassigned=result.reassigned,
+        status=result.status,
+        files=files,
     )
 
 
@@ -551,14 +605,20 @@ def plot_training(path: Path, steps: Sequence[Any], evals: Sequence[Any]) -> Non
 
     fig, acc_ax = plt.subplots(figsize=(7.0, 4.0))
     try:
-        acc_ax.plot([e.step + 1 for e in evals], [e.val_accuracy for e in evals], color="tab:blue",
-                    label="validation accuracy")
+        acc_ax.plot(
+            [e.step + 1 for e in evals],
+            [e.val_accuracy for e in evals],
+            color="tab:blue",
+            label="validation accuracy",
+        )
         acc_ax.set_xlabel("step")
         acc_ax.set_ylabel("validation accuracy", color="tab:blue")
         acc_ax.set_ylim(0.0, 1.0)
         acc_ax.grid(alpha=0.3)
         q_ax = acc_ax.twinx()
-        q_ax.step([s.step for s in steps], [s.q for s in steps], where="post", color="tab:red", label="q")
+        q_ax.step(
+            [s.step for s in steps], [s.q for s in steps], where="post", color="tab:red", label="q"
+        )
         q_ax.set_ylabel("q (perturbations per step)", color="tab:red")
         q_ax.set_ylim(bottom=0)
         acc_ax.set_title("qsched demo: zeroth-order training on virtual boards")
@@ -575,7 +635,9 @@ def _format_summary(s: DemoSummary) -> str:
     def acc(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
-    trajectory = " -> ".join(f"{q} (step {step})" if i else str(q) for i, (step, q) in enumerate(s.q_trajectory))
+    trajectory = " -> ".join(
+        f"{q} (step {step})" if i else str(q) for i, (step, q) in enumerate(s.q_trajectory)
+    )
     work = ", ".join(f"{board} {keys}" for board, keys in s.work.items()) or "none"
     lines = [
         f"qsched demo: {s.status}, {s.steps} steps on {s.boards} virtual boards over {s.link}",
@@ -594,16 +656,30 @@ def _format_summary(s: DemoSummary) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched demo", description="Train the default job on virtual boards.")
+    p = argparse.ArgumentParser(
+        prog="qsched demo", description="Train the default job on virtual boards."
+    )
     p.add_argument("--steps", type=int, help="training steps (default: the job spec's default)")
     p.add_argument("--boards", type=int, default=DEFAULT_BOARDS, help="virtual boards (default 4)")
     p.add_argument("--out", type=Path, help="run folder (default: runs/demo-<timestamp>)")
-    p.add_argument("--mqtt", metavar="HOST:PORT", help="run over this MQTT broker instead of serial ptys")
-    p.add_argument("--one-process", action="store_true", help="serial boards in one process, not one each")
-    p.add_argument("--model-latency", default="computed", help="boards' NPU time model: computed, off, or a model")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field")
+    p.add_argument(
+        "--mqtt", metavar="HOST:PORT", help="run over this MQTT broker instead of serial ptys"
+    )
+    p.add_argument(
+        "--one-process", action="store_true", help="serial boards in one process, not one each"
+    )
+    p.add_argument(
+        "--model-latency",
+        default="computed",
+        help="boards' NPU time model: computed, off, or a model",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field"
+    )
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
-    p.add_argument("--verbose", action="store_true", help="daemon logs on standard error (default: demo.log)")
+    p.add_argument(
+        "--verbose", action="store_true", help="daemon logs on standard error (default: demo.log)"
+    )
     return p
 
 
@@ -623,9 +699,16 @@ def _options(args: argparse.Namespace) -> DemoOptions:
             overrides[key] = json.loads(value)
         except ValueError:
             overrides[key] = value  # a bare word such as fp32
-    return DemoOptions(steps=args.steps, boards=args.boards, out=args.out, mqtt=args.mqtt,
-                       one_process=args.one_process, model_latency=args.model_latency, overrides=overrides,
-                       progress=not args.no_progress)
+    return DemoOptions(
+        steps=args.steps,
+        boards=args.boards,
+        out=args.out,
+        mqtt=args.mqtt,
+        one_process=args.one_process,
+        model_latency=args.model_latency,
+        overrides=overrides,
+        progress=not args.no_progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

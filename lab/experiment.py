@@ -106,16 +106,24 @@ def _policy_entry(token: str) -> tuple[str, PolicySpec]:
         try:
             config = json.loads(arg)
         except ValueError as exc:
-            raise ExperimentError(f"policy {token!r}: the part after ':' must be a JSON object") from exc
+            raise ExperimentError(
+                f"policy {token!r}: the part after ':' must be a JSON object"
+            ) from exc
         if not isinstance(config, dict):
             raise ExperimentError(f"policy {token!r}: the part after ':' must be a JSON object")
     if name in ("qscheduler", "variance", "linear", "power") and not config:
-        config = {"qmax": PAPER_QMAX} if name in ("linear", "power") else {"q0": 1, "qmax": PAPER_QMAX}
-    label = name if not arg else f"{name} {json.dumps(config, sort_keys=True, separators=(',', '='))}"
+        config = (
+            {"qmax": PAPER_QMAX} if name in ("linear", "power") else {"q0": 1, "qmax": PAPER_QMAX}
+        )
+    label = (
+        name if not arg else f"{name} {json.dumps(config, sort_keys=True, separators=(',', '='))}"
+    )
     return label, PolicySpec(name=name, config=config)
 
 
-def build_grid(grid: str, policies: Sequence[str] = (), numerics: Sequence[str] = ("fp32", "int8")) -> list[GridEntry]:
+def build_grid(
+    grid: str, policies: Sequence[str] = (), numerics: Sequence[str] = ("fp32", "int8")
+) -> list[GridEntry]:
     """The configurations of a named grid, or of custom policy tokens.
 
     Args:
@@ -187,7 +195,10 @@ class Setting:
         numerics, accumulator = NUMERICS[entry.numerics]
         data: dict[str, Any] = {**self.overrides, **self.numerics_overrides.get(entry.numerics, {})}
         data.update(
-            name=_job_name(entry, seed), numerics=numerics, accumulator=accumulator, seed=seed,
+            name=_job_name(entry, seed),
+            numerics=numerics,
+            accumulator=accumulator,
+            seed=seed,
             policy=entry.policy.model_dump(),
         )
         return JobSpec.model_validate(data)
@@ -272,11 +283,16 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
         result = _train_fleet(spec, setting.fleet_boards)
     else:
         assert wl is not None  # built above for in-process runs
-        result = train_zo(spec, create_policy(spec.policy, policy_context(spec, wl)), on_step, workload=wl)
+        result = train_zo(
+            spec, create_policy(spec.policy, policy_context(spec, wl)), on_step, workload=wl
+        )
     if progress is not None:
         progress(len(result.steps) - done, 1)
     return RunRecord(
-        key=entry.key, seed=seed, steps=len(result.steps), forward_passes=result.forward_passes,
+        key=entry.key,
+        seed=seed,
+        steps=len(result.steps),
+        forward_passes=result.forward_passes,
         wall_s=round(result.wall_s, 3),
         eval_steps=[e.step + 1 for e in result.evals],
         eval_forward_passes=[e.forward_passes for e in result.evals],
@@ -320,16 +336,32 @@ def _prepare_transfer(setting: Setting, base: JobSpec) -> _Prepared:
     assert transfer is not None
     full = load_dataset(base.dataset)
     source, target = split_classes(full, transfer.source_classes, transfer.target_classes)
-    model = build_model(base.model, source.input_shape, source.num_classes, seed=transfer.pretrain_seed,
-                        **base.model_options)
+    model = build_model(
+        base.model,
+        source.input_shape,
+        source.num_classes,
+        seed=transfer.pretrain_seed,
+        **base.model_options,
+    )
     started = time.perf_counter()
-    trained, history = train_backprop(model, source, transfer.pretrain_steps, lr=transfer.pretrain_lr,
-                                      batch_size=base.batch_size, seed=transfer.pretrain_seed)
+    trained, history = train_backprop(
+        model,
+        source,
+        transfer.pretrain_steps,
+        lr=transfer.pretrain_lr,
+        batch_size=base.batch_size,
+        seed=transfer.pretrain_seed,
+    )
     pretrain = {
-        "steps": transfer.pretrain_steps, "lr": transfer.pretrain_lr, "optimizer": "adam",
-        "source_val_accuracy": history.val_accuracy[-1], "wall_s": round(time.perf_counter() - started, 3),
-        "source": source.name, "target": target.name,
-        "target_train": len(target.x_train), "target_val": len(target.x_val),
+        "steps": transfer.pretrain_steps,
+        "lr": transfer.pretrain_lr,
+        "optimizer": "adam",
+        "source_val_accuracy": history.val_accuracy[-1],
+        "wall_s": round(time.perf_counter() - started, 3),
+        "source": source.name,
+        "target": target.name,
+        "target_train": len(target.x_train),
+        "target_val": len(target.x_val),
     }
     return _Prepared(target, trained, pretrain)
 
@@ -357,7 +389,9 @@ def _transfer_workload(spec: JobSpec, prepared: _Prepared) -> Any:
 # --------------------------------------------------------------------------- first-order baseline
 
 
-def _baseline(setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _Prepared | None) -> dict[str, Any]:
+def _baseline(
+    setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _Prepared | None
+) -> dict[str, Any]:
     """FP32 backprop (Adam) with the grid's steps, batch size and trainable layers, per seed."""
     from qsched.zo.backprop import train_backprop
     from qsched.zo.datasets import load_dataset
@@ -369,17 +403,33 @@ def _baseline(setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _
         if prepared is not None:
             model = _transfer_model(prepared, seed)
         else:
-            model = build_model(base.model, data.input_shape, data.num_classes, seed=seed, **base.model_options)
+            model = build_model(
+                base.model, data.input_shape, data.num_classes, seed=seed, **base.model_options
+            )
         started = time.perf_counter()
-        _, history = train_backprop(model, data, base.steps, lr=setting.baseline_lr, batch_size=base.batch_size,
-                                    seed=seed, trainable=base.trainable, eval_every=base.eval_every)
+        _, history = train_backprop(
+            model,
+            data,
+            base.steps,
+            lr=setting.baseline_lr,
+            batch_size=base.batch_size,
+            seed=seed,
+            trainable=base.trainable,
+            eval_every=base.eval_every,
+        )
         walls.append(time.perf_counter() - started)
         finals.append(history.val_accuracy[-1])
         bests.append(max(history.val_accuracy))
     return {
-        "method": "backprop", "optimizer": "adam", "lr": setting.baseline_lr, "numerics": "fp32",
-        "steps": base.steps, "trainable": base.trainable,
-        "final_accuracy": _stats(finals), "best_accuracy": _stats(bests), "wall_s": _stats(walls),
+        "method": "backprop",
+        "optimizer": "adam",
+        "lr": setting.baseline_lr,
+        "numerics": "fp32",
+        "steps": base.steps,
+        "trainable": base.trainable,
+        "final_accuracy": _stats(finals),
+        "best_accuracy": _stats(bests),
+        "wall_s": _stats(walls),
     }
 
 
@@ -417,9 +467,14 @@ class ConfigSummary:
         mean_q = np.mean([_q_per_step(r.q_changes, r.steps) for r in runs], axis=0)
         numerics, accumulator = NUMERICS[self.entry.numerics]
         return {
-            "key": self.entry.key, "label": self.entry.label, "policy": self.entry.policy.model_dump(),
-            "numerics": numerics, "accumulator": accumulator, "numerics_token": self.entry.numerics,
-            "seeds": [r.seed for r in runs], "steps": first.steps,
+            "key": self.entry.key,
+            "label": self.entry.label,
+            "policy": self.entry.policy.model_dump(),
+            "numerics": numerics,
+            "accumulator": accumulator,
+            "numerics_token": self.entry.numerics,
+            "seeds": [r.seed for r in runs],
+            "steps": first.steps,
             "final_accuracy": _stats([r.final_accuracy for r in runs]),
             "best_accuracy": _stats([r.best_accuracy for r in runs]),
             "forward_passes": _stats([r.forward_passes for r in runs]),
@@ -428,14 +483,24 @@ class ConfigSummary:
             "curve": {
                 "step": first.eval_steps,
                 "val_accuracy_mean": [float(v) for v in acc.mean(axis=0)],
-                "val_accuracy_std": [float(v) for v in (acc.std(axis=0, ddof=1) if len(runs) > 1 else acc[0] * 0)],
+                "val_accuracy_std": [
+                    float(v) for v in (acc.std(axis=0, ddof=1) if len(runs) > 1 else acc[0] * 0)
+                ],
                 "forward_passes_mean": [float(v) for v in fps.mean(axis=0)],
             },
-            "q_trajectory": [{"seed": r.seed, "changes": [list(c) for c in r.q_changes]} for r in runs],
+            "q_trajectory": [
+                {"seed": r.seed, "changes": [list(c) for c in r.q_changes]} for r in runs
+            ],
             "runs": [
-                {"seed": r.seed, "final_accuracy": r.final_accuracy, "best_accuracy": r.best_accuracy,
-                 "forward_passes": r.forward_passes, "wall_s": r.wall_s, "val_accuracy": r.val_accuracy,
-                 "val_loss": r.val_loss}
+                {
+                    "seed": r.seed,
+                    "final_accuracy": r.final_accuracy,
+                    "best_accuracy": r.best_accuracy,
+                    "forward_passes": r.forward_passes,
+                    "wall_s": r.wall_s,
+                    "val_accuracy": r.val_accuracy,
+                    "val_loss": r.val_loss,
+                }
                 for r in runs
             ],
         }
@@ -466,8 +531,12 @@ class ExperimentResult:
     def to_json(self) -> dict[str, Any]:
         """The document written to ``results.json``."""
         return {
-            "schema": SCHEMA, "command": self.command, "setting": self.setting,
-            "environment": self.environment, "configs": self.configs, "baseline": self.baseline,
+            "schema": SCHEMA,
+            "command": self.command,
+            "setting": self.setting,
+            "environment": self.environment,
+            "configs": self.configs,
+            "baseline": self.baseline,
             "comparisons": self.comparisons,
             "floors": {"within_pp": _FLOOR_PP, "max_forward_pass_share": _FLOOR_PASSES},
         }
@@ -491,11 +560,14 @@ def _compare(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str, A
     share = policy["forward_passes"]["mean"] / best["forward_passes"]["mean"]
     return {
         "paired_difference_pp": _paired(policy, best),
-        "numerics_token": policy["numerics_token"], "policy": policy["key"], "best_fixed": best["key"],
+        "numerics_token": policy["numerics_token"],
+        "policy": policy["key"],
+        "best_fixed": best["key"],
         "best_fixed_q": best["policy"]["config"].get("q"),
         "policy_final_accuracy": policy["final_accuracy"]["mean"],
         "best_fixed_final_accuracy": best["final_accuracy"]["mean"],
-        "difference_pp": diff_pp, "forward_pass_share": share,
+        "difference_pp": diff_pp,
+        "forward_pass_share": share,
         "floor_met": bool(diff_pp >= -_FLOOR_PP and share <= _FLOOR_PASSES),
     }
 
@@ -528,7 +600,10 @@ def _cost(entry: GridEntry, steps: int) -> float:
 
 
 def _run_tasks(
-    tasks: list[tuple[GridEntry, int]], setting: Setting, prepared: _Prepared | None, workers: int,
+    tasks: list[tuple[GridEntry, int]],
+    setting: Setting,
+    prepared: _Prepared | None,
+    workers: int,
     bar: _GridProgress,
 ) -> list[RunRecord]:
     if workers <= 1:
@@ -541,7 +616,10 @@ def _run_tasks(
 
 
 def _run_pool(
-    tasks: list[tuple[GridEntry, int]], setting: Setting, prepared: _Prepared | None, workers: int,
+    tasks: list[tuple[GridEntry, int]],
+    setting: Setting,
+    prepared: _Prepared | None,
+    workers: int,
     bar: _GridProgress,
 ) -> list[RunRecord]:
     # spawn: fresh interpreters (no fork of a threaded parent); one BLAS thread per worker
@@ -625,7 +703,9 @@ def run_experiment(
     if not entries or not seeds:
         raise ExperimentError("need at least one configuration and one seed")
     if setting.fleet_boards > 0 and setting.transfer is not None:
-        raise ExperimentError("--fleet runs job specs as the daemon does; the transfer setting needs --fleet 0")
+        raise ExperimentError(
+            "--fleet runs job specs as the daemon does; the transfer setting needs --fleet 0"
+        )
     base = _validate(entries, seeds, setting)
     prepared = _prepare_transfer(setting, base) if setting.transfer is not None else None
     tasks = sorted(((e, s) for e in entries for s in seeds), key=lambda t: -_cost(t[0], base.steps))
@@ -640,8 +720,10 @@ def run_experiment(
     first_order = _baseline(setting, base, seeds, prepared) if baseline else None
     return ExperimentResult(
         setting=_setting_json(setting, base, seeds, prepared),
-        configs=configs, baseline=first_order,
-        environment=_environment(workers, grid_wall, setting.fleet_boards), command=command,
+        configs=configs,
+        baseline=first_order,
+        environment=_environment(workers, grid_wall, setting.fleet_boards),
+        command=command,
     )
 
 
@@ -659,13 +741,20 @@ def _validate(entries: Sequence[GridEntry], seeds: Sequence[int], setting: Setti
     return specs[0]
 
 
-def _setting_json(setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _Prepared | None) -> dict[str, Any]:
+def _setting_json(
+    setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _Prepared | None
+) -> dict[str, Any]:
     spec = base.model_dump(exclude={"name", "seed", "policy", "numerics", "accumulator"})
     out: dict[str, Any] = {
-        "mode": "transfer" if prepared is not None else "scratch", "seeds": list(seeds),
-        "spec": spec, "numerics_overrides": setting.numerics_overrides,
+        "mode": "transfer" if prepared is not None else "scratch",
+        "seeds": list(seeds),
+        "spec": spec,
+        "numerics_overrides": setting.numerics_overrides,
         "numerics_defaults": {
-            token: {k: getattr(setting.spec(GridEntry("x", PolicySpec(), token), 0), k) for k in ("lr", "eps")}
+            token: {
+                k: getattr(setting.spec(GridEntry("x", PolicySpec(), token), 0), k)
+                for k in ("lr", "eps")
+            }
             for token in NUMERICS
         },
     }
@@ -677,13 +766,18 @@ def _setting_json(setting: Setting, base: JobSpec, seeds: Sequence[int], prepare
 def _environment(workers: int, wall: float, boards: int) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     trainer = (
-        f"qsched.daemon.engine.run_job_inprocess ({boards} virtual boards)" if boards
+        f"qsched.daemon.engine.run_job_inprocess ({boards} virtual boards)"
+        if boards
         else "qsched.zo.trainer.train_zo (single-process, bit-identical to the in-process fleet)"
     )
     return {
-        "workers": workers, "cpus": os.cpu_count(), "grid_wall_s": round(wall, 1),
+        "workers": workers,
+        "cpus": os.cpu_count(),
+        "grid_wall_s": round(wall, 1),
         "load_average_at_end": [round(v, 2) for v in load],
-        "python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "machine": platform.machine(),
         "trainer": trainer,
     }
 
@@ -716,9 +810,20 @@ def write_results(result: ExperimentResult, out: Path, plots: bool = True) -> li
 
 
 CSV_COLUMNS: Final = (
-    "key", "label", "policy", "numerics", "accumulator", "steps", "seeds",
-    "final_accuracy_mean", "final_accuracy_std", "best_accuracy_mean", "best_accuracy_std",
-    "forward_passes_mean", "mean_q", "wall_s_mean",
+    "key",
+    "label",
+    "policy",
+    "numerics",
+    "accumulator",
+    "steps",
+    "seeds",
+    "final_accuracy_mean",
+    "final_accuracy_std",
+    "best_accuracy_mean",
+    "best_accuracy_std",
+    "forward_passes_mean",
+    "mean_q",
+    "wall_s_mean",
 )
 
 
@@ -727,12 +832,24 @@ def _write_csv(doc: dict[str, Any], path: Path) -> None:
         writer = csv.writer(fh)
         writer.writerow(CSV_COLUMNS)
         for c in doc["configs"]:
-            writer.writerow([
-                c["key"], c["label"], c["policy"]["name"], c["numerics"], c["accumulator"], c["steps"],
-                len(c["seeds"]), f"{c['final_accuracy']['mean']:.6f}", f"{c['final_accuracy']['std']:.6f}",
-                f"{c['best_accuracy']['mean']:.6f}", f"{c['best_accuracy']['std']:.6f}",
-                f"{c['forward_passes']['mean']:.1f}", f"{c['mean_q']:.4f}", f"{c['wall_s']['mean']:.3f}",
-            ])
+            writer.writerow(
+                [
+                    c["key"],
+                    c["label"],
+                    c["policy"]["name"],
+                    c["numerics"],
+                    c["accumulator"],
+                    c["steps"],
+                    len(c["seeds"]),
+                    f"{c['final_accuracy']['mean']:.6f}",
+                    f"{c['final_accuracy']['std']:.6f}",
+                    f"{c['best_accuracy']['mean']:.6f}",
+                    f"{c['best_accuracy']['std']:.6f}",
+                    f"{c['forward_passes']['mean']:.1f}",
+                    f"{c['mean_q']:.4f}",
+                    f"{c['wall_s']['mean']:.3f}",
+                ]
+            )
 
 
 def _pct(stats: dict[str, Any]) -> str:
@@ -750,11 +867,14 @@ def results_markdown(doc: dict[str, Any]) -> str:
     """
     setting, spec = doc["setting"], doc["setting"]["spec"]
     lines = [
-        f"# Experiment: {spec['dataset']} / {spec['model']} ({setting['mode']})", "",
-        f"`{doc['command']}`", "",
+        f"# Experiment: {spec['dataset']} / {spec['model']} ({setting['mode']})",
+        "",
+        f"`{doc['command']}`",
+        "",
         f"{spec['steps']} steps, batch {spec['batch_size']}, validation every {spec['eval_every']} steps, "
         f"trainable `{spec['trainable']}`, seeds {setting['seeds']}. Accuracy in % (mean ± sample std over seeds).",
-        "", "| policy | numerics | final acc | best acc | forward passes | mean q | wall s (per run) |",
+        "",
+        "| policy | numerics | final acc | best acc | forward passes | mean q | wall s (per run) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in doc["configs"]:
@@ -763,12 +883,17 @@ def results_markdown(doc: dict[str, Any]) -> str:
             f"{c['forward_passes']['mean']:,.0f} | {c['mean_q']:.2f} | {c['wall_s']['mean']:.1f} |"
         )
     if doc["comparisons"]:
-        lines += ["", "## Against the best fixed q (equal steps)", "",
-                  f"Floor: within {doc['floors']['within_pp']} points with at most "
-                  f"{100 * doc['floors']['max_forward_pass_share']:.0f}% of its forward passes.", "",
-                  "| policy | best fixed | policy acc | fixed acc | difference (points) | paired std err "
-                  "| forward-pass share | floor |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [
+            "",
+            "## Against the best fixed q (equal steps)",
+            "",
+            f"Floor: within {doc['floors']['within_pp']} points with at most "
+            f"{100 * doc['floors']['max_forward_pass_share']:.0f}% of its forward passes.",
+            "",
+            "| policy | best fixed | policy acc | fixed acc | difference (points) | paired std err "
+            "| forward-pass share | floor |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for m in doc["comparisons"]:
             paired = m.get("paired_difference_pp")
             sem = f"{paired['standard_error']:.2f}" if paired else "-"
@@ -779,23 +904,34 @@ def results_markdown(doc: dict[str, Any]) -> str:
             )
     if doc.get("baseline"):
         b = doc["baseline"]
-        lines += ["", f"First-order baseline (FP32 backprop, Adam lr {b['lr']}, {b['steps']} steps, trainable "
-                  f"`{b['trainable']}`): final {_pct(b['final_accuracy'])}, best {_pct(b['best_accuracy'])}."]
+        lines += [
+            "",
+            f"First-order baseline (FP32 backprop, Adam lr {b['lr']}, {b['steps']} steps, trainable "
+            f"`{b['trainable']}`): final {_pct(b['final_accuracy'])}, best {_pct(b['best_accuracy'])}.",
+        ]
     if setting.get("transfer"):
         p = setting["transfer"]["pretrain"]
-        lines += ["", f"Backbone: {p['steps']} Adam steps on {p['source']} "
-                  f"(source validation accuracy {100 * p['source_val_accuracy']:.2f}%); target {p['target']} "
-                  f"({p['target_train']} train / {p['target_val']} val)."]
+        lines += [
+            "",
+            f"Backbone: {p['steps']} Adam steps on {p['source']} "
+            f"(source validation accuracy {100 * p['source_val_accuracy']:.2f}%); target {p['target']} "
+            f"({p['target_train']} train / {p['target_val']} val).",
+        ]
     lines += ["", *_environment_lines(doc["environment"])]
     return "\n".join(lines) + "\n"
 
 
 def _environment_lines(env: dict[str, Any]) -> list[str]:
     if "merged_from" not in env:
-        return [f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) on {env['cpus']} CPUs "
-                f"(load average at the end {env['load_average_at_end']})."]
-    lines = [f"Merged from {len(env['merged_from'])} result folders (grid wall time {env['grid_wall_s']} s "
-             "in all):", ""]
+        return [
+            f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) on {env['cpus']} CPUs "
+            f"(load average at the end {env['load_average_at_end']})."
+        ]
+    lines = [
+        f"Merged from {len(env['merged_from'])} result folders (grid wall time {env['grid_wall_s']} s "
+        "in all):",
+        "",
+    ]
     lines += [f"- `{part['folder']}`: `{part['command']}`" for part in env["merged_from"]]
     if env["dropped_configs"]:
         lines += ["", "Left out, not in every folder: " + ", ".join(env["dropped_configs"]) + "."]
@@ -806,29 +942,57 @@ def _environment_lines(env: dict[str, Any]) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched experiment", description="Compare q policies on a grid of "
-                                "policies x numerics x seeds and write results, tables and plots.")
-    p.add_argument("--grid", choices=GRIDS, default="paper", help="paper: fixed q 1..32 and QScheduler; "
-                   "all-policies: plus linear, power, variance; custom: only --policies")
-    p.add_argument("--policies", nargs="+", default=[], metavar="P",
-                   help="extra policies: fixed:Q, a name, or name:{json config}")
+    p = argparse.ArgumentParser(
+        prog="qsched experiment",
+        description="Compare q policies on a grid of "
+        "policies x numerics x seeds and write results, tables and plots.",
+    )
+    p.add_argument(
+        "--grid",
+        choices=GRIDS,
+        default="paper",
+        help="paper: fixed q 1..32 and QScheduler; "
+        "all-policies: plus linear, power, variance; custom: only --policies",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=[],
+        metavar="P",
+        help="extra policies: fixed:Q, a name, or name:{json config}",
+    )
     p.add_argument("--numerics", nargs="+", default=["fp32", "int8"], choices=list(NUMERICS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, help="steps per run (default: the job spec's)")
     p.add_argument("--dataset", help="data set (default: the job spec's)")
     p.add_argument("--model", help="model zoo name (default: the job spec's)")
-    p.add_argument("--set", action="append", default=[], metavar="[NUMERICS:]KEY=VALUE",
-                   help="override a job spec field (JSON value), for all runs or one numerics token")
-    p.add_argument("--transfer", metavar="SOURCE/TARGET",
-                   help="transfer setting: source and target classes, e.g. 0,1,2,3,4/5,6,7,8,9")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="[NUMERICS:]KEY=VALUE",
+        help="override a job spec field (JSON value), for all runs or one numerics token",
+    )
+    p.add_argument(
+        "--transfer",
+        metavar="SOURCE/TARGET",
+        help="transfer setting: source and target classes, e.g. 0,1,2,3,4/5,6,7,8,9",
+    )
     p.add_argument("--pretrain-steps", type=int, default=1500)
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--baseline-lr", type=float, default=3e-3, help="Adam lr of the first-order baseline")
+    p.add_argument(
+        "--baseline-lr", type=float, default=3e-3, help="Adam lr of the first-order baseline"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the first-order baseline")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--fleet", type=int, default=0, metavar="BOARDS",
-                   help="train on an in-process fleet of BOARDS virtual boards (same results, slower; "
-                   "default 0: the single-process trainer)")
+    p.add_argument(
+        "--fleet",
+        type=int,
+        default=0,
+        metavar="BOARDS",
+        help="train on an in-process fleet of BOARDS virtual boards (same results, slower; "
+        "default 0: the single-process trainer)",
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -862,7 +1026,9 @@ def _transfer(args: argparse.Namespace) -> TransferSetting | None:
     except ValueError:
         src = tgt = ()
     if not slash or not src or not tgt:
-        raise ExperimentError(f"--transfer wants SOURCE/TARGET class lists such as 0,1,2/3,4,5, got {args.transfer!r}")
+        raise ExperimentError(
+            f"--transfer wants SOURCE/TARGET class lists such as 0,1,2/3,4,5, got {args.transfer!r}"
+        )
     return TransferSetting(src, tgt, args.pretrain_steps, args.pretrain_lr)
 
 
@@ -883,8 +1049,14 @@ def main(argv: list[str], *, stream: Any = None) -> int:
         entries = build_grid(args.grid, args.policies, args.numerics)
         setting = Setting(common, per, _transfer(args), args.baseline_lr, max(0, args.fleet))
         result = run_experiment(
-            entries, args.seeds, setting, workers=args.workers, baseline=not args.no_baseline,
-            progress=not args.quiet, stream=out, command=_command(argv),
+            entries,
+            args.seeds,
+            setting,
+            workers=args.workers,
+            baseline=not args.no_baseline,
+            progress=not args.quiet,
+            stream=out,
+            command=_command(argv),
         )
     except ExperimentError as exc:
         print(f"qsched experiment: {exc}", file=out)
@@ -897,4 +1069,3 @@ def main(argv: list[str], *, stream: Any = None) -> int:
 
 def _command(argv: Sequence[str]) -> str:
     return shlex.join(["qsched", "experiment", *argv])
-

@@ -53,7 +53,9 @@ def _check_parts(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> None:
     reference = _comparable_setting(docs[0]["setting"])
     for doc, name in zip(docs[1:], names[1:], strict=True):
         if _comparable_setting(doc["setting"]) != reference:
-            raise ExperimentError(f"{name}: its setting differs from {names[0]}'s; only seeds may differ")
+            raise ExperimentError(
+                f"{name}: its setting differs from {names[0]}'s; only seeds may differ"
+            )
 
 
 def _shared_keys(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[str]]:
@@ -70,7 +72,9 @@ def _merge_config(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     first = parts[0]
     for part in parts[1:]:
         if part["policy"] != first["policy"] or part["curve"]["step"] != first["curve"]["step"]:
-            raise ExperimentError(f"{first['key']}: the folders differ in its policy config or validation schedule")
+            raise ExperimentError(
+                f"{first['key']}: the folders differ in its policy config or validation schedule"
+            )
     runs = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["seed"])
     seeds = [r["seed"] for r in runs]
     if len(set(seeds)) != len(seeds):
@@ -78,7 +82,10 @@ def _merge_config(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     counts = np.asarray([len(p["runs"]) for p in parts], dtype=np.float64)
     acc = np.asarray([r["val_accuracy"] for r in runs], dtype=np.float64)
     passes = np.asarray([p["curve"]["forward_passes_mean"] for p in parts], dtype=np.float64)
-    merged = {k: first[k] for k in ("key", "label", "policy", "numerics", "accumulator", "numerics_token", "steps")}
+    merged = {
+        k: first[k]
+        for k in ("key", "label", "policy", "numerics", "accumulator", "numerics_token", "steps")
+    }
     merged.update(
         seeds=seeds,
         final_accuracy=_stats([r["final_accuracy"] for r in runs]),
@@ -107,13 +114,18 @@ def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     merged = {k: v for k, v in baselines[0].items() if not isinstance(v, dict)}
     for stat in ("final_accuracy", "best_accuracy", "wall_s"):
         # A part's values follow its seeds; the merged ones follow the sorted union.
-        by_seed = sorted((seed, value) for doc, b in zip(docs, baselines, strict=True)
-                         for seed, value in zip(doc["setting"]["seeds"], b[stat]["values"], strict=True))
+        by_seed = sorted(
+            (seed, value)
+            for doc, b in zip(docs, baselines, strict=True)
+            for seed, value in zip(doc["setting"]["seeds"], b[stat]["values"], strict=True)
+        )
         merged[stat] = _stats([value for _, value in by_seed])
     return merged
 
 
-def merge_documents(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str = "") -> ExperimentResult:
+def merge_documents(
+    docs: Sequence[dict[str, Any]], names: Sequence[str], command: str = ""
+) -> ExperimentResult:
     """Pool ``results.json`` documents of one setting run on disjoint seeds.
 
     Args:
@@ -146,19 +158,31 @@ def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -
     setting = copy.deepcopy(docs[0]["setting"])
     setting["seeds"] = configs[0]["seeds"]
     environment = {
-        "merged_from": [{"folder": n, "command": d.get("command", ""), "environment": d.get("environment")}
-                        for n, d in zip(names, docs, strict=True)],
+        "merged_from": [
+            {"folder": n, "command": d.get("command", ""), "environment": d.get("environment")}
+            for n, d in zip(names, docs, strict=True)
+        ],
         "dropped_configs": dropped,
         "grid_wall_s": round(sum(d["environment"].get("grid_wall_s", 0.0) for d in docs), 1),
     }
-    return ExperimentResult(setting=setting, configs=configs, baseline=_merge_baseline(docs),
-                            environment=environment, command=command)
+    return ExperimentResult(
+        setting=setting,
+        configs=configs,
+        baseline=_merge_baseline(docs),
+        environment=environment,
+        command=command,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsched experiment-merge", description="Pool result folders of one "
-                                "setting run on different seeds into one folder, as if run as one grid.")
-    p.add_argument("folders", nargs="+", type=Path, help="result folders (each with a results.json)")
+    p = argparse.ArgumentParser(
+        prog="qsched experiment-merge",
+        description="Pool result folders of one "
+        "setting run on different seeds into one folder, as if run as one grid.",
+    )
+    p.add_argument(
+        "folders", nargs="+", type=Path, help="result folders (each with a results.json)"
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-plots", action="store_true")
     return p

@@ -56,6 +56,7 @@ async def run_job_inprocess(
     plan = FaultPlan.parse(list(faults), seed=spec.seed)
     no_faults = FaultPlan.parse([])
     base = latency if latency is not None else LatencyProfile.off()
+
     def membership(event: FleetEvent) -> None:
         if on_event is not None:
             on_event(fleet_event(event, spec.name))
@@ -66,12 +67,21 @@ async def run_job_inprocess(
             for i in range(boards):
                 board_id = f"vb-{i:02d}"
                 speed = speeds[i] if speeds is not None else base.speed
-                profile = LatencyProfile(base.macs_per_forward, speed, base.baud, base.enabled, base.npu)
+                profile = LatencyProfile(
+                    base.macs_per_forward, speed, base.baud, base.enabled, base.npu
+                )
                 chosen = fault_boards is None or board_id in fault_boards
-                agent = BoardAgent(board_id, latency=profile, faults=(plan if chosen else no_faults).for_board(board_id))
+                agent = BoardAgent(
+                    board_id,
+                    latency=profile,
+                    faults=(plan if chosen else no_faults).for_board(board_id),
+                )
                 endpoint = transport.attach(board_id)
                 endpoints.append(endpoint)
-                tasks.create_task(serve_link(agent, endpoint, corrupt_payloads=corrupt_payloads), name=f"board[{board_id}].serve")
+                tasks.create_task(
+                    serve_link(agent, endpoint, corrupt_payloads=corrupt_payloads),
+                    name=f"board[{board_id}].serve",
+                )
             engine = StepEngine(spec, fleet, config=config, job_dir=job_dir, on_event=on_event)
             try:
                 return await engine.run()

@@ -83,36 +83,123 @@ def _field_value(cls: type, name: str, value: Any) -> str:
 def _messages() -> list[tuple[str, DataMessage]]:
     losses = (2.302585, 2.1, 1.75, 0.5, 3.0, 2.25, 1.0, 0.125)
     return [
-        ("hello", Hello(board_id="n6-01", firmware_version="0.1.0", npu="neural_art",
-                        ram_kib=4200, max_batch=64, model_hash=0x1122334455667788,
-                        dataset_hash=0x0102030405060708)),
-        ("heartbeat", Heartbeat(nonce=7, uptime_ms=123456, state="ready", job_id=0xCAFEF00D, step=41)),
-        ("eval_result_two_sided", EvalResult(job_id=0xCAFEF00D, step=42, compute_us=31250,
-                                             estimator="two_sided", ks=tuple(range(8, 16)),
-                                             loss_plus=losses, loss_minus=losses[::-1])),
-        ("eval_result_one_sided", EvalResult(job_id=0xCAFEF00D, step=42, compute_us=900,
-                                             estimator="one_sided", ks=(1, 5, 6),
-                                             loss_plus=(1.5, 0.25, 2.0), loss_zero=1.125)),
+        (
+            "hello",
+            Hello(
+                board_id="n6-01",
+                firmware_version="0.1.0",
+                npu="neural_art",
+                ram_kib=4200,
+                max_batch=64,
+                model_hash=0x1122334455667788,
+                dataset_hash=0x0102030405060708,
+            ),
+        ),
+        (
+            "heartbeat",
+            Heartbeat(nonce=7, uptime_ms=123456, state="ready", job_id=0xCAFEF00D, step=41),
+        ),
+        (
+            "eval_result_two_sided",
+            EvalResult(
+                job_id=0xCAFEF00D,
+                step=42,
+                compute_us=31250,
+                estimator="two_sided",
+                ks=tuple(range(8, 16)),
+                loss_plus=losses,
+                loss_minus=losses[::-1],
+            ),
+        ),
+        (
+            "eval_result_one_sided",
+            EvalResult(
+                job_id=0xCAFEF00D,
+                step=42,
+                compute_us=900,
+                estimator="one_sided",
+                ks=(1, 5, 6),
+                loss_plus=(1.5, 0.25, 2.0),
+                loss_zero=1.125,
+            ),
+        ),
         ("update_ack", UpdateAck(job_id=0xCAFEF00D, step=42, checksum=0x89ABCDEF)),
-        ("validate_result", ValidateResult(job_id=0xCAFEF00D, step=50, start=100, count=50,
-                                           loss_sum=34.56789, correct=45, compute_us=70000)),
+        (
+            "validate_result",
+            ValidateResult(
+                job_id=0xCAFEF00D,
+                step=50,
+                start=100,
+                count=50,
+                loss_sum=34.56789,
+                correct=45,
+                compute_us=70000,
+            ),
+        ),
         ("loaded", Loaded(resource="weights", job_id=0xCAFEF00D, crc32=0x12345678, size=4096)),
         ("error", Error(code="unsupported_version", ref_type=0x01, detail="protocol 1 required")),
         ("load_model", LoadModel(total=1000, offset=256, crc32=0xDEADBEEF, chunk=bytes(range(16)))),
-        ("set_weights", SetWeights(total=12, offset=0, job_id=0xCAFEF00D, step=42,
-                                   checksum=0x0BADC0DE, chunk=b"\x01\xff\x00\x7f\x81\x02")),
-        ("select_dataset", SelectDataset(name="digits", dataset_hash=0xA1B2C3D4E5F60718,
-                                         train_size=1437, val_size=360)),
-        ("job_config", JobConfig(job_id=0xCAFEF00D, seed=0x0123456789ABCDEF, numerics="int8",
-                                 estimator="two_sided", accumulator="fp16", batch_size=64, eps=1.0)),
-        ("eval_request_range", EvalRequest(job_id=0xCAFEF00D, step=42, batch_size=64, eps=1.0,
-                                           estimator="two_sided", ks=tuple(range(8, 16)))),
-        ("eval_request_list", EvalRequest(job_id=0xCAFEF00D, step=42, batch_size=32, eps=0.001,
-                                          estimator="one_sided", ks=(0, 3, 4, 9))),
-        ("apply_update_range", ApplyUpdate(job_id=0xCAFEF00D, step=42, ks=(0, 1, 2, 3),
-                                           coefficients=(0.5, -0.25, 1e-3, -3.0))),
-        ("apply_update_list", ApplyUpdate(job_id=0xCAFEF00D, step=42, ks=(2, 7),
-                                          coefficients=(-0.125, 0.0625))),
+        (
+            "set_weights",
+            SetWeights(
+                total=12,
+                offset=0,
+                job_id=0xCAFEF00D,
+                step=42,
+                checksum=0x0BADC0DE,
+                chunk=b"\x01\xff\x00\x7f\x81\x02",
+            ),
+        ),
+        (
+            "select_dataset",
+            SelectDataset(
+                name="digits", dataset_hash=0xA1B2C3D4E5F60718, train_size=1437, val_size=360
+            ),
+        ),
+        (
+            "job_config",
+            JobConfig(
+                job_id=0xCAFEF00D,
+                seed=0x0123456789ABCDEF,
+                numerics="int8",
+                estimator="two_sided",
+                accumulator="fp16",
+                batch_size=64,
+                eps=1.0,
+            ),
+        ),
+        (
+            "eval_request_range",
+            EvalRequest(
+                job_id=0xCAFEF00D,
+                step=42,
+                batch_size=64,
+                eps=1.0,
+                estimator="two_sided",
+                ks=tuple(range(8, 16)),
+            ),
+        ),
+        (
+            "eval_request_list",
+            EvalRequest(
+                job_id=0xCAFEF00D,
+                step=42,
+                batch_size=32,
+                eps=0.001,
+                estimator="one_sided",
+                ks=(0, 3, 4, 9),
+            ),
+        ),
+        (
+            "apply_update_range",
+            ApplyUpdate(
+                job_id=0xCAFEF00D, step=42, ks=(0, 1, 2, 3), coefficients=(0.5, -0.25, 1e-3, -3.0)
+            ),
+        ),
+        (
+            "apply_update_list",
+            ApplyUpdate(job_id=0xCAFEF00D, step=42, ks=(2, 7), coefficients=(-0.125, 0.0625)),
+        ),
         ("validate_request", ValidateRequest(job_id=0xCAFEF00D, step=50, start=100, count=50)),
         ("ping", Ping(nonce=0xA5A5A5A5)),
         ("reset", Reset(scope="hard")),
@@ -122,24 +209,33 @@ def _messages() -> list[tuple[str, DataMessage]]:
 def _bad_messages() -> list[tuple[str, bytes, str]]:
     """(name, bytes, expected ProtocolError kind): every decoder must refuse these."""
     ping = encode(Ping(nonce=1))
-    request = encode(EvalRequest(job_id=1, step=2, batch_size=4, eps=1.0,
-                                 estimator="two_sided", ks=(0, 2)))
+    request = encode(
+        EvalRequest(job_id=1, step=2, batch_size=4, eps=1.0, estimator="two_sided", ks=(0, 2))
+    )
     kset_at = 4 + 4 + 4 + 2 + 4 + 1
     return [
         ("empty", b"", "truncated"),
         ("short_header", b"QS\x01", "truncated"),
         ("bad_magic", b"QX" + ping[2:], "bad_magic"),
-        ("future_version", ping[:2] + bytes([PROTOCOL_VERSION + 1]) + ping[3:], "unsupported_version"),
+        (
+            "future_version",
+            ping[:2] + bytes([PROTOCOL_VERSION + 1]) + ping[3:],
+            "unsupported_version",
+        ),
         ("unknown_type", ping[:3] + b"\x30" + ping[4:], "unknown_type"),
         ("truncated_body", ping[:-1], "truncated"),
         ("trailing_byte", ping + b"\x00", "trailing_bytes"),
         ("bad_enum", encode(Reset())[:4] + b"\x09", "invalid_field"),
         ("bad_kset_mode", request[:kset_at] + b"\x07" + request[kset_at + 1 :], "invalid_field"),
-        ("kset_not_ascending", request[:kset_at + 3] + b"\x02\x00\x00\x00", "invalid_field"),
+        ("kset_not_ascending", request[: kset_at + 3] + b"\x02\x00\x00\x00", "invalid_field"),
         ("zero_keys", request[:kset_at] + b"\x00\x00\x00\x00\x00", "invalid_field"),
         ("nan_eps", request[:14] + struct.pack("<f", float("nan")) + request[18:], "invalid_field"),
-        ("oversized_chunk", encode(LoadModel(total=0, offset=0, crc32=0, chunk=b""))[:16]
-         + struct.pack("<H", MAX_CHUNK + 1), "invalid_field"),
+        (
+            "oversized_chunk",
+            encode(LoadModel(total=0, offset=0, crc32=0, chunk=b""))[:16]
+            + struct.pack("<H", MAX_CHUNK + 1),
+            "invalid_field",
+        ),
     ]
 
 
@@ -186,7 +282,9 @@ def frame_vectors() -> Vectors:
     }
     for name, wire in streams.items():
         out[f"stream.{name}.wire"] = wire.hex()
-        out[f"stream.{name}.frames"] = ",".join(_frame_summary(item) for item in FrameReader().feed(wire))
+        out[f"stream.{name}.frames"] = ",".join(
+            _frame_summary(item) for item in FrameReader().feed(wire)
+        )
     return out
 
 
@@ -221,16 +319,22 @@ def prng_vectors() -> Vectors:
         out[f"rademacher.{i}.size"] = str(size)
         # Bit i is bit (i mod 8) of byte (i div 8); a set bit means z = -1.
         out[f"rademacher.{i}.bits"] = np.packbits(bits, bitorder="little").tobytes().hex()
-    for i, (seed, step, batch, n) in enumerate([(0, 0, 8, 1437), (0x0123456789ABCDEF, 42, 13, 27000)]):
+    for i, (seed, step, batch, n) in enumerate(
+        [(0, 0, 8, 1437), (0x0123456789ABCDEF, 42, 13, 27000)]
+    ):
         out[f"batch.{i}.seed"] = str(seed)
         out[f"batch.{i}.step"] = str(step)
         out[f"batch.{i}.batch_size"] = str(batch)
         out[f"batch.{i}.dataset_size"] = str(n)
-        out[f"batch.{i}.indices"] = ",".join(str(int(j)) for j in batch_indices(seed, step, batch, n))
+        out[f"batch.{i}.indices"] = ",".join(
+            str(int(j)) for j in batch_indices(seed, step, batch, n)
+        )
     return out
 
 
-def _pairs_fields(key: str, seed: int, step: int, pairs: list[tuple[int, float]], out: Vectors) -> None:
+def _pairs_fields(
+    key: str, seed: int, step: int, pairs: list[tuple[int, float]], out: Vectors
+) -> None:
     out[f"{key}.seed"] = str(seed)
     out[f"{key}.step"] = str(step)
     out[f"{key}.ks"] = ",".join(str(k) for k, _ in pairs)

@@ -46,7 +46,9 @@ def _format_value(value: object) -> str:
 
 def format_fields(fields: dict[str, object]) -> str:
     """``{"q": 4, "loss": 1.5}`` -> ``"q 4  loss 1.5000"`` (None values left out)."""
-    return "  ".join(f"{key} {_format_value(value)}" for key, value in fields.items() if value is not None)
+    return "  ".join(
+        f"{key} {_format_value(value)}" for key, value in fields.items() if value is not None
+    )
 
 
 def render_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
@@ -115,8 +117,12 @@ class ProgressLine:
         """The line as it would be drawn now."""
         elapsed = self.elapsed
         eta = elapsed * (self.total - self.done) / self.done if self.done else math.nan
-        parts = [self.label, render_bar(self.done, self.total), format_fields(self.fields),
-                 f"{format_duration(elapsed)} eta {format_duration(eta)}"]
+        parts = [
+            self.label,
+            render_bar(self.done, self.total),
+            format_fields(self.fields),
+            f"{format_duration(elapsed)} eta {format_duration(eta)}",
+        ]
         return "  ".join(part for part in parts if part)
 
     def update(self, done: int | None = None, **fields: object) -> None:
@@ -173,7 +179,10 @@ class ProgressLine:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 

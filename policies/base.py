@@ -150,9 +150,7 @@ class QPolicy(abc.ABC):
             PolicyError: the state belongs to another policy or lacks a field.
         """
         if state.get("policy") != self.name:
-            raise PolicyError(
-                f"state belongs to policy {state.get('policy')!r}, not {self.name!r}"
-            )
+            raise PolicyError(f"state belongs to policy {state.get('policy')!r}, not {self.name!r}")
         self._q = int(state_field(state, "q"))
 
 

@@ -25,7 +25,9 @@ class PowerConfig(PolicyConfig):
     alpha: float = Field(default=2.0, gt=0, description="scale of the power law")
     beta: float = Field(default=1.0, ge=0, description="exponent of the power law")
     qmax: int = Field(default=32, ge=1, description="q is never above this")
-    whole_epochs: bool = Field(default=False, description="use completed epochs, floor(t / steps_per_epoch)")
+    whole_epochs: bool = Field(
+        default=False, description="use completed epochs, floor(t / steps_per_epoch)"
+    )
 
 
 class PowerPolicy(QPolicy):

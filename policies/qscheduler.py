@@ -73,12 +73,19 @@ class QSchedulerConfig(LadderConfig):
     direction: Literal["auto", "max", "min"] = Field(
         default="auto", description="auto: max for accuracy, min for losses"
     )
-    patience: int = Field(default=2, ge=1, description="validations without improvement before a raise")
-    min_delta: float = Field(default=0.01, ge=0, description="smallest change that counts as improvement")
-    threshold_mode: Literal["auto", "abs", "rel"] = Field(
-        default="auto", description="min_delta absolute or relative to |best|; auto: abs for accuracy, rel for losses"
+    patience: int = Field(
+        default=2, ge=1, description="validations without improvement before a raise"
     )
-    cooldown: int = Field(default=1, ge=0, description="validations after a raise that do not count as stalled")
+    min_delta: float = Field(
+        default=0.01, ge=0, description="smallest change that counts as improvement"
+    )
+    threshold_mode: Literal["auto", "abs", "rel"] = Field(
+        default="auto",
+        description="min_delta absolute or relative to |best|; auto: abs for accuracy, rel for losses",
+    )
+    cooldown: int = Field(
+        default=1, ge=0, description="validations after a raise that do not count as stalled"
+    )
     smoothing: float = Field(
         default=0.9, ge=0, lt=1, description="EMA weight of the past for metric train_loss"
     )
@@ -88,7 +95,9 @@ class QSchedulerConfig(LadderConfig):
         "interval (mean over the steps since the previous validation)",
     )
     payoff_window: int = Field(
-        default=5, ge=0, description="validations after a raise an unpaid rung is held before payoff=stop ends the climb"
+        default=5,
+        ge=0,
+        description="validations after a raise an unpaid rung is held before payoff=stop ends the climb",
     )
     payoff: Payoff = Field(
         default="off",

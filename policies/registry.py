@@ -52,9 +52,13 @@ def _load_plugins() -> dict[str, type[QPolicy]]:
         try:
             loaded = point.load()
         except Exception as exc:
-            raise PolicyError(f"policy plugin {point.name!r} ({point.value}) failed to load: {exc}") from exc
+            raise PolicyError(
+                f"policy plugin {point.name!r} ({point.value}) failed to load: {exc}"
+            ) from exc
         if not (isinstance(loaded, type) and issubclass(loaded, QPolicy)):
-            raise PolicyError(f"policy plugin {point.name!r} ({point.value}) is not a QPolicy subclass")
+            raise PolicyError(
+                f"policy plugin {point.name!r} ({point.value}) is not a QPolicy subclass"
+            )
         found[point.name] = loaded
     return found
 

@@ -55,9 +55,13 @@ __all__ = ["VarianceConfig", "VariancePolicy", "noise_dominates"]
 class VarianceConfig(LadderConfig):
     """Config of ``variance``."""
 
-    theta: float = Field(default=0.5, gt=0, description="noise may be at most theta times the signal")
+    theta: float = Field(
+        default=0.5, gt=0, description="noise may be at most theta times the signal"
+    )
     window: int = Field(default=50, ge=3, description="steps per window of the drift estimate")
-    patience: int = Field(default=2, ge=1, description="noise-dominated windows in a row before a raise")
+    patience: int = Field(
+        default=2, ge=1, description="noise-dominated windows in a row before a raise"
+    )
     smoothing: float = Field(default=0.5, ge=0, lt=1, description="EMA weight of past windows")
 
 

@@ -277,7 +277,9 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Scalar("ram_kib", "I"),
         _Scalar("max_batch", "H"),
         _Scalar("max_payload", "I", "the board's receive buffer"),
-        _Scalar("model_hash", "Q", "SHA-256 of the model blob held, first 8 bytes as LE u64; 0 = none"),
+        _Scalar(
+            "model_hash", "Q", "SHA-256 of the model blob held, first 8 bytes as LE u64; 0 = none"
+        ),
         _Scalar("dataset_hash", "Q", "the same for the dataset held"),
         _Text("board_id", 32),
         _Text("firmware_version", 24),
@@ -389,7 +391,9 @@ def encode(msg: DataMessage) -> bytes:
     for item in _LAYOUTS[type(msg)]:
         item.encode(msg, out)
     if len(out) > MAX_PAYLOAD:
-        raise ProtocolError("oversized", f"{len(out)} bytes > MAX_PAYLOAD {MAX_PAYLOAD}", msg_type=code)
+        raise ProtocolError(
+            "oversized", f"{len(out)} bytes > MAX_PAYLOAD {MAX_PAYLOAD}", msg_type=code
+        )
     return bytes(out)
 
 

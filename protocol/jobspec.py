@@ -34,28 +34,37 @@ class JobSpec(_Frozen):
     """A training job. Field defaults are the embedded defaults of ``qsched demo``."""
 
     name: str = Field(default="job", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    dataset: str = Field(default="digits", description="built-in name, or a path understood by qsched.zo.datasets")
+    dataset: str = Field(
+        default="digits", description="built-in name, or a path understood by qsched.zo.datasets"
+    )
     model: str = Field(default="mlp", description="model zoo name")
     model_options: dict[str, int | float | str] = Field(default_factory=dict)
     numerics: Literal["fp32", "int8"] = "int8"
     accumulator: Literal["fp16", "int8"] = Field(
-        default="fp16", description="INT8 mode: FP16 buffer (default) or INT8 buffer with periodic rescaling"
+        default="fp16",
+        description="INT8 mode: FP16 buffer (default) or INT8 buffer with periodic rescaling",
     )
     estimator: Literal["two_sided", "one_sided"] = "two_sided"
     seed: int = Field(default=0, ge=0, lt=2**64)
     steps: int = Field(default=1000, gt=0, lt=2**32)
     batch_size: int = Field(default=64, ge=1, le=4096)
     lr: float = Field(
-        default=3000.0, gt=0,
+        default=3000.0,
+        gt=0,
         description="learning rate; INT8: in int8 steps per unit gradient (default 3000; FP32 default 0.02)",
     )
     eps: float = Field(
-        default=1.0, gt=0, description="perturbation size; INT8: whole int8 steps (default 1; FP32 default 0.001)"
+        default=1.0,
+        gt=0,
+        description="perturbation size; INT8: whole int8 steps (default 1; FP32 default 0.001)",
     )
     trainable: Literal["all"] | str | list[str] = Field(
-        default="all", description="'all', 'last:N' (last N parametrised layers) or a list of layer names"
+        default="all",
+        description="'all', 'last:N' (last N parametrised layers) or a list of layer names",
     )
-    backbone: str | None = Field(default=None, description="pretrained model to start from: an int8 .tflite file")
+    backbone: str | None = Field(
+        default=None, description="pretrained model to start from: an int8 .tflite file"
+    )
     policy: PolicySpec = Field(default_factory=PolicySpec)
     eval_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
@@ -68,7 +77,9 @@ class JobSpec(_Frozen):
                 raise ValueError("trainable layer list is empty")
             return value
         if value != "all" and not _LAST_N.match(value):
-            raise ValueError(f"trainable must be 'all', 'last:N' or a list of layer names, got {value!r}")
+            raise ValueError(
+                f"trainable must be 'all', 'last:N' or a list of layer names, got {value!r}"
+            )
         return value
 
     @model_validator(mode="before")
@@ -83,5 +94,7 @@ class JobSpec(_Frozen):
     @model_validator(mode="after")
     def _check_int8_eps(self) -> JobSpec:
         if self.numerics == "int8" and not float(self.eps).is_integer():
-            raise ValueError(f"INT8 perturbations are whole int8 steps: eps must be an integer, got {self.eps}")
+            raise ValueError(
+                f"INT8 perturbations are whole int8 steps: eps must be an integer, got {self.eps}"
+            )
         return self

@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     """
     description = "Write the control plane's JSON Schema (generated from qsched.protocol.control)."
     parser = argparse.ArgumentParser(prog="qsched schema", description=description)
-    parser.add_argument("-o", "--output", default=str(SCHEMA_PATH),
-                        help="file to write, - for stdout (default: the committed %(default)s)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=str(SCHEMA_PATH),
+        help="file to write, - for stdout (default: the committed %(default)s)",
+    )
     parser.add_argument("--check", action="store_true", help="only compare with the file")
     args = parser.parse_args(argv)
     if args.check and args.output == "-":

@@ -72,11 +72,15 @@ class WrappedInProcTransport:
         await self.inner.__aenter__()
         return self
 
-    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.inner.__aexit__(t, e, tb)
 
     async def events(self) -> AsyncIterator[LinkEvent]:
         async for event in self.inner.events():
             if isinstance(event, BoardAppeared):
-                event = BoardAppeared(event.board_id, self._wrap(event.link, event.board_id), event.transport)
+                event = BoardAppeared(
+                    event.board_id, self._wrap(event.link, event.board_id), event.transport
+                )
             yield event

@@ -22,11 +22,31 @@ def _size(msg: object) -> int:
     return len(encode(msg))  # type: ignore[arg-type]
 
 
-def test_bench_fleet_tiny_run_prints_and_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_fleet_tiny_run_prints_and_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """1 and 2 boards over a private Mosquitto and over ptys: a table, notes, and exact byte counts."""
     out = tmp_path / "bench.json"
-    status = main(["--boards", "1,2", "--q", str(Q), "--seconds", "0.1", "--min-steps", "2", "--warmup", "1",
-                   "--batch", "2", "--json", str(out), "--log", str(tmp_path / "daemon.log")])
+    status = main(
+        [
+            "--boards",
+            "1,2",
+            "--q",
+            str(Q),
+            "--seconds",
+            "0.1",
+            "--min-steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch",
+            "2",
+            "--json",
+            str(out),
+            "--log",
+            str(tmp_path / "daemon.log"),
+        ]
+    )
     captured = capsys.readouterr()
     printed = captured.out
 
@@ -36,7 +56,12 @@ def test_bench_fleet_tiny_run_prints_and_counts(tmp_path: Path, capsys: pytest.C
 
     assert status == 0
     rows = json.loads(out.read_text())
-    assert [(r["link"], r["boards"]) for r in rows] == [("mqtt", 1), ("mqtt", 2), ("serial", 1), ("serial", 2)]
+    assert [(r["link"], r["boards"]) for r in rows] == [
+        ("mqtt", 1),
+        ("mqtt", 2),
+        ("serial", 1),
+        ("serial", 2),
+    ]
     update = _size(ApplyUpdate(job_id=1, step=0, ks=tuple(range(Q)), coefficients=(0.5,) * Q))
     ack = _size(UpdateAck(job_id=1, step=0, checksum=0))
     for row in rows:
@@ -44,13 +69,31 @@ def test_bench_fleet_tiny_run_prints_and_counts(tmp_path: Path, capsys: pytest.C
         assert row["steps"] >= 2 and row["step_s"] > 0 and row["forward_passes_per_s"] > 0
         assert sum(row["work"].values()) == Q * (1 + row["steps"])  # no audits: every key once
         assert by_type["apply_update"] == boards * update and by_type["update_ack"] == boards * ack
-        shard = _size(EvalRequest(job_id=1, step=0, batch_size=1, eps=1.0, estimator="two_sided",
-                                  ks=tuple(range(Q // boards))))
+        shard = _size(
+            EvalRequest(
+                job_id=1,
+                step=0,
+                batch_size=1,
+                eps=1.0,
+                estimator="two_sided",
+                ks=tuple(range(Q // boards)),
+            )
+        )
         assert by_type["eval_request"] == boards * shard
         assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
-        assert row["efficiency"] == (1.0 if boards == 1 else pytest.approx(
-            row["forward_passes_per_s"] / (2 * next(r for r in rows if r["link"] == row["link"]
-                                                    and r["boards"] == 1)["forward_passes_per_s"])))
+        assert row["efficiency"] == (
+            1.0
+            if boards == 1
+            else pytest.approx(
+                row["forward_passes_per_s"]
+                / (
+                    2
+                    * next(r for r in rows if r["link"] == row["link"] and r["boards"] == 1)[
+                        "forward_passes_per_s"
+                    ]
+                )
+            )
+        )
     lines = printed.splitlines()
     assert "the host CPU is not the bottleneck" in printed
     assert sum(1 for line in lines if line.startswith(("mqtt ", "serial "))) == 4

@@ -30,13 +30,23 @@ from qsched.protocol.topics import TopicMap
 from qsched.zo.trainer import train_zo
 
 TIMEOUT_S = 30.0
-SPEC = JobSpec(name="bridged", steps=6, eval_every=3, batch_size=16, policy=PolicySpec(name="fixed", config={"q": 4}))
+SPEC = JobSpec(
+    name="bridged",
+    steps=6,
+    eval_every=3,
+    batch_size=16,
+    policy=PolicySpec(name="fixed", config={"q": 4}),
+)
 
 
 @contextlib.asynccontextmanager
-async def pty_board(pty: PtyPair, board_id: str, heartbeat: float = 5.0) -> AsyncIterator[asyncio.Task[str]]:
+async def pty_board(
+    pty: PtyPair, board_id: str, heartbeat: float = 5.0
+) -> AsyncIterator[asyncio.Task[str]]:
     """A virtual board serving the master end of ``pty`` (its port is ``pty.path``)."""
-    async with SerialEndpoint.from_fd(pty.take_master(), board_id, ack_timeout=0.5, max_retries=20) as link:
+    async with SerialEndpoint.from_fd(
+        pty.take_master(), board_id, ack_timeout=0.5, max_retries=20
+    ) as link:
         agent = BoardAgent(board_id, latency=LatencyProfile.off())
         task = asyncio.create_task(serve_link(agent, link, heartbeat_interval=heartbeat))
         try:
@@ -50,13 +60,28 @@ async def pty_board(pty: PtyPair, board_id: str, heartbeat: float = 5.0) -> Asyn
 def start_bridge(pty: PtyPair, broker: MosquittoBroker, fleet: str) -> subprocess.Popen[bytes]:
     """``qsched bridge`` for the pty's port, as a process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "warning", "bridge",
-         "--serial", pty.path, "--mqtt", f"{broker.host}:{broker.port}", "--fleet", fleet],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "qsched.daemon.cli",
+            "--log-level",
+            "warning",
+            "bridge",
+            "--serial",
+            pty.path,
+            "--mqtt",
+            f"{broker.host}:{broker.port}",
+            "--fleet",
+            fleet,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
-async def bridged_session(transport: MqttTransport, bridge: subprocess.Popen[bytes], board_id: str) -> None:
+async def bridged_session(
+    transport: MqttTransport, bridge: subprocess.Popen[bytes], board_id: str
+) -> None:
     """The board appears through ``bridge`` and says Hello; SIGTERM makes it go offline."""
     events = transport.events()
     appeared = await asyncio.wait_for(anext(events), TIMEOUT_S)
@@ -76,7 +101,9 @@ async def wait_until(predicate: object, fleet: Fleet) -> None:
             await fleet.wait_changed(0.2)
 
 
-async def test_bridge_board_joins_mqtt_fleet_and_trains(pty_pair: PtyPair, mqtt_broker: MosquittoBroker) -> None:
+async def test_bridge_board_joins_mqtt_fleet_and_trains(
+    pty_pair: PtyPair, mqtt_broker: MosquittoBroker
+) -> None:
     """A pty board behind the bridge trains to the reference weights; unplugged, it leaves."""
     cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
     topics = TopicMap(fleet="bridged")
@@ -85,7 +112,9 @@ async def test_bridge_board_joins_mqtt_fleet_and_trains(pty_pair: PtyPair, mqtt_
         bridge = asyncio.create_task(run_bridge([pty_pair.path], cfg, topics, reopen_interval=0.1))
         try:
             async with pty_board(pty_pair, "far-07"):
-                await wait_until(lambda: fleet.find("far-07") is not None and fleet.find("far-07").hello, fleet)
+                await wait_until(
+                    lambda: fleet.find("far-07") is not None and fleet.find("far-07").hello, fleet
+                )
                 session = fleet.find("far-07")
                 assert session is not None and session.transport == "mqtt"
                 result = await StepEngine(SPEC, fleet, config=EngineConfig(audit_every=0)).run()
@@ -99,10 +128,15 @@ async def test_bridge_board_joins_mqtt_fleet_and_trains(pty_pair: PtyPair, mqtt_
     assert result.state.checksum() == train_zo(SPEC).state.checksum()
 
 
-async def test_bridge_cli_restart_asks_for_the_hello(pty_pair: PtyPair, mqtt_broker: MosquittoBroker) -> None:
+async def test_bridge_cli_restart_asks_for_the_hello(
+    pty_pair: PtyPair, mqtt_broker: MosquittoBroker
+) -> None:
     """A restarted bridge finds a board that said Hello long ago, asks again, and it rejoins."""
     cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
-    async with MqttTransport(cfg, TopicMap(fleet="cli")) as transport, pty_board(pty_pair, "early-01", 60.0) as board:
+    async with (
+        MqttTransport(cfg, TopicMap(fleet="cli")) as transport,
+        pty_board(pty_pair, "early-01", 60.0) as board,
+    ):
         await transport.wait_connected(TIMEOUT_S)
         for _ in range(2):  # the second bridge only gets a Hello by asking for one (soft Reset)
             bridge = start_bridge(pty_pair, mqtt_broker, "cli")

@@ -48,7 +48,9 @@ def test_cli_group_needs_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "gpu"]) == 2
 
 
-def test_cli_not_built_yet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_not_built_yet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A command whose module or function is missing exits 2 with 'not built yet'."""
     monkeypatch.setitem(COMMANDS, "ghost", Command("qsched.daemon.no_such_module:main", "x"))
     monkeypatch.setitem(COMMANDS, "shade", Command("qsched.daemon.cli:no_such_function", "x"))
@@ -72,9 +74,13 @@ def test_cli_dispatch_passes_arguments_and_status(monkeypatch: pytest.MonkeyPatc
     assert seen == [["--flag", "value"]]
 
 
-def test_cli_resolve_keeps_real_import_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_resolve_keeps_real_import_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A built module that fails to import (a missing dependency) is not 'not built yet'."""
-    (tmp_path / "qsched_broken_cmd.py").write_text("import qsched_missing_dependency\ndef main(argv): return 0\n")
+    (tmp_path / "qsched_broken_cmd.py").write_text(
+        "import qsched_missing_dependency\ndef main(argv): return 0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="qsched_missing_dependency"):
         resolve("qsched_broken_cmd:main")
@@ -120,8 +126,13 @@ def test_cli_train_rejects_invalid_spec(capsys: pytest.CaptureFixture[str]) -> N
 
 @pytest.mark.parametrize(
     ("override", "named"),
-    [("model=nosuch", "nosuch"), ("dataset=nosuch", "nosuch"), ("policy.name=nosuch", "nosuch"),
-     ("model_options.width=2", "width"), ("backbone=missing.tflite", "missing.tflite")],
+    [
+        ("model=nosuch", "nosuch"),
+        ("dataset=nosuch", "nosuch"),
+        ("policy.name=nosuch", "nosuch"),
+        ("model_options.width=2", "width"),
+        ("backbone=missing.tflite", "missing.tflite"),
+    ],
 )
 def test_cli_train_unresolved_name_is_one_line(
     capsys: pytest.CaptureFixture[str], override: str, named: str
@@ -162,6 +173,8 @@ def test_logging_stdlib_records_are_json_too(capsys: pytest.CaptureFixture[str])
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert len(lines) == 1
     record = lines[0]
-    assert record["event"] == "Future exception was never retrieved" and record["logger"] == "asyncio"
+    assert (
+        record["event"] == "Future exception was never retrieved" and record["logger"] == "asyncio"
+    )
     assert record["level"] == "error" and "timestamp" in record
     assert record["exception"][0]["exc_type"] == "RuntimeError"

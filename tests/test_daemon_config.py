@@ -115,6 +115,10 @@ def _commented_keys(text: str) -> set[str]:
         stripped = line.strip().lstrip("#").strip()
         if stripped.startswith("[") and stripped.endswith("]"):
             section = stripped[1:-1] + "."
-        elif "=" in stripped and line.lstrip().startswith("#") and stripped.split("=")[0].strip().isidentifier():
+        elif (
+            "=" in stripped
+            and line.lstrip().startswith("#")
+            and stripped.split("=")[0].strip().isidentifier()
+        ):
             out.add(section + stripped.split("=")[0].strip())
     return out

@@ -23,9 +23,15 @@ SPEC = {"name": "ctl-job", "steps": 400, "eval_every": 50, "batch_size": 16}
 
 
 @contextlib.asynccontextmanager
-async def _daemon(broker: MosquittoBroker, state: Path, boards: int = 2, protocol: str = "5") -> AsyncIterator[Daemon]:
+async def _daemon(
+    broker: MosquittoBroker, state: Path, boards: int = 2, protocol: str = "5"
+) -> AsyncIterator[Daemon]:
     cfg = DaemonConfig.model_validate(
-        {"state_dir": state, "fleet": "ctl", "mqtt": {"host": broker.host, "port": broker.port, "protocol": protocol}}
+        {
+            "state_dir": state,
+            "fleet": "ctl",
+            "mqtt": {"host": broker.host, "port": broker.port, "protocol": protocol},
+        }
     )
     inproc = InProcTransport()
     async with Daemon(cfg, transports=[inproc]) as daemon:
@@ -43,10 +49,14 @@ async def _daemon(broker: MosquittoBroker, state: Path, boards: int = 2, protoco
             await asyncio.gather(*served, return_exceptions=True)
 
 
-async def _exchange(broker: MosquittoBroker, documents: list[str], settle: float = 1.5) -> list[dict[str, object]]:
+async def _exchange(
+    broker: MosquittoBroker, documents: list[str], settle: float = 1.5
+) -> list[dict[str, object]]:
     """Publish raw documents as a 3.1.1 client; return every reply seen on control/reply."""
     replies: list[dict[str, object]] = []
-    async with aiomqtt.Client(broker.host, broker.port, protocol=aiomqtt.ProtocolVersion.V311) as client:
+    async with aiomqtt.Client(
+        broker.host, broker.port, protocol=aiomqtt.ProtocolVersion.V311
+    ) as client:
         await client.subscribe("qsched/v1/ctl/control/reply", qos=1)
 
         async def collect() -> None:
@@ -63,7 +73,9 @@ async def _exchange(broker: MosquittoBroker, documents: list[str], settle: float
     return replies
 
 
-async def test_control_every_command_one_reply(mqtt_broker: MosquittoBroker, tmp_path: Path) -> None:
+async def test_control_every_command_one_reply(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
     """Valid and malformed commands each get exactly one reply, ok or a typed error."""
     documents = {
         "s1": {"type": "status"},
@@ -84,9 +96,22 @@ async def test_control_every_command_one_reply(mqtt_broker: MosquittoBroker, tmp
         "x1": {"type": "stop"},
     }
     expected = {
-        "s1": True, "b1": True, "p0": "no_job", "j1": True, "j2": "conflict", "p1": True, "p2": "conflict",
-        "u0": "unknown_job", "c1": True, "r1": True, "cp": True, "cx": "invalid_command", "d1": True,
-        "d2": "unknown_board", "e1": True, "x1": True,
+        "s1": True,
+        "b1": True,
+        "p0": "no_job",
+        "j1": True,
+        "j2": "conflict",
+        "p1": True,
+        "p2": "conflict",
+        "u0": "unknown_job",
+        "c1": True,
+        "r1": True,
+        "cp": True,
+        "cx": "invalid_command",
+        "d1": True,
+        "d2": "unknown_board",
+        "e1": True,
+        "x1": True,
     }
     raw = [json.dumps({**doc, "request_id": rid}) for rid, doc in documents.items()]
     malformed = [
@@ -104,18 +129,24 @@ async def test_control_every_command_one_reply(mqtt_broker: MosquittoBroker, tmp
     for rid, outcome in expected.items():
         assert len(by_id.get(rid, [])) == 1, f"{rid}: {by_id.get(rid)}"
         reply = by_id[rid][0]
-        assert reply["ok"] is True if outcome is True else reply["code"] == outcome, f"{rid}: {reply}"
+        assert reply["ok"] is True if outcome is True else reply["code"] == outcome, (
+            f"{rid}: {reply}"
+        )
     for rid in ("m1", "m2", "m3"):
         assert [r["code"] for r in by_id[rid]] == ["invalid_command"]
     assert len(by_id.get(None, [])) == 2  # the two documents without a readable request_id
     assert len(replies) == len(raw) + len(malformed)
 
 
-async def test_control_mqtt5_correlation_and_retained_status(mqtt_broker: MosquittoBroker, tmp_path: Path) -> None:
+async def test_control_mqtt5_correlation_and_retained_status(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
     """MQTT 5 clients get the reply on their response topic; the status is retained."""
     async with _daemon(mqtt_broker, tmp_path) as daemon:
         cfg = daemon.config.mqtt
-        reply = await send_command(cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 20}}, 10)
+        reply = await send_command(
+            cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 20}}, 10
+        )
         assert reply.ok and reply.job is not None and reply.job.name == "ctl-job"
         for _ in range(100):
             if daemon.job is not None and daemon.job.engine.job_state == "completed":
@@ -140,7 +171,9 @@ async def aiomqtt_messages(client: aiomqtt.Client) -> AsyncIterator[aiomqtt.Mess
 
 
 @pytest.mark.parametrize("protocol", ["3.1.1"])
-async def test_control_ctl_request_id_for_311(mqtt_broker: MosquittoBroker, tmp_path: Path, protocol: str) -> None:
+async def test_control_ctl_request_id_for_311(
+    mqtt_broker: MosquittoBroker, tmp_path: Path, protocol: str
+) -> None:
     """``send_command`` over MQTT 3.1.1 matches the reply by request_id on the default topic."""
     async with _daemon(mqtt_broker, tmp_path, protocol=protocol) as daemon:
         reply = await send_command(daemon.config.mqtt, daemon.topics, {"type": "list_boards"}, 10)

@@ -16,9 +16,14 @@ def _command(*argv: str) -> dict[str, object]:
 
 def test_ctl_start_set_without_spec_file() -> None:
     """--set alone builds the spec from defaults plus the overrides, nested keys included."""
-    command = _command("start", "--set", "name=j2", "--set", "steps=50", "--set", "policy.name=fixed")
+    command = _command(
+        "start", "--set", "name=j2", "--set", "steps=50", "--set", "policy.name=fixed"
+    )
 
-    assert command == {"type": "start_job", "spec": {"name": "j2", "steps": 50, "policy": {"name": "fixed"}}}
+    assert command == {
+        "type": "start_job",
+        "spec": {"name": "j2", "steps": 50, "policy": {"name": "fixed"}},
+    }
 
 
 def test_ctl_start_set_overrides_spec_file(tmp_path: Path) -> None:
@@ -37,7 +42,10 @@ def test_ctl_policy_config_is_not_the_daemon_config() -> None:
 
     assert args.config is None
     assert build_command(args) == {
-        "type": "change_policy", "policy": {"name": "fixed", "config": {"q": 8}}, "job": "j"}
+        "type": "change_policy",
+        "policy": {"name": "fixed", "config": {"q": 8}},
+        "job": "j",
+    }
 
 
 def test_ctl_policy_config_must_be_object() -> None:
@@ -47,7 +55,9 @@ def test_ctl_policy_config_must_be_object() -> None:
 
 
 @pytest.mark.parametrize("address", ["foo", "host:", "host:0", "host:99999"])
-def test_ctl_bad_mqtt_address_is_usage_error(address: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ctl_bad_mqtt_address_is_usage_error(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A --mqtt that is not HOST:PORT exits 2 with a sentence, before any connection."""
     assert main(["--mqtt", address, "status"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err

@@ -40,7 +40,9 @@ def _records(out: Path, kind: str) -> list[dict[str, object]]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def test_demo_serial_short_run_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_serial_short_run_writes_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """30 default-spec steps on 4 pty boards: metrics, plot, summary, and the reference model."""
     out = tmp_path / "run"
     status = main(["--steps", "30", "--out", str(out)])
@@ -54,14 +56,18 @@ def test_demo_serial_short_run_writes_files(tmp_path: Path, capsys: pytest.Captu
     assert [e["step"] for e in evals] == [9, 19, 29]
     assert summary["final_accuracy"] == evals[-1]["val_accuracy"]
     assert summary["best_accuracy"] == max(e["val_accuracy"] for e in evals)
-    assert summary["forward_passes"] == sum(2 * s["q"] for s in steps) == steps[-1]["forward_passes"]
+    assert (
+        summary["forward_passes"] == sum(2 * s["q"] for s in steps) == steps[-1]["forward_passes"]
+    )
     assert summary["q_trajectory"][0] == [0, steps[0]["q"]]
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     expected = _reference_tflite(JobSpec(name="demo", steps=30))
     assert (out / "model.tflite").read_bytes() == expected
     assert read_tflite(out / "model.tflite").layers  # the file reads back as a model
     assert "final val accuracy" in printed.out and str(out) in printed.out
-    assert (out / "demo.log").exists() and "demo.log" in summary["files"]  # the daemon's log, listed
+    assert (out / "demo.log").exists() and "demo.log" in summary[
+        "files"
+    ]  # the daemon's log, listed
     assert "demo  [" in printed.err  # the progress line
 
 
@@ -71,9 +77,23 @@ def test_demo_mqtt_private_broker_shards_over_boards(
     """Over a private Mosquitto, 2 boards share q=6 and the model equals the reference."""
     out = tmp_path / "mqtt"
     policy = '{"name": "fixed", "config": {"q": 6}}'
-    status = main(["--steps", "12", "--boards", "2", "--out", str(out), "--no-progress",
-                   "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}", "--set", f"policy={policy}",
-                   "--set", "eval_every=6"])
+    status = main(
+        [
+            "--steps",
+            "12",
+            "--boards",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--mqtt",
+            f"{mqtt_broker.host}:{mqtt_broker.port}",
+            "--set",
+            f"policy={policy}",
+            "--set",
+            "eval_every=6",
+        ]
+    )
     capsys.readouterr()
 
     assert status == 0
@@ -81,7 +101,9 @@ def test_demo_mqtt_private_broker_shards_over_boards(
     assert summary["link"].startswith("MQTT ") and summary["steps"] == 12
     assert sorted(summary["work"]) == ["vb-00", "vb-01"] and min(summary["work"].values()) > 0
     assert summary["q_trajectory"] == [[0, 6]]
-    spec = JobSpec(name="demo", steps=12, eval_every=6, policy={"name": "fixed", "config": {"q": 6}})
+    spec = JobSpec(
+        name="demo", steps=12, eval_every=6, policy={"name": "fixed", "config": {"q": 6}}
+    )
     assert (out / "model.tflite").read_bytes() == _reference_tflite(spec)
 
 

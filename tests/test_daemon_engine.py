@@ -22,7 +22,13 @@ FIXED8 = PolicySpec(name="fixed", config={"q": 8})
 
 
 def _spec(**over: object) -> JobSpec:
-    base: dict[str, object] = {"name": "t", "steps": 10, "eval_every": 4, "policy": FIXED8, "checkpoint_every": 3}
+    base: dict[str, object] = {
+        "name": "t",
+        "steps": 10,
+        "eval_every": 4,
+        "policy": FIXED8,
+        "checkpoint_every": 3,
+    }
     base.update(over)
     return JobSpec.model_validate(base)
 
@@ -52,7 +58,9 @@ async def test_engine_shards_follow_throughput() -> None:
     """A board modelled four times faster is given more keys than a slow one."""
     spec = _spec(steps=6, policy=PolicySpec(name="fixed", config={"q": 16}), batch_size=16)
     latency = LatencyProfile(macs_per_forward=2_000_000)
-    result = await run_job_inprocess(spec, boards=2, latency=latency, speeds=[1.0, 4.0], config=EngineConfig(audit_every=0))
+    result = await run_job_inprocess(
+        spec, boards=2, latency=latency, speeds=[1.0, 4.0], config=EngineConfig(audit_every=0)
+    )
     assert result.work["vb-01"] > 2 * result.work["vb-00"]
     assert result.state.checksum() == train_zo(spec).state.checksum()
 
@@ -63,7 +71,12 @@ async def test_engine_late_board_reassigned() -> None:
     events: list[Event] = []
     config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0)
     result = await run_job_inprocess(
-        spec, boards=3, config=config, faults=["delay:step=2:1.5"], fault_boards=["vb-01"], on_event=events.append
+        spec,
+        boards=3,
+        config=config,
+        faults=["delay:step=2:1.5"],
+        fault_boards=["vb-01"],
+        on_event=events.append,
     )
     assert result.reassigned > 0
     assert any(e.kind == "board_faulty" and e.board_id == "vb-01" for e in events)
@@ -88,11 +101,21 @@ class _NumericBoard(BoardAgent):
 
     async def handle(self, msg):  # type: ignore[no-untyped-def]
         if isinstance(msg, EvalRequest):
-            return [Error(code="numeric", ref_type=0x45, job_id=msg.job_id, step=msg.step, detail="loss is nan")]
+            return [
+                Error(
+                    code="numeric",
+                    ref_type=0x45,
+                    job_id=msg.job_id,
+                    step=msg.step,
+                    detail="loss is nan",
+                )
+            ]
         return await super().handle(msg)
 
 
-async def _fleet_job(spec: JobSpec, agents: list[BoardAgent], **engine_options: object) -> tuple[StepEngine, object]:
+async def _fleet_job(
+    spec: JobSpec, agents: list[BoardAgent], **engine_options: object
+) -> tuple[StepEngine, object]:
     async with InProcTransport() as transport, Fleet(transport) as fleet:
         endpoints = [transport.attach(a.board_id) for a in agents]
         async with asyncio.TaskGroup() as tasks:
@@ -110,7 +133,10 @@ async def _fleet_job(spec: JobSpec, agents: list[BoardAgent], **engine_options: 
 async def test_engine_numeric_error_marks_board_faulty() -> None:
     """A board answering Error(numeric) is faulty, its keys go elsewhere, nothing is lost."""
     spec = _spec(steps=4)
-    agents = [BoardAgent("good", latency=LatencyProfile.off()), _NumericBoard("nan", latency=LatencyProfile.off())]
+    agents = [
+        BoardAgent("good", latency=LatencyProfile.off()),
+        _NumericBoard("nan", latency=LatencyProfile.off()),
+    ]
     engine, result = await _fleet_job(spec, agents)
     assert engine.faults >= 1
     assert result.state.checksum() == train_zo(spec).state.checksum()  # type: ignore[attr-defined]
@@ -126,7 +152,9 @@ async def test_engine_no_boards_waits_and_says_so() -> None:
         assert not job.done()
         assert "waiting for boards" in engine.status_line
         endpoint = transport.attach("late-board")
-        board = asyncio.create_task(serve_link(BoardAgent("late-board", latency=LatencyProfile.off()), endpoint))
+        board = asyncio.create_task(
+            serve_link(BoardAgent("late-board", latency=LatencyProfile.off()), endpoint)
+        )
         result = await asyncio.wait_for(job, 60)
         await endpoint.close()
         await board
@@ -147,7 +175,9 @@ async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFac
     engine_box: list[StepEngine] = []
     async with InProcTransport() as transport, Fleet(transport) as fleet:
         endpoint = transport.attach("b0")
-        board = asyncio.create_task(serve_link(BoardAgent("b0", latency=LatencyProfile.off()), endpoint))
+        board = asyncio.create_task(
+            serve_link(BoardAgent("b0", latency=LatencyProfile.off()), endpoint)
+        )
         engine = StepEngine(spec, fleet, job_dir=job_dir, on_event=stop_at_five)
         engine_box.append(engine)
         first = await engine.run()
@@ -170,7 +200,8 @@ async def test_engine_drained_board_gets_no_work() -> None:
     async with InProcTransport() as transport, Fleet(transport) as fleet:
         endpoints = [transport.attach(name) for name in ("keep", "drain")]
         boards = [
-            asyncio.create_task(serve_link(BoardAgent(e.board_id, latency=LatencyProfile.off()), e)) for e in endpoints
+            asyncio.create_task(serve_link(BoardAgent(e.board_id, latency=LatencyProfile.off()), e))
+            for e in endpoints
         ]
         while len([s for s in fleet.boards() if s.hello is not None]) < 2:
             await fleet.wait_changed(0.1)
@@ -189,11 +220,20 @@ async def test_engine_drained_board_gets_no_work() -> None:
 
 @pytest.mark.parametrize(
     ("numerics", "estimator", "accumulator"),
-    [("fp32", "two_sided", "fp16"), ("fp32", "one_sided", "fp16"), ("int8", "one_sided", "fp16"), ("int8", "two_sided", "int8")],
+    [
+        ("fp32", "two_sided", "fp16"),
+        ("fp32", "one_sided", "fp16"),
+        ("int8", "one_sided", "fp16"),
+        ("int8", "two_sided", "int8"),
+    ],
 )
-async def test_engine_numerics_variants_match_trainer(numerics: str, estimator: str, accumulator: str) -> None:
+async def test_engine_numerics_variants_match_trainer(
+    numerics: str, estimator: str, accumulator: str
+) -> None:
     """FP32, the one-sided estimator and the INT8 accumulator also reach the reference weights."""
-    spec = _spec(steps=5, numerics=numerics, estimator=estimator, accumulator=accumulator, batch_size=16)
+    spec = _spec(
+        steps=5, numerics=numerics, estimator=estimator, accumulator=accumulator, batch_size=16
+    )
     result = await run_job_inprocess(spec, boards=3)
     reference = train_zo(spec)
     assert result.state.checksum() == reference.state.checksum()
@@ -205,9 +245,15 @@ async def test_engine_wrong_checksum_resyncs_board() -> None:
     spec = _spec(steps=6)
     events: list[Event] = []
     result = await run_job_inprocess(
-        spec, boards=2, faults=["bad-checksum:step=2"], fault_boards=["vb-01"], on_event=events.append
+        spec,
+        boards=2,
+        faults=["bad-checksum:step=2"],
+        fault_boards=["vb-01"],
+        on_event=events.append,
     )
     kinds = [(e.kind, e.board_id) for e in events if e.board_id is not None]
     assert ("board_faulty", "vb-01") in kinds and ("board_resynced", "vb-01") in kinds
-    assert next(e for e in events if e.kind == "board_faulty").message.startswith("step 2: checksum")
+    assert next(e for e in events if e.kind == "board_faulty").message.startswith(
+        "step 2: checksum"
+    )
     assert result.work["vb-01"] > 0 and result.state.checksum() == train_zo(spec).state.checksum()

@@ -21,7 +21,13 @@ FIXED8 = PolicySpec(name="fixed", config={"q": 8})
 
 
 def _spec(**over: object) -> JobSpec:
-    base: dict[str, object] = {"name": "t", "steps": 5, "eval_every": 5, "policy": FIXED8, "checkpoint_every": 5}
+    base: dict[str, object] = {
+        "name": "t",
+        "steps": 5,
+        "eval_every": 5,
+        "policy": FIXED8,
+        "checkpoint_every": 5,
+    }
     base.update(over)
     return JobSpec.model_validate(base)
 
@@ -44,7 +50,9 @@ class _ReassignLiar(BoardAgent):
         return replies
 
 
-async def _run(spec: JobSpec, agents: list[BoardAgent], config: EngineConfig, events: list[Event]) -> int:
+async def _run(
+    spec: JobSpec, agents: list[BoardAgent], config: EngineConfig, events: list[Event]
+) -> int:
     membership = lambda e: events.append(fleet_event(e))  # noqa: E731
     async with InProcTransport() as transport, Fleet(transport, on_event=membership) as fleet:
         endpoints = [transport.attach(a.board_id) for a in agents]
@@ -73,7 +81,10 @@ async def test_engine_audit_lie_in_reassigned_shard_caught() -> None:
     config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0)
     checksum = await _run(spec, agents, config, events)
     assert liar.lies > 0
-    assert any(e.kind == "board_faulty" and e.board_id == "vb-01" and "disagree" in e.message for e in events)
+    assert any(
+        e.kind == "board_faulty" and e.board_id == "vb-01" and "disagree" in e.message
+        for e in events
+    )
     assert checksum == train_zo(spec).state.checksum()
 
 
@@ -81,9 +92,16 @@ async def test_engine_audit_combined_faults_match_reference() -> None:
     """Two clean boards and three with lies, corrupted payloads, drops, delays and bad checksums end at the reference."""
     spec = _spec(steps=30, eval_every=10, checkpoint_every=10)
     faults = ["lie:0.05", "corrupt:0.02", "drop:0.05", "delay:0.05:0.6", "bad-checksum:0.05"]
-    config = EngineConfig(step_deadline_s=0.3, deadline_factor=1.0, reply_timeout_s=0.5, resync_backoff_s=0.05)
+    config = EngineConfig(
+        step_deadline_s=0.3, deadline_factor=1.0, reply_timeout_s=0.5, resync_backoff_s=0.05
+    )
     result = await run_job_inprocess(
-        spec, boards=5, config=config, faults=faults, fault_boards=["vb-02", "vb-03", "vb-04"], corrupt_payloads=True
+        spec,
+        boards=5,
+        config=config,
+        faults=faults,
+        fault_boards=["vb-02", "vb-03", "vb-04"],
+        corrupt_payloads=True,
     )
     assert result.faults > 0
     assert result.state.checksum() == train_zo(spec).state.checksum()
@@ -98,7 +116,11 @@ class _LosesWeightsReply(BoardAgent):
 
     async def handle(self, msg):  # type: ignore[no-untyped-def]
         replies = await super().handle(msg)
-        if isinstance(msg, SetWeights) and self.swallowed == 0 and any(isinstance(r, Loaded) for r in replies):
+        if (
+            isinstance(msg, SetWeights)
+            and self.swallowed == 0
+            and any(isinstance(r, Loaded) for r in replies)
+        ):
             self.swallowed += 1
             return []
         return replies
@@ -109,8 +131,11 @@ async def test_engine_lost_resync_reply_does_not_stall_others() -> None:
     spec = _spec(steps=8, eval_every=8, checkpoint_every=8)
     off = LatencyProfile.off()
     bad = FaultPlan.parse(["bad-checksum:step=1"], seed=spec.seed).for_board("vb-02")
-    agents = [BoardAgent("vb-00", latency=off), BoardAgent("vb-01", latency=off),
-              _LosesWeightsReply("vb-02", latency=off, faults=bad)]
+    agents = [
+        BoardAgent("vb-00", latency=off),
+        BoardAgent("vb-01", latency=off),
+        _LosesWeightsReply("vb-02", latency=off, faults=bad),
+    ]
     events: list[Event] = []
     config = EngineConfig(step_deadline_s=0.3, resync_timeout_s=30.0)
     started = time.perf_counter()
@@ -150,7 +175,9 @@ async def test_engine_hung_board_costs_a_step_deadline() -> None:
         endpoints = [transport.attach(a.board_id) for a in agents]
         async with asyncio.TaskGroup() as tasks:
             for agent, endpoint in zip(agents, endpoints, strict=True):
-                tasks.create_task(serve_link(agent, endpoint, heartbeat_interval=3600.0 if agent is hung else 1.0))
+                tasks.create_task(
+                    serve_link(agent, endpoint, heartbeat_interval=3600.0 if agent is hung else 1.0)
+                )
             while len([s for s in fleet.boards() if s.hello is not None]) < len(agents):
                 await fleet.wait_changed(0.05)
             started = time.perf_counter()

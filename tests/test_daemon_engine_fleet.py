@@ -12,7 +12,9 @@ from qsched.protocol.codec import decode, encode
 from qsched.protocol.links.inproc import InProcLink, InProcTransport
 from qsched.protocol.messages import Error, EvalRequest, EvalResult, Hello, Reset
 
-HELLO = Hello(board_id="scripted", firmware_version="test-1", npu="virtual", ram_kib=1, max_batch=64)
+HELLO = Hello(
+    board_id="scripted", firmware_version="test-1", npu="virtual", ram_kib=1, max_batch=64
+)
 REQUEST = EvalRequest(job_id=7, step=3, batch_size=8, eps=1.0, estimator="two_sided", ks=(0, 1))
 
 
@@ -49,14 +51,22 @@ async def test_fleet_error_reply_and_result_resolve_requests() -> None:
         session = await _session(fleet)
         pending = asyncio.create_task(session.request(REQUEST, timeout=5))
         assert await _next(board) == REQUEST
-        await board.send(encode(Error(code="stale_step", ref_type=0x45, job_id=7, step=3, detail="board at 2")))
+        await board.send(
+            encode(Error(code="stale_step", ref_type=0x45, job_id=7, step=3, detail="board at 2"))
+        )
         with pytest.raises(BoardErrorReply) as refused:
             await pending
         assert refused.value.reason == "stale_step"
         pending = asyncio.create_task(session.request(REQUEST, timeout=5))
         await _next(board)
         result = EvalResult(
-            job_id=7, step=3, compute_us=1, estimator="two_sided", ks=(0, 1), loss_plus=(1.0, 2.0), loss_minus=(3.0, 4.0)
+            job_id=7,
+            step=3,
+            compute_us=1,
+            estimator="two_sided",
+            ks=(0, 1),
+            loss_plus=(1.0, 2.0),
+            loss_minus=(3.0, 4.0),
         )
         await board.send(encode(result.model_copy(update={"step": 4})))  # nobody waits for step 4
         await board.send(encode(result))

@@ -22,7 +22,13 @@ from qsched.protocol.links.serial import SerialEndpoint, SerialTransport
 from qsched.protocol.topics import TopicMap
 from qsched.zo.trainer import train_zo
 
-SPEC = JobSpec(name="links", steps=8, eval_every=4, batch_size=32, policy=PolicySpec(name="fixed", config={"q": 6}))
+SPEC = JobSpec(
+    name="links",
+    steps=8,
+    eval_every=4,
+    batch_size=32,
+    policy=PolicySpec(name="fixed", config={"q": 6}),
+)
 
 
 async def _run(transport: Transport, boards: contextlib.AbstractAsyncContextManager[None]) -> int:
@@ -40,7 +46,11 @@ async def _serial_boards(masters: list[int]) -> AsyncIterator[None]:
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tasks:
         for i, master in enumerate(masters):
             link = await stack.enter_async_context(SerialEndpoint.from_fd(master, f"pty-{i}"))
-            served.append(tasks.create_task(serve_link(BoardAgent(f"pty-{i}", latency=LatencyProfile.off()), link)))
+            served.append(
+                tasks.create_task(
+                    serve_link(BoardAgent(f"pty-{i}", latency=LatencyProfile.off()), link)
+                )
+            )
         try:
             yield
         finally:
@@ -55,7 +65,11 @@ async def _mqtt_boards(cfg: MqttConfig, topics: TopicMap, count: int) -> AsyncIt
         for i in range(count):
             endpoint = await stack.enter_async_context(MqttEndpoint(cfg, topics, f"mq-{i}"))
             await endpoint.wait_connected(10)
-            served.append(tasks.create_task(serve_link(BoardAgent(f"mq-{i}", latency=LatencyProfile.off()), endpoint)))
+            served.append(
+                tasks.create_task(
+                    serve_link(BoardAgent(f"mq-{i}", latency=LatencyProfile.off()), endpoint)
+                )
+            )
         try:
             yield
         finally:
@@ -72,7 +86,9 @@ async def test_engine_links_same_weights_everywhere(mqtt_broker: MosquittoBroker
     for _, slave in ptys:
         tty.setraw(slave)
     paths = [os.ttyname(slave) for _, slave in ptys]
-    serial = await _run(SerialTransport(paths, reopen_interval=0.05), _serial_boards([m for m, _ in ptys]))
+    serial = await _run(
+        SerialTransport(paths, reopen_interval=0.05), _serial_boards([m for m, _ in ptys])
+    )
     for _, slave in ptys:
         os.close(slave)
 

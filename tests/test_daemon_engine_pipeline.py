@@ -19,7 +19,13 @@ from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import Link
 from qsched.zo.trainer import train_zo
 
-SPEC = JobSpec(name="pipe", steps=9, eval_every=4, batch_size=8, policy=PolicySpec(name="fixed", config={"q": 6}))
+SPEC = JobSpec(
+    name="pipe",
+    steps=9,
+    eval_every=4,
+    batch_size=8,
+    policy=PolicySpec(name="fixed", config={"q": 6}),
+)
 
 Trace = list[tuple[str, str, str, int]]  # (board, "out" | "in", message type, step)
 
@@ -56,7 +62,11 @@ async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace
     events: list[FleetEvent] = []
     transport = WrappedInProcTransport(lambda link, board: _TracingLink(link, board, trace))
     config = EngineConfig(pipeline=pipeline, audit_every=0)
-    async with transport, Fleet(transport, on_event=events.append) as fleet, asyncio.TaskGroup() as tasks:
+    async with (
+        transport,
+        Fleet(transport, on_event=events.append) as fleet,
+        asyncio.TaskGroup() as tasks,
+    ):
         boards = []
         for i in range(3):
             board_id = f"vb-{i:02d}"
@@ -95,7 +105,13 @@ async def test_engine_pipeline_wrong_ack_voids_next_results() -> None:
     checksum, trace, events = await _run(True, {"vb-01": ["bad-checksum:step=1"]})
     assert checksum == train_zo(SPEC).state.checksum()
     faulty = [e for e in events if e.kind == "board_faulty"]
-    assert faulty and faulty[0].board_id == "vb-01" and faulty[0].message.startswith("step 1: checksum")
+    assert (
+        faulty
+        and faulty[0].board_id == "vb-01"
+        and faulty[0].message.startswith("step 1: checksum")
+    )
     assert any(e.kind == "board_resynced" and e.board_id == "vb-01" for e in events)
-    resync = trace.index(next(x for x in trace if x[:3] == ("vb-01", "out", "set_weights") and x[3] > 1))
+    resync = trace.index(
+        next(x for x in trace if x[:3] == ("vb-01", "out", "set_weights") and x[3] > 1)
+    )
     assert ("vb-01", "out", "eval_request", 5) in trace[resync:]  # full weights, then back to work

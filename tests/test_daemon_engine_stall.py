@@ -17,7 +17,13 @@ from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import Link, SendTimeoutError
 from qsched.protocol.links.inproc import InProcTransport
 
-SPEC = JobSpec(name="stall", steps=10_000, eval_every=1000, batch_size=8, policy=PolicySpec(name="fixed", config={"q": 4}))
+SPEC = JobSpec(
+    name="stall",
+    steps=10_000,
+    eval_every=1000,
+    batch_size=8,
+    policy=PolicySpec(name="fixed", config={"q": 4}),
+)
 
 
 class _BrokenLink:
@@ -75,10 +81,16 @@ async def test_engine_links_failing_at_once_no_spin_and_stop() -> None:
     switch = _Switch()
     transport = WrappedInProcTransport(lambda link, _board: _BrokenLink(link, switch))
     config = EngineConfig(step_deadline_s=0.5, reply_timeout_s=1.0, resync_backoff_s=0.05)
-    async with transport, Fleet(transport, heartbeat_interval=0.2) as fleet, asyncio.TaskGroup() as tasks:
+    async with (
+        transport,
+        Fleet(transport, heartbeat_interval=0.2) as fleet,
+        asyncio.TaskGroup() as tasks,
+    ):
         for i in range(2):
             endpoint = transport.inner.attach(f"br-{i}")
-            tasks.create_task(serve_link(BoardAgent(f"br-{i}", latency=LatencyProfile.off()), endpoint))
+            tasks.create_task(
+                serve_link(BoardAgent(f"br-{i}", latency=LatencyProfile.off()), endpoint)
+            )
         engine = StepEngine(SPEC, fleet, config=config)
         run = tasks.create_task(engine.run())
         while engine.step < 3:
@@ -110,9 +122,15 @@ async def test_engine_shutdown_mid_step_does_not_wait_for_answers() -> None:
     """A shutdown stop while slow boards compute ends the run at once, the step undone."""
     slow = LatencyProfile.named("mobilenetv2-0.35-128", speed=0.01)  # a minute per shard
     config = EngineConfig(step_deadline_s=60.0)
-    async with InProcTransport() as transport, Fleet(transport) as fleet, asyncio.TaskGroup() as tasks:
+    async with (
+        InProcTransport() as transport,
+        Fleet(transport) as fleet,
+        asyncio.TaskGroup() as tasks,
+    ):
         boards = [
-            tasks.create_task(serve_link(BoardAgent(f"sl-{i}", latency=slow), transport.attach(f"sl-{i}")))
+            tasks.create_task(
+                serve_link(BoardAgent(f"sl-{i}", latency=slow), transport.attach(f"sl-{i}"))
+            )
             for i in range(2)
         ]
         engine = StepEngine(SPEC, fleet, config=config)

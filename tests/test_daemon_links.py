@@ -177,7 +177,9 @@ async def test_serial_round_trip_in_order(pty_pair: PtyPair) -> None:
     sizes = [0, 1, 253, 254, 255, 1000] + [MAX_PAYLOAD] * 8  # big ones overflow the pty buffer
     payloads = [os.urandom(n) for n in sizes] + [bytes(300)]  # zeros: worst case for COBS
     loop_errors: list[dict[str, object]] = []
-    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
+    asyncio.get_running_loop().set_exception_handler(
+        lambda _loop, context: loop_errors.append(context)
+    )
     async with serial_pair(pty_pair) as (daemon, board, _, _):
         receiving = asyncio.create_task(_take(board, len(payloads)))
         for payload in payloads:
@@ -204,7 +206,12 @@ async def test_serial_survives_garbage_and_cut_frames(pty_pair: PtyPair) -> None
 
 async def test_serial_retransmits_dropped_frame(pty_pair: PtyPair) -> None:
     """A data frame lost on the wire is sent again after the ACK timeout and arrives once."""
-    async with serial_pair(pty_pair, drop=_drop_first(kind_is_ack=False, count=2)) as (daemon, board, _, _):
+    async with serial_pair(pty_pair, drop=_drop_first(kind_is_ack=False, count=2)) as (
+        daemon,
+        board,
+        _,
+        _,
+    ):
         await board.send(b"lost twice")
         assert await _take(daemon, 1) == [b"lost twice"]
         assert board.stats.retransmits == 2
@@ -306,7 +313,9 @@ asyncio.run(main())
 
 
 def _mqtt_cfg(port: int) -> MqttConfig:
-    return MqttConfig(port=port, reconnect_min_s=0.05, reconnect_max_s=0.3, send_timeout_s=10.0, keepalive_s=5)
+    return MqttConfig(
+        port=port, reconnect_min_s=0.05, reconnect_max_s=0.3, send_timeout_s=10.0, keepalive_s=5
+    )
 
 
 async def _reconnected(*connections: MqttConnection) -> None:
@@ -344,7 +353,12 @@ async def test_mqtt_will_reports_killed_board(mqtt_broker: MosquittoBroker) -> N
         events = transport.events()
         await transport.wait_connected(5)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _BOARD_SCRIPT, str(mqtt_broker.port), "board-k", stdout=asyncio.subprocess.PIPE
+            sys.executable,
+            "-c",
+            _BOARD_SCRIPT,
+            str(mqtt_broker.port),
+            "board-k",
+            stdout=asyncio.subprocess.PIPE,
         )
         try:
             assert proc.stdout is not None
@@ -395,7 +409,9 @@ async def test_mqtt_forgotten_board_returns_on_message(mqtt_broker: MosquittoBro
 
 async def test_mqtt_send_times_out_without_broker() -> None:
     """With no broker at all, a send fails with SendTimeoutError after send_timeout_s."""
-    cfg = MqttConfig(port=free_port(), reconnect_min_s=0.05, reconnect_max_s=0.1, send_timeout_s=0.3)
+    cfg = MqttConfig(
+        port=free_port(), reconnect_min_s=0.05, reconnect_max_s=0.1, send_timeout_s=0.3
+    )
     async with MqttEndpoint(cfg, TopicMap(fleet="t"), "lonely") as board:
         with pytest.raises(SendTimeoutError):
             await board.send(b"nobody listens")
@@ -406,7 +422,9 @@ async def test_serial_glob_finds_new_ports(tmp_path: Path) -> None:
     ptys = [Pty(), Pty()]
     (tmp_path / "stlink-a").symlink_to(ptys[0].path)
     try:
-        async with SerialTransport([str(tmp_path / "stlink-*")], reopen_interval=0.05, **FAST) as transport:
+        async with SerialTransport(
+            [str(tmp_path / "stlink-*")], reopen_interval=0.05, **FAST
+        ) as transport:
             events = transport.events()
             async with SerialLink("a", FdStream(ptys[0].master), **FAST):
                 first = await _next_event(events)
@@ -449,9 +467,26 @@ async def test_mqtt_daemon_state_retained(mqtt_broker: MosquittoBroker) -> None:
 def _self_signed(folder: Path) -> tuple[Path, Path]:
     cert, key = folder / "broker.pem", folder / "broker.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -463,8 +498,13 @@ async def test_mqtt_tls_and_password(tmp_path: Path) -> None:
     topics = TopicMap(fleet="t")
     async with MosquittoBroker(users={"qsched": "right"}, tls=(cert, key)) as broker:
         tls = TlsConfig(enabled=True, ca_file=cert)
-        good = _mqtt_cfg(broker.port).model_copy(update={"tls": tls, "username": "qsched", "password": SecretStr("right")})
-        async with MqttTransport(good, topics) as transport, MqttEndpoint(good, topics, "secure-1") as board:
+        good = _mqtt_cfg(broker.port).model_copy(
+            update={"tls": tls, "username": "qsched", "password": SecretStr("right")}
+        )
+        async with (
+            MqttTransport(good, topics) as transport,
+            MqttEndpoint(good, topics, "secure-1") as board,
+        ):
             events = transport.events()
             appeared = await _next_event(events)
             await board.send(b"encrypted")

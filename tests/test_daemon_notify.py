@@ -67,7 +67,9 @@ def test_watchdog_interval_from_environment() -> None:
     assert watchdog_interval({}) is None
 
 
-async def test_watchdog_loop_pings_from_event_loop(notify_socket: tuple[socket.socket, str]) -> None:
+async def test_watchdog_loop_pings_from_event_loop(
+    notify_socket: tuple[socket.socket, str],
+) -> None:
     """The watchdog task pings at half the period, and withholds pings while unhealthy."""
     sock, path = notify_socket
     sock.setblocking(False)
@@ -87,7 +89,9 @@ async def test_watchdog_loop_pings_from_event_loop(notify_socket: tuple[socket.s
         await task
 
 
-async def test_watchdog_loop_returns_when_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_watchdog_loop_returns_when_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without WATCHDOG_USEC the loop ends at once (safe to start unconditionally)."""
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     await asyncio.wait_for(Notifier(str(tmp_path / "s")).watchdog_loop(), 1.0)

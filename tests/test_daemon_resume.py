@@ -53,7 +53,10 @@ class Procs:
             # Its own process group: teardown kills whatever it started too.
             child = subprocess.Popen(
                 [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "info", *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         self.children.append(child)
         return child
@@ -81,25 +84,65 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         keeper.close()
 
 
-def _daemon(procs: Procs, broker: MosquittoBroker, state: Path, fleet: str) -> subprocess.Popen[bytes]:
+def _daemon(
+    procs: Procs, broker: MosquittoBroker, state: Path, fleet: str
+) -> subprocess.Popen[bytes]:
     return procs.start(
-        "daemon", "daemon", "--state-dir", str(state), "--mqtt", f"{broker.host}:{broker.port}",
-        "--fleet", fleet, "--step-deadline", "2",
+        "daemon",
+        "daemon",
+        "--state-dir",
+        str(state),
+        "--mqtt",
+        f"{broker.host}:{broker.port}",
+        "--fleet",
+        fleet,
+        "--step-deadline",
+        "2",
     )
 
 
-def _boards(procs: Procs, broker: MosquittoBroker, fleet: str, count: int, prefix: str, *extra: str) -> subprocess.Popen[bytes]:
+def _boards(
+    procs: Procs, broker: MosquittoBroker, fleet: str, count: int, prefix: str, *extra: str
+) -> subprocess.Popen[bytes]:
     return procs.start(
-        f"boards-{prefix}", "board", "--mqtt", f"{broker.host}:{broker.port}", "--fleet", fleet,
-        "--count", str(count), "--id-prefix", prefix, "--model-latency", "off", "--heartbeat", "1", *extra,
+        f"boards-{prefix}",
+        "board",
+        "--mqtt",
+        f"{broker.host}:{broker.port}",
+        "--fleet",
+        fleet,
+        "--count",
+        str(count),
+        "--id-prefix",
+        prefix,
+        "--model-latency",
+        "off",
+        "--heartbeat",
+        "1",
+        *extra,
     )
 
 
 def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
     child = subprocess.Popen(
-        [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "warning", "ctl", "--mqtt",
-         f"{broker.host}:{broker.port}", "--fleet", fleet, "--timeout", "20", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "qsched.daemon.cli",
+            "--log-level",
+            "warning",
+            "ctl",
+            "--mqtt",
+            f"{broker.host}:{broker.port}",
+            "--fleet",
+            fleet,
+            "--timeout",
+            "20",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         stdout, stderr = child.communicate(timeout=60)
@@ -112,7 +155,11 @@ def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
 def _start_job(broker: MosquittoBroker, fleet: str, spec: dict[str, object], tmp: Path) -> None:
     # A command published before the daemon subscribed is lost: wait for its connection.
     log = tmp / "daemon.log"
-    _wait_for(lambda: log.exists() and b"mqtt connected" in log.read_bytes(), 30, "the daemon's connection")
+    _wait_for(
+        lambda: log.exists() and b"mqtt connected" in log.read_bytes(),
+        30,
+        "the daemon's connection",
+    )
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     reply = _ctl(broker, fleet, "start", str(path))
@@ -123,7 +170,9 @@ def _steps_logged(state: Path, name: str) -> int:
     log = state / "jobs" / name / "metrics.jsonl"
     if not log.exists():
         return 0
-    steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"kind":"step"' in line]
+    steps = [
+        json.loads(line)["step"] for line in log.read_text().splitlines() if '"kind":"step"' in line
+    ]
     return max(steps) + 1 if steps else 0
 
 
@@ -138,11 +187,17 @@ def _wait_for(predicate: object, timeout: float, what: str) -> None:
 def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainState, list[object]]:
     """The finished job's weights and its history (step and validation records)."""
     job = StateStore(state).job(name)
-    _wait_for(lambda: job.status()["status"] in ("completed", "failed", "stopped"), timeout, "the job to end")
+    _wait_for(
+        lambda: job.status()["status"] in ("completed", "failed", "stopped"),
+        timeout,
+        "the job to end",
+    )
     assert job.status()["status"] == "completed", job.status()
     checkpoint = job.load_checkpoint()
     assert checkpoint is not None
-    history = [StepRecord(**r) for r in checkpoint.metrics] + [EvalRecord(**e) for e in checkpoint.extra["evals"]]
+    history = [StepRecord(**r) for r in checkpoint.metrics] + [
+        EvalRecord(**e) for e in checkpoint.extra["evals"]
+    ]
     return TrainState.from_bytes(checkpoint.train_state), history
 
 
@@ -151,7 +206,9 @@ def _reference(spec: dict[str, object]) -> tuple[int, list[object]]:
     return result.state.checksum(), [*result.steps, *result.evals]
 
 
-def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+def test_resume_after_sigkill_bit_identical(
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+) -> None:
     """SIGKILL of the daemon at a random step, then a restart: the reference weights and q's."""
     state, fleet = tmp_path / "state", "kill"
     _boards(procs, mqtt_broker, fleet, 2, "kb", *SLOW)
@@ -169,7 +226,9 @@ def test_resume_after_sigkill_bit_identical(mqtt_broker: MosquittoBroker, tmp_pa
     assert history == reference_history  # the same q, losses and validations, step by step
 
 
-def test_resume_board_killed_mid_step(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+def test_resume_board_killed_mid_step(
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+) -> None:
     """A board process that dies mid-step loses nothing: its keys go to the others."""
     state, fleet = tmp_path / "state", "crash"
     spec = {**SPEC, "policy": {"name": "fixed", "config": {"q": 6}}, "steps": 16}
@@ -178,14 +237,18 @@ def test_resume_board_killed_mid_step(mqtt_broker: MosquittoBroker, tmp_path: Pa
     _daemon(procs, mqtt_broker, state, fleet)
     # Every board must be in the fleet before the short job starts, the doomed one too.
     log = tmp_path / "daemon.log"
-    _wait_for(lambda: log.exists() and log.read_bytes().count(b'"board joined"') >= 3, 30, "three boards")
+    _wait_for(
+        lambda: log.exists() and log.read_bytes().count(b'"board joined"') >= 3, 30, "three boards"
+    )
     _start_job(mqtt_broker, fleet, spec, tmp_path)
     final, _ = _final_state(state, "resume")
     assert crasher.poll() == CRASH_EXIT_CODE  # it did die, on purpose
     assert final.checksum() == _reference(spec)[0]
 
 
-def test_resume_broker_restart_mid_job(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+def test_resume_broker_restart_mid_job(
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+) -> None:
     """The broker restarts mid-job; daemon and boards reconnect and the weights are exact."""
     state, fleet = tmp_path / "state", "restart"
     spec = {**SPEC, "policy": {"name": "fixed", "config": {"q": 4}}, "steps": 30}
@@ -199,7 +262,9 @@ def test_resume_broker_restart_mid_job(mqtt_broker: MosquittoBroker, tmp_path: P
     assert final.checksum() == _reference(spec)[0]
 
 
-def test_service_sigterm_checkpoints_and_resumes(mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs) -> None:
+def test_service_sigterm_checkpoints_and_resumes(
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+) -> None:
     """SIGTERM: a checkpoint, exit status 0, the job still 'running'; a restart finishes it exactly."""
     state, fleet = tmp_path / "state", "term"
     spec = {**SPEC, "checkpoint_every": 1000}

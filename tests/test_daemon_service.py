@@ -58,7 +58,9 @@ async def test_service_resumes_running_job_on_start(tmp_path: Path) -> None:
     transport = InProcTransport()
     async with Daemon(_config(tmp_path), transports=[transport]) as daemon:
         endpoint = transport.attach("b0")
-        board = asyncio.create_task(serve_link(BoardAgent("b0", latency=LatencyProfile.off()), endpoint))
+        board = asyncio.create_task(
+            serve_link(BoardAgent("b0", latency=LatencyProfile.off()), endpoint)
+        )
         await _command(daemon, json.dumps({"type": "start_job", "spec": SPEC}))
         while daemon.job is not None and daemon.job.engine.step < 6:
             await asyncio.sleep(0.01)
@@ -72,7 +74,9 @@ async def test_service_resumes_running_job_on_start(tmp_path: Path) -> None:
     transport = InProcTransport()
     async with Daemon(_config(tmp_path), transports=[transport]) as daemon:
         endpoint = transport.attach("b1")
-        board = asyncio.create_task(serve_link(BoardAgent("b1", latency=LatencyProfile.off()), endpoint))
+        board = asyncio.create_task(
+            serve_link(BoardAgent("b1", latency=LatencyProfile.off()), endpoint)
+        )
         assert daemon.job is not None and daemon.job.task is not None
         await asyncio.wait_for(daemon.job.task, 30)
         await endpoint.close()
@@ -85,7 +89,9 @@ async def test_service_resumes_running_job_on_start(tmp_path: Path) -> None:
     assert (tmp_path / "jobs" / "svc" / "export" / "svc.tflite").exists()
 
 
-async def test_service_sd_notify_ready_status_watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_service_sd_notify_ready_status_watchdog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """systemd hears READY, STATUS and WATCHDOG from the event loop, then STOPPING."""
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -106,11 +112,15 @@ async def test_service_sd_notify_ready_status_watchdog(tmp_path: Path, monkeypat
     text = "\n".join(received)
     assert "READY=1" in text and "STATUS=idle" in text
     assert text.count("WATCHDOG=1") >= 3
-    assert received[-1].startswith("STOPPING=1") or any(r.startswith("STOPPING=1") for r in received)
+    assert received[-1].startswith("STOPPING=1") or any(
+        r.startswith("STOPPING=1") for r in received
+    )
 
 
 @pytest.mark.parametrize("mqtt", ["foo", "host:0", "host:99999", "host:"])
-def test_service_bad_mqtt_address_is_a_usage_error(mqtt: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_service_bad_mqtt_address_is_a_usage_error(
+    mqtt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--mqtt`` that is not HOST:PORT exits 2 with one usage line, no traceback."""
     with pytest.raises(SystemExit) as exited:
         service_main(["--mqtt", mqtt])
@@ -118,7 +128,9 @@ def test_service_bad_mqtt_address_is_a_usage_error(mqtt: str, capsys: pytest.Cap
     assert "HOST:PORT" in capsys.readouterr().err
 
 
-def test_service_uncreatable_state_dir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_service_uncreatable_state_dir_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A state directory that cannot be created exits 2 with one line naming it."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -34,7 +34,9 @@ def test_atomic_write_replaces_without_temp_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
 
 
-def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_write_keeps_old_file_on_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A write that fails before the rename leaves the old contents and no temp file."""
     target = tmp_path / "a.bin"
     target.write_bytes(b"old")

@@ -44,7 +44,9 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     unit = tmp_path / "qsched.service"
     unit.write_text(text.replace("/usr/local/bin/qsched", true))
 
-    done = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
 
     assert done.returncode == 0, done.stderr
     assert "qsched.service" not in done.stderr, done.stderr
@@ -53,11 +55,16 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
 def test_systemd_udev_rule_matches_stlink_positively() -> None:
     """The rule matches ST's vendor id with a product, never through a negated ATTRS."""
     rules = [
-        line for line in (SYSTEMD / "99-qsched-stlink.rules").read_text().splitlines()
+        line
+        for line in (SYSTEMD / "99-qsched-stlink.rules").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
 
-    assert not [line for line in rules if "ATTRS{" in line and "!=" in line.split("ATTRS{", 1)[1].split(",")[0]]
+    assert not [
+        line
+        for line in rules
+        if "ATTRS{" in line and "!=" in line.split("ATTRS{", 1)[1].split(",")[0]
+    ]
     match = [line for line in rules if 'ATTRS{idVendor}=="0483"' in line]
     assert len(match) == 1 and 'ATTRS{idProduct}=="' in match[0] and "374e" in match[0]
     assert any('SYMLINK+="qsched/stlink-' in line for line in rules)

@@ -12,8 +12,18 @@ from qsched.daemon.train import main
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo.trainer import train_zo
 
-SETTINGS = ["--set", "steps=30", "--set", "eval_every=10", "--set", "checkpoint_every=10",
-            "--set", "policy.name=fixed", "--set", "policy.config.q=2"]
+SETTINGS = [
+    "--set",
+    "steps=30",
+    "--set",
+    "eval_every=10",
+    "--set",
+    "checkpoint_every=10",
+    "--set",
+    "policy.name=fixed",
+    "--set",
+    "policy.config.q=2",
+]
 
 
 def _summary(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
@@ -31,13 +41,17 @@ def test_train_writes_a_job_folder(tmp_path: Path, capsys: pytest.CaptureFixture
     assert json.loads((out / "status.json").read_text())["status"] == "completed"
     kinds = [json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 30 and kinds.count("validation") == 3
-    steps = sorted(Checkpoint.from_bytes(p.read_bytes()).step for p in (out / "checkpoints").iterdir())
+    steps = sorted(
+        Checkpoint.from_bytes(p.read_bytes()).step for p in (out / "checkpoints").iterdir()
+    )
     assert steps == [10, 20, 30]
     assert (out / "export" / f"{spec.name}.tflite").stat().st_size > 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 30
 
 
-def test_train_resume_ends_with_the_same_bits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_resume_ends_with_the_same_bits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A run stopped after step 15 whose last checkpoint was lost resumes from step 10 to the same weights."""
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert main([*SETTINGS, "--out", str(whole)]) == 0
@@ -49,10 +63,14 @@ def test_train_resume_ends_with_the_same_bits(tmp_path: Path, capsys: pytest.Cap
     assert main(["--resume", str(broken)]) == 0
     assert _summary(capsys)["checksum"] == expected
     assert (broken / "export").is_dir()
-    assert (whole / "export" / "job.tflite").read_bytes() == (broken / "export" / "job.tflite").read_bytes()
+    assert (whole / "export" / "job.tflite").read_bytes() == (
+        broken / "export" / "job.tflite"
+    ).read_bytes()
 
 
-def test_train_refuses_to_overwrite_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_refuses_to_overwrite_a_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--out on a folder that holds a run, or --resume with spec options: status 2, one line."""
     out = tmp_path / "run"
     assert main([*SETTINGS, "--out", str(out)]) == 0

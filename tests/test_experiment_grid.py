@@ -37,7 +37,8 @@ def test_grid_custom_tokens() -> None:
     """Custom tokens: fixed:Q, bare names and name:{json config}."""
     grid = build_grid("custom", ["fixed:3", 'qscheduler:{"patience": 5}'], ["int8-acc8"])
     assert [e.policy for e in grid] == [
-        PolicySpec(name="fixed", config={"q": 3}), PolicySpec(name="qscheduler", config={"patience": 5}),
+        PolicySpec(name="fixed", config={"q": 3}),
+        PolicySpec(name="qscheduler", config={"patience": 5}),
     ]
     assert grid[0].label == "fixed q=3"
     assert grid[1].key.endswith("@int8-acc8")
@@ -52,7 +53,9 @@ def test_grid_custom_tokens() -> None:
         ("custom", ["qscheduler:[1]"], ["int8"], "JSON object"),
     ],
 )
-def test_grid_bad_requests(grid: str, policies: list[str], numerics: list[str], message: str) -> None:
+def test_grid_bad_requests(
+    grid: str, policies: list[str], numerics: list[str], message: str
+) -> None:
     """An empty grid, unknown numerics or grid name, or a non-object config is an ExperimentError."""
     with pytest.raises(ExperimentError, match=message):
         build_grid(grid, policies, numerics)
@@ -68,23 +71,31 @@ def test_setting_spec_per_numerics() -> None:
     assert (acc8.numerics, acc8.accumulator, acc8.lr, acc8.eps) == ("int8", "int8", 5.0, 1.0)
 
 
-def _config(name: str, token: str, acc: float, passes: float, q: int | None = None) -> dict[str, object]:
+def _config(
+    name: str, token: str, acc: float, passes: float, q: int | None = None
+) -> dict[str, object]:
     config = {"q": q} if q is not None else {}
     key = f"{name}{q or ''}@{token}"
     # Two seeds whose accuracies straddle the mean by 0.01 (seed 0 low, seed 1 high).
     runs = [{"seed": 0, "final_accuracy": acc - 0.01}, {"seed": 1, "final_accuracy": acc + 0.01}]
     return {
-        "key": key, "numerics_token": token, "policy": {"name": name, "config": config},
-        "final_accuracy": {"mean": acc}, "forward_passes": {"mean": passes}, "runs": runs,
+        "key": key,
+        "numerics_token": token,
+        "policy": {"name": name, "config": config},
+        "final_accuracy": {"mean": acc},
+        "forward_passes": {"mean": passes},
+        "runs": runs,
     }
 
 
 def test_comparison_against_best_fixed() -> None:
     """The comparison picks the best fixed q per numerics and checks both floors."""
     configs = [
-        _config("fixed", "int8", 0.80, 1000.0, q=4), _config("fixed", "int8", 0.90, 8000.0, q=32),
+        _config("fixed", "int8", 0.80, 1000.0, q=4),
+        _config("fixed", "int8", 0.90, 8000.0, q=32),
         _config("qscheduler", "int8", 0.895, 4000.0),
-        _config("fixed", "fp32", 0.70, 8000.0, q=32), _config("qscheduler", "fp32", 0.60, 1000.0),
+        _config("fixed", "fp32", 0.70, 8000.0, q=32),
+        _config("qscheduler", "fp32", 0.60, 1000.0),
     ]
     result = ExperimentResult({}, configs, None, {}, "")
     by_token = {c["numerics_token"]: c for c in result.comparisons}

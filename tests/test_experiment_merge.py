@@ -11,13 +11,32 @@ import pytest
 
 from qsched.lab import experiment, experiment_merge
 
-TINY = ["--grid", "custom", "--policies", "fixed:2", "qscheduler", "--numerics", "fp32", "--steps", "12",
-        "--set", "eval_every=4", "--set", "batch_size=16", "--workers", "1", "--quiet", "--no-plots"]
+TINY = [
+    "--grid",
+    "custom",
+    "--policies",
+    "fixed:2",
+    "qscheduler",
+    "--numerics",
+    "fp32",
+    "--steps",
+    "12",
+    "--set",
+    "eval_every=4",
+    "--set",
+    "batch_size=16",
+    "--workers",
+    "1",
+    "--quiet",
+    "--no-plots",
+]
 
 
 def _grid(out: Path, *extra: str) -> dict[str, Any]:
     stream = io.StringIO()
-    assert experiment.main([*TINY, *extra, "--out", str(out)], stream=stream) == 0, stream.getvalue()
+    assert experiment.main([*TINY, *extra, "--out", str(out)], stream=stream) == 0, (
+        stream.getvalue()
+    )
     return json.loads((out / "results.json").read_text())
 
 
@@ -32,7 +51,9 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _merge(out: Path, *folders: Path) -> tuple[int, str]:
     stream = io.StringIO()
-    status = experiment_merge.main([*map(str, folders), "--out", str(out), "--no-plots"], stream=stream)
+    status = experiment_merge.main(
+        [*map(str, folders), "--out", str(out), "--no-plots"], stream=stream
+    )
     return status, stream.getvalue()
 
 
@@ -56,7 +77,9 @@ def test_merge_equals_the_joint_grid(parts: dict[str, Path], tmp_path: Path) -> 
         for field in ("val_accuracy_mean", "val_accuracy_std", "forward_passes_mean"):
             assert mine["curve"][field] == pytest.approx(theirs["curve"][field])
     for mine, theirs in zip(merged["comparisons"], joint["comparisons"], strict=True):
-        assert mine["best_fixed"] == theirs["best_fixed"] and mine["floor_met"] == theirs["floor_met"]
+        assert (
+            mine["best_fixed"] == theirs["best_fixed"] and mine["floor_met"] == theirs["floor_met"]
+        )
         assert mine["difference_pp"] == pytest.approx(theirs["difference_pp"])
     for stat in ("final_accuracy", "best_accuracy"):
         assert merged["baseline"][stat] == joint["baseline"][stat]
@@ -71,7 +94,10 @@ def test_merge_keeps_only_configs_every_part_has(parts: dict[str, Path], tmp_pat
     merged = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [c["key"] for c in merged["configs"]] == ["fixed q=2@fp32", "qscheduler@fp32"]
     assert merged["environment"]["dropped_configs"] == ["fixed q=4@fp32"]
-    assert "Left out, not in every folder: fixed q=4@fp32." in (tmp_path / "out" / "results.md").read_text()
+    assert (
+        "Left out, not in every folder: fixed q=4@fp32."
+        in (tmp_path / "out" / "results.md").read_text()
+    )
 
 
 def test_merge_refuses_a_seed_run_twice(parts: dict[str, Path], tmp_path: Path) -> None:
@@ -88,7 +114,9 @@ def test_merge_refuses_other_settings(parts: dict[str, Path], tmp_path: Path) ->
     assert status == 2 and "setting differs" in log
 
 
-def test_merge_refuses_one_folder_and_missing_results(parts: dict[str, Path], tmp_path: Path) -> None:
+def test_merge_refuses_one_folder_and_missing_results(
+    parts: dict[str, Path], tmp_path: Path
+) -> None:
     """One folder is nothing to merge; a folder without results.json is named in the error."""
     status, log = _merge(tmp_path / "a", parts["seed0"])
     assert status == 2 and "at least two" in log

@@ -52,7 +52,9 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     info = tmp_path / "qsched_warmup-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: qsched-warmup\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[qsched.policies]\nwarmup-q = qsched_warmup:WarmupPolicy\n")
+    (info / "entry_points.txt").write_text(
+        "[qsched.policies]\nwarmup-q = qsched_warmup:WarmupPolicy\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield tmp_path
@@ -63,7 +65,9 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def test_plugin_trains_by_name(plugin: Path) -> None:
     """A job spec naming the plugin trains with its q sequence and its config."""
     del plugin
-    spec = JobSpec(steps=6, batch_size=16, eval_every=3, policy=PolicySpec(name="warmup-q", config={"q": 3}))
+    spec = JobSpec(
+        steps=6, batch_size=16, eval_every=3, policy=PolicySpec(name="warmup-q", config={"q": 3})
+    )
     result = train_zo(spec)
     assert [s.q for s in result.steps] == [1, 1, 1, 3, 3, 3]
     assert result.forward_passes == 2 * (1 + 1 + 1 + 3 + 3 + 3)
@@ -74,9 +78,28 @@ def test_plugin_in_experiment_grid(plugin: Path, tmp_path: Path) -> None:
     """`qsched experiment --policies warmup-q:{...}` runs the plugin next to the built-ins."""
     out = tmp_path / "out"
     stream = io.StringIO()
-    argv = ["--grid", "custom", "--policies", "fixed:2", 'warmup-q:{"warmup": 2, "q": 2}', "--numerics", "int8",
-            "--seeds", "0", "--steps", "6", "--set", "eval_every=3", "--workers", "1", "--no-plots",
-            "--no-baseline", "--quiet", "--out", str(out)]
+    argv = [
+        "--grid",
+        "custom",
+        "--policies",
+        "fixed:2",
+        'warmup-q:{"warmup": 2, "q": 2}',
+        "--numerics",
+        "int8",
+        "--seeds",
+        "0",
+        "--steps",
+        "6",
+        "--set",
+        "eval_every=3",
+        "--workers",
+        "1",
+        "--no-plots",
+        "--no-baseline",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert experiment.main(argv, stream=stream) == 0, stream.getvalue()
     doc = json.loads((out / "results.json").read_text())
     plugged = doc["configs"][1]

@@ -14,8 +14,22 @@ from qsched.daemon.cli import main as cli_main
 from qsched.lab import experiment
 from qsched.lab.plots import PLOT_FILES
 
-TINY = ["--grid", "custom", "--policies", "fixed:2", "qscheduler", "--seeds", "0", "1",
-        "--steps", "12", "--set", "eval_every=4", "--set", "batch_size=16"]
+TINY = [
+    "--grid",
+    "custom",
+    "--policies",
+    "fixed:2",
+    "qscheduler",
+    "--seeds",
+    "0",
+    "1",
+    "--steps",
+    "12",
+    "--set",
+    "eval_every=4",
+    "--set",
+    "batch_size=16",
+]
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
@@ -49,7 +63,10 @@ def test_run_json_schema(tiny: tuple[Path, dict[str, Any], str]) -> None:
     assert doc["schema"] == experiment.SCHEMA
     assert doc["setting"]["mode"] == "scratch" and doc["setting"]["seeds"] == [0, 1]
     assert [c["key"] for c in doc["configs"]] == [
-        "fixed q=2@fp32", "qscheduler@fp32", "fixed q=2@int8", "qscheduler@int8",
+        "fixed q=2@fp32",
+        "qscheduler@fp32",
+        "fixed q=2@int8",
+        "qscheduler@int8",
     ]
     for c in doc["configs"]:
         assert c["steps"] == 12 and c["seeds"] == [0, 1]
@@ -75,18 +92,24 @@ def test_run_csv_and_markdown(tiny: tuple[Path, dict[str, Any], str]) -> None:
         rows = list(csv.DictReader(fh))
     assert list(rows[0]) == list(experiment.CSV_COLUMNS)
     assert [r["key"] for r in rows] == [c["key"] for c in doc["configs"]]
-    assert float(rows[0]["final_accuracy_mean"]) == pytest.approx(doc["configs"][0]["final_accuracy"]["mean"], abs=1e-6)
+    assert float(rows[0]["final_accuracy_mean"]) == pytest.approx(
+        doc["configs"][0]["final_accuracy"]["mean"], abs=1e-6
+    )
     text = (out / "results.md").read_text()
     assert "| fixed q=2 | int8 |" in text and "| qscheduler | fp32 |" in text
     assert "Against the best fixed q" in text and "First-order baseline" in text
 
 
-def test_run_two_workers_same_results(tmp_path: Path, tiny: tuple[Path, dict[str, Any], str]) -> None:
+def test_run_two_workers_same_results(
+    tmp_path: Path, tiny: tuple[Path, dict[str, Any], str]
+) -> None:
     """Runs are pure functions of their specs: two worker processes give the same accuracies."""
     _, one, _ = tiny
     two, _ = _run(tmp_path, "--workers", "2", "--no-plots", "--no-baseline", "--quiet")
     for a, b in zip(one["configs"], two["configs"], strict=True):
-        assert a["runs"] == [{**r, "wall_s": a_r["wall_s"]} for r, a_r in zip(b["runs"], a["runs"], strict=True)]
+        assert a["runs"] == [
+            {**r, "wall_s": a_r["wall_s"]} for r, a_r in zip(b["runs"], a["runs"], strict=True)
+        ]
         assert a["q_trajectory"] == b["q_trajectory"]
     assert two["baseline"] is None and two["environment"]["workers"] == 2
 
@@ -94,10 +117,30 @@ def test_run_two_workers_same_results(tmp_path: Path, tiny: tuple[Path, dict[str
 def test_run_transfer_setting(tmp_path: Path) -> None:
     """Transfer: a backbone pretrained on source classes, ZO on the last layer of the target task."""
     stream = io.StringIO()
-    argv = ["--grid", "custom", "--policies", "fixed:4", "--numerics", "int8", "--seeds", "0",
-            "--steps", "8", "--set", "eval_every=4", "--set", "trainable=last:1",
-            "--transfer", "0,1,2,3,4/5,6,7,8,9", "--pretrain-steps", "30",
-            "--no-plots", "--quiet", "--out", str(tmp_path)]
+    argv = [
+        "--grid",
+        "custom",
+        "--policies",
+        "fixed:4",
+        "--numerics",
+        "int8",
+        "--seeds",
+        "0",
+        "--steps",
+        "8",
+        "--set",
+        "eval_every=4",
+        "--set",
+        "trainable=last:1",
+        "--transfer",
+        "0,1,2,3,4/5,6,7,8,9",
+        "--pretrain-steps",
+        "30",
+        "--no-plots",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+    ]
     assert experiment.main(argv, stream=stream) == 0, stream.getvalue()
     doc = json.loads((tmp_path / "results.json").read_text())
     transfer = doc["setting"]["transfer"]
@@ -128,9 +171,28 @@ def test_run_bad_arguments(tmp_path: Path, argv: list[str], message: str) -> Non
 
 def test_run_through_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`qsched experiment` is dispatched by the CLI table."""
-    status = cli_main(["experiment", "--grid", "custom", "--policies", "fixed:1", "--numerics", "fp32",
-                       "--seeds", "0", "--steps", "4", "--set", "eval_every=2", "--no-plots", "--no-baseline",
-                       "--quiet", "--out", str(tmp_path)])
+    status = cli_main(
+        [
+            "experiment",
+            "--grid",
+            "custom",
+            "--policies",
+            "fixed:1",
+            "--numerics",
+            "fp32",
+            "--seeds",
+            "0",
+            "--steps",
+            "4",
+            "--set",
+            "eval_every=2",
+            "--no-plots",
+            "--no-baseline",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     assert "| fixed q=1 | fp32 |" in capsys.readouterr().err
 
@@ -138,7 +200,9 @@ def test_run_through_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_run_fleet_matches_trainer(tmp_path: Path, tiny: tuple[Path, dict[str, Any], str]) -> None:
     """--fleet 2 trains every run on in-process virtual boards: the same accuracies and q as the trainer."""
     _, one, _ = tiny
-    fleet, _ = _run(tmp_path, "--workers", "1", "--fleet", "2", "--no-plots", "--no-baseline", "--quiet")
+    fleet, _ = _run(
+        tmp_path, "--workers", "1", "--fleet", "2", "--no-plots", "--no-baseline", "--quiet"
+    )
     assert "2 virtual boards" in fleet["environment"]["trainer"]
     for a, b in zip(one["configs"], fleet["configs"], strict=True):
         assert [r["val_accuracy"] for r in a["runs"]] == [r["val_accuracy"] for r in b["runs"]]

@@ -72,7 +72,13 @@ class Board:
 def _start_board(job: Job, *extra: str) -> Iterator[Board]:
     master, slave = os.openpty()
     proc = subprocess.Popen(
-        [str(board_executable(sanitized=True)), os.ttyname(slave), "--dataset", str(job.dataset_path), *extra],
+        [
+            str(board_executable(sanitized=True)),
+            os.ttyname(slave),
+            "--dataset",
+            str(job.dataset_path),
+            *extra,
+        ],
         stderr=subprocess.PIPE,
     )
     client = BoardClient(master)
@@ -110,12 +116,18 @@ def _load(board: Board, job: Job) -> None:
     assert answer == Loaded(resource="model", crc32=crc, size=len(blob))
     ds = job.workload.dataset
     select = SelectDataset(
-        name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train), val_size=len(ds.x_val)
+        name=ds.name,
+        dataset_hash=dataset_hash64(ds.content_hash),
+        train_size=len(ds.x_train),
+        val_size=len(ds.x_val),
     )
     assert isinstance(board.client.request(select), Loaded)
     loaded = board.client.request(job.config)
     assert loaded == Loaded(
-        resource="job_config", job_id=job.config.job_id, crc32=zlib.crc32(encode(job.config)), size=len(encode(job.config))
+        resource="job_config",
+        job_id=job.config.job_id,
+        crc32=zlib.crc32(encode(job.config)),
+        size=len(encode(job.config)),
     )
 
 
@@ -142,20 +154,36 @@ def test_board_training_matches_python_bit_for_bit(board: Board, job: Job) -> No
     for step in range(3):
         ks = (0, 1, 2, 5) if step != 1 else tuple(range(10))
         result = board.client.request(
-            EvalRequest(job_id=job.config.job_id, step=step, batch_size=16, eps=1.0, estimator="two_sided", ks=ks)
+            EvalRequest(
+                job_id=job.config.job_id,
+                step=step,
+                batch_size=16,
+                eps=1.0,
+                estimator="two_sided",
+                ks=ks,
+            )
         )
         assert isinstance(result, EvalResult), result
         want = wl.perturbed_losses(state, step, ks)
         assert result.loss_plus == tuple(want.plus[k] for k in ks)
         assert result.loss_minus == tuple(want.minus[k] for k in ks)
         coefficients = tuple(float(np.float32(c)) for c in rng.standard_normal(len(ks)) * 0.7)
-        ack = board.client.request(ApplyUpdate(job_id=job.config.job_id, step=step, ks=ks, coefficients=coefficients))
+        ack = board.client.request(
+            ApplyUpdate(job_id=job.config.job_id, step=step, ks=ks, coefficients=coefficients)
+        )
         state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
         assert ack == UpdateAck(job_id=job.config.job_id, step=step, checksum=state.checksum())
     loss_sum, correct, count = wl.validate(state, 10, 100)
-    result = board.client.request(ValidateRequest(job_id=job.config.job_id, step=3, start=10, count=100))
+    result = board.client.request(
+        ValidateRequest(job_id=job.config.job_id, step=3, start=10, count=100)
+    )
     assert result == ValidateResult(
-        job_id=job.config.job_id, step=3, start=10, count=count, loss_sum=loss_sum, correct=correct,
+        job_id=job.config.job_id,
+        step=3,
+        start=10,
+        count=count,
+        loss_sum=loss_sum,
+        correct=correct,
         compute_us=result.compute_us,  # type: ignore[union-attr]
     )
     beat = board.client.request(Ping(nonce=1))
@@ -172,17 +200,33 @@ def test_board_set_weights_resynchronises(board: Board, job: Job) -> None:
     state = TrainState(40, params, buffer)
     raw = params.tobytes() + buffer.astype("<f2").tobytes()
     for offset in range(0, len(raw), MAX_CHUNK):
-        board.client.send(SetWeights(total=len(raw), offset=offset, job_id=job.config.job_id, step=40,
-                                     checksum=zlib.crc32(raw), chunk=raw[offset : offset + MAX_CHUNK]))
-    assert board.client.recv() == Loaded(resource="weights", job_id=job.config.job_id, crc32=zlib.crc32(raw), size=len(raw))
+        board.client.send(
+            SetWeights(
+                total=len(raw),
+                offset=offset,
+                job_id=job.config.job_id,
+                step=40,
+                checksum=zlib.crc32(raw),
+                chunk=raw[offset : offset + MAX_CHUNK],
+            )
+        )
+    assert board.client.recv() == Loaded(
+        resource="weights", job_id=job.config.job_id, crc32=zlib.crc32(raw), size=len(raw)
+    )
     pairs = [(3, 0.25), (4, -1.5)]
-    ack = board.client.request(ApplyUpdate(job_id=job.config.job_id, step=40, ks=(3, 4), coefficients=(0.25, -1.5)))
-    assert ack == UpdateAck(job_id=job.config.job_id, step=40, checksum=wl.apply_update(state, 40, pairs).checksum())
+    ack = board.client.request(
+        ApplyUpdate(job_id=job.config.job_id, step=40, ks=(3, 4), coefficients=(0.25, -1.5))
+    )
+    assert ack == UpdateAck(
+        job_id=job.config.job_id, step=40, checksum=wl.apply_update(state, 40, pairs).checksum()
+    )
 
 
 def test_board_refuses_bad_requests_with_typed_errors(board: Board, job: Job) -> None:
     """Not ready, stale steps, unknown jobs and undecodable bytes each get their Error code."""
-    request = EvalRequest(job_id=job.config.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0,))
+    request = EvalRequest(
+        job_id=job.config.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0,)
+    )
     assert board.client.request(request).code == "not_ready"  # type: ignore[union-attr]
     _load(board, job)
     stale = board.client.request(request.model_copy(update={"step": 5}))
@@ -190,7 +234,9 @@ def test_board_refuses_bad_requests_with_typed_errors(board: Board, job: Job) ->
     other = board.client.request(request.model_copy(update={"job_id": job.config.job_id ^ 1}))
     assert isinstance(other, Error) and other.code == "unknown_job"
     board.client.send_payload(b"QS\x01\x48\x01")
-    assert board.client.recv() == Error(code="malformed", ref_type=0x48, detail="message shorter than its layout")
+    assert board.client.recv() == Error(
+        code="malformed", ref_type=0x48, detail="message shorter than its layout"
+    )
     board.client.send_payload(b"QS\x02\x48\x01\x00\x00\x00")
     assert board.client.recv().code == "unsupported_version"  # type: ignore[union-attr]
 
@@ -209,7 +255,9 @@ def test_board_survives_mutated_messages(board: Board, job: Job) -> None:
     _load(board, job)
     cfg = job.config
     valid = [
-        EvalRequest(job_id=cfg.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0, 1, 2)),
+        EvalRequest(
+            job_id=cfg.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0, 1, 2)
+        ),
         ApplyUpdate(job_id=cfg.job_id, step=0, ks=(0, 3), coefficients=(0.5, -0.5)),
         ValidateRequest(job_id=cfg.job_id, step=0, start=0, count=5),
         SetWeights(total=9, offset=0, job_id=cfg.job_id, step=0, checksum=1, chunk=b"\x01\x02\x03"),
@@ -237,10 +285,16 @@ def test_board_answers_ping_while_computing(board: Board, job: Job) -> None:
     big = job_config(job.spec.model_copy(update={"batch_size": 2048}))
     assert isinstance(board.client.request(big), Loaded)
     ks = tuple(range(24))
-    board.client.send(EvalRequest(job_id=big.job_id, step=0, batch_size=2048, eps=1.0, estimator="two_sided", ks=ks))
+    board.client.send(
+        EvalRequest(
+            job_id=big.job_id, step=0, batch_size=2048, eps=1.0, estimator="two_sided", ks=ks
+        )
+    )
     board.client.send(Ping(nonce=99))
     first = board.client.recv(timeout=60)
-    assert first == Heartbeat(nonce=99, uptime_ms=first.uptime_ms, state="busy", job_id=big.job_id, step=0)  # type: ignore[union-attr]
+    assert first == Heartbeat(
+        nonce=99, uptime_ms=first.uptime_ms, state="busy", job_id=big.job_id, step=0
+    )  # type: ignore[union-attr]
     assert isinstance(board.client.recv(timeout=120), EvalResult)
 
 
@@ -250,17 +304,30 @@ def test_board_int8_accumulator_job_matches_python(board: Board, job: Job) -> No
     config = job_config(spec)
     _load(board, job)
     assert isinstance(board.client.request(config), Loaded)
-    wl = Workload(spec, job.workload.model, job.workload.qmodel, job.workload.dataset, job.workload.trainable_layers)
+    wl = Workload(
+        spec,
+        job.workload.model,
+        job.workload.qmodel,
+        job.workload.dataset,
+        job.workload.trainable_layers,
+    )
     state = wl.initial_state()
     rng = np.random.default_rng(4)
     for step in range(33):
         ks = (0, 1, 2)
         scale = 2e-3 if step < 16 else 3.0
         coefficients = tuple(float(np.float32(c)) for c in rng.standard_normal(3) * scale)
-        ack = board.client.request(ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients))
+        ack = board.client.request(
+            ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients)
+        )
         state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
-        assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum()), f"step {step}"
-    result = board.client.request(EvalRequest(job_id=config.job_id, step=33, batch_size=16, eps=1.0,
-                                              estimator="two_sided", ks=(4,)))
+        assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum()), (
+            f"step {step}"
+        )
+    result = board.client.request(
+        EvalRequest(
+            job_id=config.job_id, step=33, batch_size=16, eps=1.0, estimator="two_sided", ks=(4,)
+        )
+    )
     want = wl.perturbed_losses(state, 33, (4,))
     assert isinstance(result, EvalResult) and result.loss_plus == (want.plus[4],)

@@ -9,7 +9,9 @@ from qsched.firmware.native import board_executable
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     exe = board_executable(sanitized=True)
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=30, check=False)
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, timeout=30, check=False
+    )
 
 
 def test_cli_help_exits_zero_and_names_every_option() -> None:

@@ -73,11 +73,30 @@ def test_core_fp16_rounding_matches_numpy(tool: ToolProcess) -> None:
     """float32 -> binary16 rounds to nearest even and saturates like numpy + clip."""
     rng = np.random.default_rng(2)
     specials = np.array(
-        [0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e9, -np.inf, np.inf, 2**-25, 2**-24, 3 * 2**-26,
-         6.1e-5, 2**-14, -(2**-14) * 0.999, 0.5 + 2**-12, 1.0 + 2**-11, 1.0 + 3 * 2**-11],
+        [
+            0.0,
+            -0.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e9,
+            -np.inf,
+            np.inf,
+            2**-25,
+            2**-24,
+            3 * 2**-26,
+            6.1e-5,
+            2**-14,
+            -(2**-14) * 0.999,
+            0.5 + 2**-12,
+            1.0 + 2**-11,
+            1.0 + 3 * 2**-11,
+        ],
         dtype=np.float32,
     )
-    randoms = rng.standard_normal(300).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 6, 300)
+    randoms = rng.standard_normal(300).astype(np.float32) * np.float32(10.0) ** rng.integers(
+        -8, 6, 300
+    )
     for value in np.concatenate([specials, randoms.astype(np.float32)]):
         want = to_fp16_saturating(np.array([value], dtype=np.float32)).view(np.uint16)[0]
         got = tool.ask(f"f16 {_f32_bits(float(value))}")
@@ -103,7 +122,15 @@ def test_core_crc32_matches_zlib(tool: ToolProcess) -> None:
 def test_core_cobs_matches_python_cobs(tool: ToolProcess) -> None:
     """COBS encoding is canonical (as the cobs package) and decoding inverts it."""
     rng = np.random.default_rng(4)
-    cases = [b"", b"\x00", b"\x00\x00", b"\x01" * 254, b"\x01" * 253 + b"\x00", b"\x01" * 255, b"\x01" * 508]
+    cases = [
+        b"",
+        b"\x00",
+        b"\x00\x00",
+        b"\x01" * 254,
+        b"\x01" * 253 + b"\x00",
+        b"\x01" * 255,
+        b"\x01" * 508,
+    ]
     cases += [rng.integers(0, 4, n, dtype=np.uint8).tobytes() for n in (10, 300, 600)]
     for data in cases:
         encoded = cobs.encode(data)
@@ -148,9 +175,14 @@ def test_core_apply_fp32_matches_python(tool: ToolProcess) -> None:
     """An FP32 update with many coefficients gives identical bits at an offset."""
     rng = np.random.default_rng(7)
     full = rng.standard_normal(1000).astype(np.float32)
-    pairs = [(int(k), float(np.float32(c))) for k, c in zip(range(0, 60, 3), rng.standard_normal(20), strict=True)]
+    pairs = [
+        (int(k), float(np.float32(c)))
+        for k, c in zip(range(0, 60, 3), rng.standard_normal(20), strict=True)
+    ]
     want = apply_fp32(full, 2**40 + 5, 17, pairs)[130:]
-    got = tool.ask(f"apply_f32 {2**40 + 5} 17 130 {_pairs_args(pairs)} {full[130:].tobytes().hex()}")
+    got = tool.ask(
+        f"apply_f32 {2**40 + 5} 17 130 {_pairs_args(pairs)} {full[130:].tobytes().hex()}"
+    )
     assert got == want.tobytes().hex()
 
 
@@ -161,9 +193,13 @@ def test_core_apply_int8_fp16_matches_python(tool: ToolProcess) -> None:
     buffer = np.zeros(517, dtype=np.float16)
     for step in range(12):
         scale = 10.0 ** rng.integers(-4, 3)
-        pairs = [(int(k), float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(6))]
+        pairs = [
+            (int(k), float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(6))
+        ]
         want_w, want_b = apply_int8_fp16(weights, buffer, 42, step, pairs)
-        got = tool.ask(f"apply_i8 42 {step} 0 {_pairs_args(pairs)} {weights.tobytes().hex()} {buffer.tobytes().hex()}")
+        got = tool.ask(
+            f"apply_i8 42 {step} 0 {_pairs_args(pairs)} {weights.tobytes().hex()} {buffer.tobytes().hex()}"
+        )
         assert got == f"{want_w.tobytes().hex()} {want_b.tobytes().hex()}", f"step {step}"
         weights, buffer = want_w, want_b
 
@@ -179,7 +215,10 @@ def test_core_build_skips_m55_without_toolchain() -> None:
     """Without arm-none-eabi-gcc the m55 part is skipped with a message, not an error."""
     proc = subprocess.run(
         ["make", "-C", str(FIRMWARE_DIR), "m55", "ARM_CC=arm-none-eabi-gcc-missing"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "arm-none-eabi-gcc-missing not found; skipping the Cortex-M55 images" in proc.stdout
@@ -200,7 +239,9 @@ def test_core_int8_accumulator_matches_python(tool: ToolProcess) -> None:
         scale = 1e-3 if step < 16 else 4.0
         pairs = [(k, float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(5))]
         want_w, want_s = accum_int8.apply(weights, state, sizes, 77, step, pairs)
-        got = tool.ask(f"apply_acc8 77 {step} {size_args} {_pairs_args(pairs)} {weights.tobytes().hex()} {state.tobytes().hex()}")
+        got = tool.ask(
+            f"apply_acc8 77 {step} {size_args} {_pairs_args(pairs)} {weights.tobytes().hex()} {state.tobytes().hex()}"
+        )
         assert got == f"{want_w.tobytes().hex()} {want_s.tobytes().hex()}", f"step {step}"
         weights, state = want_w, want_s
         shifts_seen.append(state[-3:].tolist())

@@ -25,7 +25,13 @@ from qsched.zo.workload import Workload
 
 BOARDS_HOST = ["c-0", "py-0"]
 BOARDS_M55 = ["qemu-an547", "c-1", "py-0"]
-SPEC = JobSpec(name="mixed", steps=6, eval_every=3, batch_size=16, policy=PolicySpec(name="fixed", config={"q": 6}))
+SPEC = JobSpec(
+    name="mixed",
+    steps=6,
+    eval_every=3,
+    batch_size=16,
+    policy=PolicySpec(name="fixed", config={"q": 6}),
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,9 @@ def dataset_blob(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def _python_board(master: int, board_id: str) -> AsyncIterator[None]:
     """A Python virtual board serving the master side of a pty."""
     async with SerialEndpoint.from_fd(master, board_id) as link, asyncio.TaskGroup() as tasks:
-        task = tasks.create_task(serve_link(BoardAgent(board_id, latency=LatencyProfile.off()), link))
+        task = tasks.create_task(
+            serve_link(BoardAgent(board_id, latency=LatencyProfile.off()), link)
+        )
         try:
             yield
         finally:

@@ -13,7 +13,9 @@ from qsched.firmware.virtual.latency import (
 def test_latency_reproduces_reference_measurement():
     """MobileNetV2-0.35 at 128x128 takes the measured 6.35 ms."""
     model = NpuLatencyModel()
-    assert model.forward_seconds(MOBILENETV2_035_128_MACS) == pytest.approx(MOBILENETV2_035_128_SECONDS)
+    assert model.forward_seconds(MOBILENETV2_035_128_MACS) == pytest.approx(
+        MOBILENETV2_035_128_SECONDS
+    )
 
 
 def test_latency_scales_with_macs_and_batch():

@@ -42,7 +42,20 @@ pytestmark = [
 # The update series of m55/selftest_main.c, replayed here.
 DIGEST_SEED = 0x0123456789ABCDEF
 DIGEST_WEIGHTS = 1000
-KINDS = ("frame", "stream", "msg", "bad", "philox", "rademacher", "batch", "fp32", "int8_fp16", "log2", "table", "loss")
+KINDS = (
+    "frame",
+    "stream",
+    "msg",
+    "bad",
+    "philox",
+    "rademacher",
+    "batch",
+    "fp32",
+    "int8_fp16",
+    "log2",
+    "table",
+    "loss",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +80,9 @@ def test_m55_selftest_digest_equals_python(selftest_line: str) -> None:
     for t in range(5):
         bits = [0x3E000000 + k * 0x123457 + t * 0x7771 + ((k & 1) << 31) for k in range(8)]
         cs = np.array(bits, dtype=np.uint32).view(np.float32)
-        weights, buffer = apply_int8_fp16(weights, buffer, DIGEST_SEED, t, [(3 * k, float(c)) for k, c in enumerate(cs)])
+        weights, buffer = apply_int8_fp16(
+            weights, buffer, DIGEST_SEED, t, [(3 * k, float(c)) for k, c in enumerate(cs)]
+        )
     digest = zlib.crc32(buffer.astype("<f2").tobytes(), zlib.crc32(weights.tobytes()))
     batch = zlib.crc32(batch_indices(DIGEST_SEED, 3, 64, 1797).astype("<u4").tobytes())
     assert f" digest={digest:x} " in selftest_line
@@ -84,7 +99,9 @@ def test_m55_selftest_int8_accumulator_equals_python(selftest_line: str) -> None
         exponent = 0x3A000000 if t < 16 else 0x40000000
         bits = [exponent + k * 0x12345 + t * 0x777 + ((k & 1) << 31) for k in range(8)]
         cs = np.array(bits, dtype=np.uint32).view(np.float32)
-        weights, state = accum_int8.apply(weights, state, sizes, DIGEST_SEED, t, [(3 * k, float(c)) for k, c in enumerate(cs)])
+        weights, state = accum_int8.apply(
+            weights, state, sizes, DIGEST_SEED, t, [(3 * k, float(c)) for k, c in enumerate(cs)]
+        )
         if t == 15:
             refined = state[-3:].tolist()
     assert min(refined) > 7  # the series does exercise the rescaling
@@ -93,7 +110,9 @@ def test_m55_selftest_int8_accumulator_equals_python(selftest_line: str) -> None
 
 
 @pytest.fixture
-def m55_board(tmp_path: Path, default_job: tuple[JobSpec, Workload, Path]) -> Iterator[tuple[QemuBoard, BoardClient]]:
+def m55_board(
+    tmp_path: Path, default_job: tuple[JobSpec, Workload, Path]
+) -> Iterator[tuple[QemuBoard, BoardClient]]:
     """The C agent on QEMU's Cortex-M55 holding the digits data set, and a client on its pty."""
     board = start_qemu_board(tmp_path / "m55-0", dataset=default_job[2])
     fd = os.open(board.link_path, os.O_RDWR | os.O_NOCTTY)
@@ -125,21 +144,36 @@ def test_m55_board_trains_like_python(
     config = job_config(spec)
     first = client.recv(timeout=15)  # the Hello, repeated when our first message arrives
     ds = wl.dataset
-    select = SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train), val_size=len(ds.x_val))
+    select = SelectDataset(
+        name=ds.name,
+        dataset_hash=dataset_hash64(ds.content_hash),
+        train_size=len(ds.x_train),
+        val_size=len(ds.x_val),
+    )
     if not isinstance(first, Hello):
         pytest.fail(f"expected a Hello, got {first!r}")
     answers = client.load_job(wl.model_blob(), select, config)
     assert all(isinstance(a, Loaded) for a in answers), answers
     state = wl.initial_state()
     for step, ks in enumerate(((0, 1, 2), (4, 7))):
-        result = client.request(EvalRequest(job_id=config.job_id, step=step, batch_size=16, eps=1.0,
-                                            estimator="two_sided", ks=ks))
+        result = client.request(
+            EvalRequest(
+                job_id=config.job_id,
+                step=step,
+                batch_size=16,
+                eps=1.0,
+                estimator="two_sided",
+                ks=ks,
+            )
+        )
         want = wl.perturbed_losses(state, step, ks)
         assert isinstance(result, EvalResult), result
         assert result.loss_plus == tuple(want.plus[k] for k in ks)
         assert result.loss_minus == tuple(want.minus[k] for k in ks)
         coefficients = tuple(0.375 * (i + 1) * (-1) ** i for i in range(len(ks)))
-        ack = client.request(ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients))
+        ack = client.request(
+            ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients)
+        )
         state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
         assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum())
     loss_sum, correct, count = wl.validate(state, 0, 40)

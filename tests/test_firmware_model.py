@@ -34,13 +34,32 @@ def _every_op_model() -> Model:
     """A graph with the ops the zoo does not use: pools with padding, grouped conv, ReLU(6) nodes."""
     rng = np.random.default_rng(5)
     nodes = [
-        Conv2D("conv", ["input"], "conv", _weights(rng, 8, 3, 3, 4), _weights(rng, 8), padding="same"),
+        Conv2D(
+            "conv", ["input"], "conv", _weights(rng, 8, 3, 3, 4), _weights(rng, 8), padding="same"
+        ),
         ReLU("relu", ["conv"], "relu"),
         MaxPool("maxpool", ["relu"], "maxpool", pool=(3, 3), stride=(2, 2), padding="same"),
-        Conv2D("grouped", ["maxpool"], "grouped", _weights(rng, 8, 3, 3, 4), _weights(rng, 8), groups=2,
-               padding="same", activation="relu6"),
-        Conv2D("dw", ["grouped"], "dw", _weights(rng, 1, 3, 3, 16), _weights(rng, 16), stride=(2, 2),
-               padding="same", groups=8, depthwise=True),
+        Conv2D(
+            "grouped",
+            ["maxpool"],
+            "grouped",
+            _weights(rng, 8, 3, 3, 4),
+            _weights(rng, 8),
+            groups=2,
+            padding="same",
+            activation="relu6",
+        ),
+        Conv2D(
+            "dw",
+            ["grouped"],
+            "dw",
+            _weights(rng, 1, 3, 3, 16),
+            _weights(rng, 16),
+            stride=(2, 2),
+            padding="same",
+            groups=8,
+            depthwise=True,
+        ),
         ReLU6("relu6", ["dw"], "relu6"),
         AvgPool("avgpool", ["relu6"], "avgpool", pool=(3, 3), stride=(1, 1), padding="same"),
         Reshape("flatten", ["avgpool"], "flatten", shape=(64,)),
@@ -74,8 +93,14 @@ def test_model_forward_matches_engine(tool: ToolProcess, tmp_path: Path, name: s
 def test_model_rejects_corrupt_blobs(tool: ToolProcess, tmp_path: Path) -> None:
     """A flipped byte, a truncated blob or a wrong magic is refused, never run."""
     model = MODELS["cnn_gap"]()
-    blob = bytearray(encode_blob(quantize_model(model, np.zeros((4, *model.input_shape), np.float32))))
-    cases = {"flip": blob[:200] + bytes([blob[200] ^ 1]) + blob[201:], "short": blob[:-3], "magic": b"XZMB" + blob[4:]}
+    blob = bytearray(
+        encode_blob(quantize_model(model, np.zeros((4, *model.input_shape), np.float32)))
+    )
+    cases = {
+        "flip": blob[:200] + bytes([blob[200] ^ 1]) + blob[201:],
+        "short": blob[:-3],
+        "magic": b"XZMB" + blob[4:],
+    }
     for label, data in cases.items():
         path = tmp_path / f"{label}.qzmb"
         path.write_bytes(bytes(data))
@@ -97,9 +122,16 @@ def test_model_survives_mutated_blobs(tool: ToolProcess, tmp_path: Path) -> None
     import zlib
 
     model = MODELS["resnet8"]()
-    blob = bytearray(encode_blob(quantize_model(model, np.zeros((4, *model.input_shape), np.float32))))
+    blob = bytearray(
+        encode_blob(quantize_model(model, np.zeros((4, *model.input_shape), np.float32)))
+    )
     rng = np.random.default_rng(21)
-    body_end = 64 + 1024 + 52 * struct.unpack_from("<H", blob, 8)[0] + 140 * struct.unpack_from("<H", blob, 10)[0]
+    body_end = (
+        64
+        + 1024
+        + 52 * struct.unpack_from("<H", blob, 8)[0]
+        + 140 * struct.unpack_from("<H", blob, 10)[0]
+    )
     refused = 0
     for i in range(60):
         data = bytearray(blob)

@@ -9,14 +9,32 @@ import pytest
 
 from qsched.firmware.native import FIRMWARE_DIR
 
-_FLAGS = ["-fsyntax-only", "-DQS_TARGET_STM32N6", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Wshadow",
-          "-Wstrict-prototypes", "-ffp-contract=off", "-fno-strict-aliasing",
-          "-Icore", "-Istm32n6", "-Itests/stm32n6_standin"]
+_FLAGS = [
+    "-fsyntax-only",
+    "-DQS_TARGET_STM32N6",
+    "-std=c11",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wshadow",
+    "-Wstrict-prototypes",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-Icore",
+    "-Istm32n6",
+    "-Itests/stm32n6_standin",
+]
 
 
 def _check(compiler: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*compiler, *_FLAGS, "stm32n6/port_stm32n6.c"], cwd=FIRMWARE_DIR,
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [*compiler, *_FLAGS, "stm32n6/port_stm32n6.c"],
+        cwd=FIRMWARE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_stm32n6_port_compiles_on_the_host_compiler() -> None:
@@ -42,6 +60,13 @@ def test_stm32n6_port_check_sees_the_target_code() -> None:
     source = (FIRMWARE_DIR / "stm32n6" / "port_stm32n6.c").read_text()
     broken = source.replace("uint64_t qs_port_now_us(void)", "uint32_t qs_port_now_us(void)")
     assert broken != source
-    proc = subprocess.run(["gcc", *_FLAGS, "-x", "c", "-"], cwd=FIRMWARE_DIR, input=broken,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        ["gcc", *_FLAGS, "-x", "c", "-"],
+        cwd=FIRMWARE_DIR,
+        input=broken,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode != 0 and "qs_port_now_us" in proc.stderr

@@ -53,10 +53,17 @@ def load_messages(workload: Workload) -> list[DataMessage]:
     blob = workload.model_blob()
     ds = workload.dataset
     msgs: list[DataMessage] = [
-        LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part) for off, part in chunks(blob)
+        LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part)
+        for off, part in chunks(blob)
     ]
-    msgs.append(SelectDataset(name=ds.name, dataset_hash=dataset_hash64(ds.content_hash), train_size=len(ds.x_train),
-                              val_size=len(ds.x_val)))
+    msgs.append(
+        SelectDataset(
+            name=ds.name,
+            dataset_hash=dataset_hash64(ds.content_hash),
+            train_size=len(ds.x_train),
+            val_size=len(ds.x_val),
+        )
+    )
     msgs.append(job_config(workload.spec))
     return msgs
 
@@ -66,7 +73,14 @@ def weight_messages(workload: Workload, state: TrainState) -> list[SetWeights]:
     raw = state.weight_bytes()
     cfg = job_config(workload.spec)
     return [
-        SetWeights(total=len(raw), offset=off, job_id=cfg.job_id, step=state.step, checksum=state.checksum(), chunk=part)
+        SetWeights(
+            total=len(raw),
+            offset=off,
+            job_id=cfg.job_id,
+            step=state.step,
+            checksum=state.checksum(),
+            chunk=part,
+        )
         for off, part in chunks(raw, 700)
     ]
 
@@ -82,8 +96,14 @@ async def send_all(agent: BoardAgent, msgs: Sequence[DataMessage]) -> list[DataM
 def eval_request(workload: Workload, step: int, ks: Sequence[int]) -> EvalRequest:
     """An EvalRequest of the job for ``ks`` at ``step``."""
     cfg = job_config(workload.spec)
-    return EvalRequest(job_id=cfg.job_id, step=step, batch_size=cfg.batch_size, eps=cfg.eps,
-                       estimator=cfg.estimator, ks=tuple(ks))
+    return EvalRequest(
+        job_id=cfg.job_id,
+        step=step,
+        batch_size=cfg.batch_size,
+        eps=cfg.eps,
+        estimator=cfg.estimator,
+        ks=tuple(ks),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +116,14 @@ def int8_workload() -> Workload:
 def fp32_workload() -> Workload:
     """The digits MLP in FP32, one-sided, last layer trainable."""
     return Workload.from_spec(
-        JobSpec(numerics="fp32", estimator="one_sided", eps=0.01, batch_size=16, seed=5, trainable="last:1")
+        JobSpec(
+            numerics="fp32",
+            estimator="one_sided",
+            eps=0.01,
+            batch_size=16,
+            seed=5,
+            trainable="last:1",
+        )
     )
 
 
@@ -104,7 +131,11 @@ async def loaded_agent(workload: Workload, board_id: str = "vb-0", **options: ob
     """An agent that went through the load sequence."""
     agent = BoardAgent(board_id, latency=LatencyProfile.off(), **options)  # type: ignore[arg-type]
     answers = await send_all(agent, load_messages(workload))
-    assert [a.resource for a in answers if isinstance(a, Loaded)] == ["model", "dataset", "job_config"]
+    assert [a.resource for a in answers if isinstance(a, Loaded)] == [
+        "model",
+        "dataset",
+        "job_config",
+    ]
     return agent
 
 
@@ -112,7 +143,12 @@ async def test_agent_hello_reports_what_it_holds(int8_workload: Workload) -> Non
     """Hello names the board and, after loading, the model and data set hashes."""
     agent = BoardAgent("vb-7", latency=LatencyProfile.off())
     empty = agent.hello()
-    assert (empty.board_id, empty.npu, empty.model_hash, empty.dataset_hash) == ("vb-7", "virtual", 0, 0)
+    assert (empty.board_id, empty.npu, empty.model_hash, empty.dataset_hash) == (
+        "vb-7",
+        "virtual",
+        0,
+        0,
+    )
     assert empty.max_payload == MAX_PAYLOAD
     await send_all(agent, load_messages(int8_workload))
     full = agent.hello()
@@ -152,8 +188,12 @@ async def test_agent_updates_equal_workload_checksums(int8_workload: Workload) -
     for step in range(3):
         pairs = [(0, 0.75), (2, -1.5), (7, 0.25 * (step + 1))]
         state = int8_workload.apply_update(state, step, pairs)
-        msg = ApplyUpdate(job_id=cfg.job_id, step=step, ks=tuple(k for k, _ in pairs),
-                          coefficients=tuple(c for _, c in pairs))
+        msg = ApplyUpdate(
+            job_id=cfg.job_id,
+            step=step,
+            ks=tuple(k for k, _ in pairs),
+            coefficients=tuple(c for _, c in pairs),
+        )
         (ack,) = await agent.handle(msg)
         assert ack == UpdateAck(job_id=cfg.job_id, step=step, checksum=state.checksum())
         assert (await agent.handle(msg)) == [ack]  # a duplicate delivery gets the same ack
@@ -169,12 +209,21 @@ async def test_agent_set_weights_resynchronises(int8_workload: Workload) -> None
         state = int8_workload.apply_update(state, step, [(1, 2.5), (3, -3.0)])
     agent = await loaded_agent(int8_workload)
     answers = await send_all(agent, weight_messages(int8_workload, state))
-    assert answers == [Loaded(resource="weights", job_id=job_config(int8_workload.spec).job_id,
-                              crc32=state.checksum(), size=len(state.weight_bytes()))]
+    assert answers == [
+        Loaded(
+            resource="weights",
+            job_id=job_config(int8_workload.spec).job_id,
+            crc32=state.checksum(),
+            size=len(state.weight_bytes()),
+        )
+    ]
     assert agent.train_state is not None and agent.train_state.checksum() == state.checksum()
     (result,) = await agent.handle(eval_request(int8_workload, 2, (4, 6)))
     expected = int8_workload.perturbed_losses(state, 2, (4, 6))
-    assert isinstance(result, EvalResult) and list(result.loss_plus) == [expected.plus[4], expected.plus[6]]
+    assert isinstance(result, EvalResult) and list(result.loss_plus) == [
+        expected.plus[4],
+        expected.plus[6],
+    ]
 
 
 async def test_agent_validate_matches_workload(int8_workload: Workload) -> None:
@@ -194,7 +243,9 @@ async def test_agent_ping_and_reset(int8_workload: Workload) -> None:
     assert isinstance(beat, Heartbeat) and beat.nonce == 1234
     (hello,) = await agent.handle(Reset(scope="soft"))
     assert isinstance(hello, Hello) and hello.model_hash == 0
-    assert hello.dataset_hash == dataset_hash64(int8_workload.dataset.content_hash)  # soft keeps the data set
+    assert hello.dataset_hash == dataset_hash64(
+        int8_workload.dataset.content_hash
+    )  # soft keeps the data set
     assert agent.state == "idle"
     (hello,) = await agent.handle(Reset(scope="hard"))
     assert isinstance(hello, Hello) and hello.dataset_hash == 0
@@ -211,7 +262,10 @@ async def test_agent_bad_bytes_get_typed_errors() -> None:
     agent = BoardAgent("vb-0", latency=LatencyProfile.off())
     assert error_of(await agent.handle_bytes(b"\x00\x01garbage")).code == "malformed"
     good = encode(Ping(nonce=1))
-    assert error_of(await agent.handle_bytes(good[:2] + b"\x09" + good[3:])).code == "unsupported_version"
+    assert (
+        error_of(await agent.handle_bytes(good[:2] + b"\x09" + good[3:])).code
+        == "unsupported_version"
+    )
     assert error_of(await agent.handle_bytes(good[:3] + b"\x60" + good[4:])).code == "unknown_type"
     assert error_of(await agent.handle_bytes(good + b"\x00")).code == "malformed"
     (beat,) = await agent.handle_bytes(good)  # still serving
@@ -228,7 +282,10 @@ async def test_agent_refuses_wrong_job_step_and_order(int8_workload: Workload) -
     assert error_of(await agent.handle(wrong_job)).code == "unknown_job"
     stale = error_of(await agent.handle(request.model_copy(update={"step": 4})))
     assert (stale.code, stale.step, stale.ref_type) == ("stale_step", 4, 0x45)
-    assert error_of(await agent.handle(request.model_copy(update={"batch_size": 3}))).code == "malformed"
+    assert (
+        error_of(await agent.handle(request.model_copy(update={"batch_size": 3}))).code
+        == "malformed"
+    )
     assert error_of(await agent.handle(agent.hello())).code == "unknown_type"
     assert await agent.handle(Error(code="internal", detail="daemon confused")) == []
     assert isinstance((await agent.handle(request))[0], EvalResult)
@@ -236,13 +293,17 @@ async def test_agent_refuses_wrong_job_step_and_order(int8_workload: Workload) -
 
 async def test_agent_refuses_bad_model_and_data(int8_workload: Workload) -> None:
     """A model with a wrong CRC, an unknown data set and a wrong hash get typed errors."""
-    agent = BoardAgent("vb-0", latency=LatencyProfile.off(), datasets=DatasetCatalog(builtins=False))
+    agent = BoardAgent(
+        "vb-0", latency=LatencyProfile.off(), datasets=DatasetCatalog(builtins=False)
+    )
     blob = int8_workload.model_blob()
     bad = LoadModel(total=len(blob), offset=0, crc32=zlib.crc32(blob) ^ 1, chunk=blob[:CHUNK])
     answers = await agent.handle(bad)
     assert answers == []  # an intermediate chunk
-    answers = await send_all(agent, [bad.model_copy(update={"offset": off, "chunk": part})
-                                     for off, part in chunks(blob)[1:]])
+    answers = await send_all(
+        agent,
+        [bad.model_copy(update={"offset": off, "chunk": part}) for off, part in chunks(blob)[1:]],
+    )
     assert error_of(answers).code == "crc_mismatch"
     select = load_messages(int8_workload)[-2]
     assert error_of(await agent.handle(select)).code == "dataset_missing"
@@ -264,7 +325,9 @@ async def test_agent_refuses_bad_weights(int8_workload: Workload) -> None:
     assert error_of(await send_all(agent, bad_crc)).code == "crc_mismatch"
     short = b"\x01" * 10
     cfg = job_config(int8_workload.spec)
-    msg = SetWeights(total=10, offset=0, job_id=cfg.job_id, step=0, checksum=zlib.crc32(short), chunk=short)
+    msg = SetWeights(
+        total=10, offset=0, job_id=cfg.job_id, step=0, checksum=zlib.crc32(short), chunk=short
+    )
     assert error_of(await agent.handle(msg)).code == "malformed"
     assert agent.train_state is not None and agent.train_state.checksum() == state.checksum()
 
@@ -299,7 +362,10 @@ async def test_agent_chunk_at_offset_zero_restarts(int8_workload: Workload) -> N
     """A transfer cut short and started again from offset 0 completes normally."""
     agent = BoardAgent("vb-0", latency=LatencyProfile.off())
     blob = int8_workload.model_blob()
-    msgs = [LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part) for off, part in chunks(blob)]
+    msgs = [
+        LoadModel(total=len(blob), offset=off, crc32=zlib.crc32(blob), chunk=part)
+        for off, part in chunks(blob)
+    ]
     assert await send_all(agent, msgs[:2]) == []
     answers = await send_all(agent, msgs)
     assert answers == [Loaded(resource="model", crc32=zlib.crc32(blob), size=len(blob))]
@@ -316,6 +382,8 @@ async def test_agent_shared_updates_stay_per_board(int8_workload: Workload) -> N
     await send_all(odd, weight_messages(int8_workload, other))
     msg = ApplyUpdate(job_id=cfg.job_id, step=0, ks=(1, 2), coefficients=(3.0, -3.0))
     acks = [(await agent.handle(msg))[0] for agent in [*alike, odd]]
-    expected = [int8_workload.apply_update(s, 0, msg.pairs()).checksum() for s in (state, state, other)]
+    expected = [
+        int8_workload.apply_update(s, 0, msg.pairs()).checksum() for s in (state, state, other)
+    ]
     assert [a.checksum for a in acks if isinstance(a, UpdateAck)] == expected
     assert expected[0] != expected[2]

@@ -34,8 +34,21 @@ TIMEOUT_S = 30.0
 def pty_board(request: pytest.FixtureRequest) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """A ``qsched board --serial <pty>`` process with extra args; yields (master fd, process)."""
     master, slave = os.openpty()
-    args = [*QSCHED, "--log-level", "warning", "board", "--serial", os.ttyname(slave), "--id", "pty-0",
-            "--model-latency", "off", "--heartbeat", "60", *getattr(request, "param", [])]
+    args = [
+        *QSCHED,
+        "--log-level",
+        "warning",
+        "board",
+        "--serial",
+        os.ttyname(slave),
+        "--id",
+        "pty-0",
+        "--model-latency",
+        "off",
+        "--heartbeat",
+        "60",
+        *getattr(request, "param", []),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # The slave stays open here too: a pty master whose slave has no open descriptor
@@ -56,8 +69,12 @@ async def next_message(inbox: AsyncIterator[bytes], kind: type) -> object:
             return msg
 
 
-@pytest.mark.parametrize("pty_board", [["--fault", "corrupt:0.25", "--fault-seed", "4"]], indirect=True)
-async def test_board_cli_serial_pty_hello_and_eval(pty_board: tuple[int, subprocess.Popen[bytes]]) -> None:
+@pytest.mark.parametrize(
+    "pty_board", [["--fault", "corrupt:0.25", "--fault-seed", "4"]], indirect=True
+)
+async def test_board_cli_serial_pty_hello_and_eval(
+    pty_board: tuple[int, subprocess.Popen[bytes]],
+) -> None:
     """Over a real pty, with a quarter of its frames corrupted, the board loads and evaluates exactly."""
     master, proc = pty_board
     workload = Workload.from_spec(JobSpec(numerics="int8", batch_size=16, seed=2))
@@ -80,7 +97,9 @@ async def test_board_cli_serial_pty_hello_and_eval(pty_board: tuple[int, subproc
 
 
 @pytest.mark.parametrize("pty_board", [["--fault", "crash-at-step:3"]], indirect=True)
-async def test_board_cli_crash_exits_the_process(pty_board: tuple[int, subprocess.Popen[bytes]]) -> None:
+async def test_board_cli_crash_exits_the_process(
+    pty_board: tuple[int, subprocess.Popen[bytes]],
+) -> None:
     """crash-at-step:3 kills the process with CRASH_EXIT_CODE on a request for step 3."""
     master, proc = pty_board
     workload = Workload.from_spec(JobSpec(numerics="int8", batch_size=16, seed=2))
@@ -96,9 +115,22 @@ async def test_board_cli_mqtt_count_four_births(mqtt_broker: MosquittoBroker) ->
     async with MqttTransport(cfg, TopicMap(fleet="vbtest")) as transport:
         await transport.wait_connected(TIMEOUT_S)
         proc = subprocess.Popen(
-            [*QSCHED, "--log-level", "warning", "board", "--mqtt", f"{mqtt_broker.host}:{mqtt_broker.port}",
-             "--fleet", "vbtest", "--count", "4", "--model-latency", "off"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                *QSCHED,
+                "--log-level",
+                "warning",
+                "board",
+                "--mqtt",
+                f"{mqtt_broker.host}:{mqtt_broker.port}",
+                "--fleet",
+                "vbtest",
+                "--count",
+                "4",
+                "--model-latency",
+                "off",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             events = transport.events()

@@ -52,7 +52,9 @@ def faults(*specs: str, board: str = "vb-0", seed: int = 0):  # type: ignore[no-
 
 def update(workload: Workload, step: int) -> ApplyUpdate:
     """A small update of the job at ``step``."""
-    return ApplyUpdate(job_id=job_config(workload.spec).job_id, step=step, ks=(0, 3), coefficients=(1.5, -2.0))
+    return ApplyUpdate(
+        job_id=job_config(workload.spec).job_id, step=step, ks=(0, 3), coefficients=(1.5, -2.0)
+    )
 
 
 # ------------------------------------------------------------------ parsing and determinism
@@ -69,8 +71,19 @@ def test_fault_parse_every_kind() -> None:
     assert parse_fault("bad-checksum:step=5") == Fault("bad-checksum", step=5)
 
 
-@pytest.mark.parametrize("text", ["explode:0.1", "drop", "drop:1.5", "drop:x", "delay:0.1", "crash-at-step:x",
-                                  "delay:0.1:-1", "lie:0.1:2"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "explode:0.1",
+        "drop",
+        "drop:1.5",
+        "drop:x",
+        "delay:0.1",
+        "crash-at-step:x",
+        "delay:0.1:-1",
+        "lie:0.1:2",
+    ],
+)
 def test_fault_parse_rejects_bad_text(text: str) -> None:
     """Unknown kinds and bad arguments raise FaultError."""
     with pytest.raises(FaultError):
@@ -79,12 +92,22 @@ def test_fault_parse_rejects_bad_text(text: str) -> None:
 
 def test_fault_decisions_are_seeded_per_board_and_kind() -> None:
     """Same seed and board: same decisions; another board or seed: different ones."""
+
     def drops(board: str, seed: int, extra: tuple[str, ...] = ()) -> list[bool]:
         f = faults("drop:0.5", *extra, board=board, seed=seed)
         out = []
         for _ in range(64):
-            f.lie(EvalResult(job_id=1, step=0, compute_us=0, estimator="two_sided", ks=(0,),
-                             loss_plus=(1.0,), loss_minus=(1.0,)))
+            f.lie(
+                EvalResult(
+                    job_id=1,
+                    step=0,
+                    compute_us=0,
+                    estimator="two_sided",
+                    ks=(0,),
+                    loss_plus=(1.0,),
+                    loss_minus=(1.0,),
+                )
+            )
             out.append(f.drop(None))
         return out
 
@@ -226,7 +249,9 @@ async def test_latency_speed_and_validation(int8_workload: Workload) -> None:
 def test_latency_profile_computed_model_and_wire() -> None:
     """Without a modelled size the computed MACs count; serial time follows the baud rate."""
     profile = LatencyProfile(baud=9600)
-    assert profile.forward_seconds(1000, 10) == pytest.approx(NpuLatencyModel().forward_seconds(1000, 10))
+    assert profile.forward_seconds(1000, 10) == pytest.approx(
+        NpuLatencyModel().forward_seconds(1000, 10)
+    )
     assert profile.wire_seconds(948) >= 948 * 10 / 9600
     assert LatencyProfile().wire_seconds(1000) == 0.0
     assert LatencyProfile.off().forward_seconds(10**9, 100) == 0.0
@@ -248,7 +273,9 @@ async def test_serve_link_hello_heartbeats_and_serial_time() -> None:
         await daemon_end.send(encode(Ping(nonce=77)))
         while not isinstance(answer := decode(await anext(inbox)), Heartbeat) or answer.nonce != 77:
             pass
-        wire = agent.latency.wire_seconds(len(encode(Ping(nonce=77)))) + agent.latency.wire_seconds(len(encode(answer)))
+        wire = agent.latency.wire_seconds(len(encode(Ping(nonce=77)))) + agent.latency.wire_seconds(
+            len(encode(answer))
+        )
         assert time.perf_counter() - start >= wire
         await daemon_end.close()
         assert await task == "closed"
@@ -286,7 +313,9 @@ async def test_serve_link_says_hello_again_after_reconnect() -> None:
     async with InProcTransport() as transport:
         link = transport.attach("vb-0")
         daemon_end = (await anext(transport.events())).link  # type: ignore[union-attr]
-        task = asyncio.create_task(serve_link(agent, link, heartbeat_interval=60, connects=lambda: connects[0]))
+        task = asyncio.create_task(
+            serve_link(agent, link, heartbeat_interval=60, connects=lambda: connects[0])
+        )
         inbox = daemon_end.incoming()
         assert isinstance(decode(await anext(inbox)), Hello)
         connects[0] = 2

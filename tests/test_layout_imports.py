@@ -69,7 +69,9 @@ def test_layout_imports_point_one_way() -> None:
         ("from . import sibling\nimport numpy\n", set()),
     ],
 )
-def test_layout_imports_scanner_sees_every_form(source: str, expected: set[str], tmp_path: Path) -> None:
+def test_layout_imports_scanner_sees_every_form(
+    source: str, expected: set[str], tmp_path: Path
+) -> None:
     """The scanner finds top-level, lazy and from-package imports, and ignores others."""
     module = tmp_path / "module.py"
     module.write_text(source, encoding="utf-8")

@@ -129,8 +129,12 @@ def test_qscheduler_payoff_window_holds_before_stopping() -> None:
 
 def test_qscheduler_payoff_default_is_off() -> None:
     """By default an unpaid raise does not hold q: every stall climbs a rung, up to qmax."""
-    policy = create_policy(PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1,
-                                                                   "cooldown": 0}), CONTEXT)
+    policy = create_policy(
+        PolicySpec(
+            name="qscheduler", config={"metric": "val_accuracy", "patience": 1, "cooldown": 0}
+        ),
+        CONTEXT,
+    )
     assert evals(policy, [0.5] * 7 + [0.6, 0.6]) == [1, 2, 4, 8, 16, 32, 32, 32, 32]
 
 

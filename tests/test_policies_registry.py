@@ -91,7 +91,10 @@ def test_registry_default_spec_builds_qscheduler() -> None:
 
 def test_registry_unknown_name_lists_choices() -> None:
     """An unknown name is a PolicyError listing the names there are."""
-    with pytest.raises(PolicyError, match=r"unknown policy 'qschedular'.*fixed, linear, power, qscheduler, variance"):
+    with pytest.raises(
+        PolicyError,
+        match=r"unknown policy 'qschedular'.*fixed, linear, power, qscheduler, variance",
+    ):
         create_policy(PolicySpec(name="qschedular"), CONTEXT)
 
 
@@ -109,7 +112,9 @@ def test_registry_unknown_name_lists_choices() -> None:
         ("fixed", {"q": "many"}, "q: Input should be a valid integer"),
     ],
 )
-def test_registry_bad_config_names_parameter(name: str, config: dict[str, object], fragment: str) -> None:
+def test_registry_bad_config_names_parameter(
+    name: str, config: dict[str, object], fragment: str
+) -> None:
     """A bad parameter is a PolicyError naming it, the problem and the accepted parameters."""
     with pytest.raises(PolicyError, match=fragment) as info:
         create_policy(PolicySpec(name=name, config=config), CONTEXT)
@@ -160,7 +165,10 @@ def test_registry_plugin_import_error(plugin_dir: Path) -> None:
         available_policies()
 
 
-@pytest.mark.parametrize(("total", "per_epoch", "every"), [(0, 10.0, 5), (10, 0.0, 5), (10, float("nan"), 5), (10, 1.0, 0)])
+@pytest.mark.parametrize(
+    ("total", "per_epoch", "every"),
+    [(0, 10.0, 5), (10, 0.0, 5), (10, float("nan"), 5), (10, 1.0, 0)],
+)
 def test_registry_context_checked(total: int, per_epoch: float, every: int) -> None:
     """A context with no steps, no epoch length or no evaluation period is refused."""
     with pytest.raises(PolicyError, match="policy context needs"):

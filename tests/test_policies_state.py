@@ -27,7 +27,9 @@ SPECS = [
     PolicySpec(name="qscheduler", config={"metric": "val_accuracy", "patience": 1, "cooldown": 1}),
     PolicySpec(name="qscheduler", config={"metric": "val_loss", "patience": 2, "cooldown": 0}),
     PolicySpec(name="qscheduler", config={"metric": "train_loss", "patience": 1, "smoothing": 0.7}),
-    PolicySpec(name="qscheduler", config={"metric": "train_loss", "patience": 1, "average": "interval"}),
+    PolicySpec(
+        name="qscheduler", config={"metric": "train_loss", "patience": 1, "average": "interval"}
+    ),
     PolicySpec(name="linear", config={"qmax": 16}),
     PolicySpec(name="power", config={"alpha": 1.3, "beta": 0.7, "qmax": 16}),
     PolicySpec(name="variance", config={"window": 5, "patience": 1, "smoothing": 0.3}),

@@ -76,8 +76,16 @@ def eval_results(draw: st.DrawFn) -> EvalResult:
     two = estimator == "two_sided"
     minus = draw(st.lists(f32, min_size=n, max_size=n)) if two else []
     zero = None if two else draw(f32)
-    return EvalResult(job_id=draw(u32), step=draw(u32), compute_us=draw(u32), estimator=estimator,
-                      ks=ks, loss_plus=tuple(plus), loss_minus=tuple(minus), loss_zero=zero)
+    return EvalResult(
+        job_id=draw(u32),
+        step=draw(u32),
+        compute_us=draw(u32),
+        estimator=estimator,
+        ks=ks,
+        loss_plus=tuple(plus),
+        loss_minus=tuple(minus),
+        loss_zero=zero,
+    )
 
 
 @st.composite
@@ -97,35 +105,80 @@ def apply_updates(draw: st.DrawFn) -> ApplyUpdate:
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Hello: st.builds(
-        Hello, protocol_version=u16, board_id=names,
+        Hello,
+        protocol_version=u16,
+        board_id=names,
         firmware_version=st.from_regex(r"[\x21-\x7e]{1,24}", fullmatch=True),
-        npu=st.sampled_from(["none", "neural_art", "virtual"]), ram_kib=u32, max_batch=u16,
-        max_payload=u32, model_hash=u64, dataset_hash=u64),
+        npu=st.sampled_from(["none", "neural_art", "virtual"]),
+        ram_kib=u32,
+        max_batch=u16,
+        max_payload=u32,
+        model_hash=u64,
+        dataset_hash=u64,
+    ),
     Heartbeat: st.builds(
-        Heartbeat, nonce=u32, uptime_ms=u32,
-        state=st.sampled_from(["idle", "loading", "ready", "busy", "fault"]), job_id=u32, step=u32),
+        Heartbeat,
+        nonce=u32,
+        uptime_ms=u32,
+        state=st.sampled_from(["idle", "loading", "ready", "busy", "fault"]),
+        job_id=u32,
+        step=u32,
+    ),
     EvalResult: eval_results(),
     UpdateAck: st.builds(UpdateAck, job_id=u32, step=u32, checksum=u32),
     ValidateResult: st.builds(
-        ValidateResult, job_id=u32, step=u32, start=u32, count=st.just(0xFFFFFFFF),
-        loss_sum=f64, correct=u32, compute_us=u32),
+        ValidateResult,
+        job_id=u32,
+        step=u32,
+        start=u32,
+        count=st.just(0xFFFFFFFF),
+        loss_sum=f64,
+        correct=u32,
+        compute_us=u32,
+    ),
     Loaded: st.builds(
-        Loaded, resource=st.sampled_from(["model", "weights", "dataset", "job_config"]),
-        job_id=u32, crc32=u32, size=u32),
+        Loaded,
+        resource=st.sampled_from(["model", "weights", "dataset", "job_config"]),
+        job_id=u32,
+        crc32=u32,
+        size=u32,
+    ),
     Error: st.builds(
-        Error, code=st.sampled_from(BOARD_ERROR_CODES), ref_type=u8, job_id=u32, step=u32,
-        detail=st.from_regex(r"[\x20-\x7e]{0,64}", fullmatch=True)),
+        Error,
+        code=st.sampled_from(BOARD_ERROR_CODES),
+        ref_type=u8,
+        job_id=u32,
+        step=u32,
+        detail=st.from_regex(r"[\x20-\x7e]{0,64}", fullmatch=True),
+    ),
     LoadModel: chunk_fields().map(lambda f: LoadModel(crc32=0x1234, **f)),
     SetWeights: chunk_fields().map(lambda f: SetWeights(job_id=3, step=4, checksum=5, **f)),
-    SelectDataset: st.builds(SelectDataset, name=names, dataset_hash=u64, train_size=u32, val_size=u32),
+    SelectDataset: st.builds(
+        SelectDataset, name=names, dataset_hash=u64, train_size=u32, val_size=u32
+    ),
     JobConfig: st.builds(
-        JobConfig, job_id=u32, seed=u64, numerics=st.sampled_from(["fp32", "int8"]),
-        estimator=estimators, accumulator=st.sampled_from(["fp16", "int8"]), batch_size=u16, eps=f32),
+        JobConfig,
+        job_id=u32,
+        seed=u64,
+        numerics=st.sampled_from(["fp32", "int8"]),
+        estimator=estimators,
+        accumulator=st.sampled_from(["fp16", "int8"]),
+        batch_size=u16,
+        eps=f32,
+    ),
     EvalRequest: st.builds(
-        EvalRequest, job_id=u32, step=u32, batch_size=u16, eps=f32, estimator=estimators, ks=key_sets()),
+        EvalRequest,
+        job_id=u32,
+        step=u32,
+        batch_size=u16,
+        eps=f32,
+        estimator=estimators,
+        ks=key_sets(),
+    ),
     ApplyUpdate: apply_updates(),
     ValidateRequest: st.builds(
-        ValidateRequest, job_id=u32, step=u32, start=u32, count=st.integers(1, 2**32 - 1)),
+        ValidateRequest, job_id=u32, step=u32, start=u32, count=st.integers(1, 2**32 - 1)
+    ),
     Ping: st.builds(Ping, nonce=u32),
     Reset: st.builds(Reset, scope=st.sampled_from(["soft", "hard"])),
 }
@@ -148,8 +201,14 @@ def test_codec_covers_every_message_type() -> None:
 
 def test_codec_eval_request_budget() -> None:
     """An eval request with a contiguous k range fits 64 bytes (a list of 20 ks too)."""
-    request = EvalRequest(job_id=2**32 - 1, step=2**32 - 1, batch_size=4096, eps=1.0,
-                          estimator="two_sided", ks=tuple(range(1000, 1000 + MAX_KS)))
+    request = EvalRequest(
+        job_id=2**32 - 1,
+        step=2**32 - 1,
+        batch_size=4096,
+        eps=1.0,
+        estimator="two_sided",
+        ks=tuple(range(1000, 1000 + MAX_KS)),
+    )
     scattered = request.model_copy(update={"ks": tuple(range(0, 40, 2))})
     assert len(encode(request)) <= 64
     assert len(encode(scattered)) <= 64
@@ -159,8 +218,9 @@ def test_codec_apply_update_budget_q64() -> None:
     """An apply-update for q = 64 fits 512 bytes, as a range and as a scattered list."""
     coefficients = tuple(float(i) / 7 for i in range(64))
     contiguous = ApplyUpdate(job_id=1, step=9, ks=tuple(range(64)), coefficients=coefficients)
-    scattered = ApplyUpdate(job_id=1, step=9, ks=tuple(range(60000, 65536, 87))[:64],
-                            coefficients=coefficients)
+    scattered = ApplyUpdate(
+        job_id=1, step=9, ks=tuple(range(60000, 65536, 87))[:64], coefficients=coefficients
+    )
     assert len(encode(contiguous)) <= 512
     assert len(encode(scattered)) <= 512
     assert decode(encode(scattered)) == scattered
@@ -170,18 +230,34 @@ def test_codec_apply_update_budget_q64() -> None:
 def test_codec_eval_result_budget_8_samples(estimator: str) -> None:
     """An eval result for 8 samples (contiguous ks) fits 96 bytes."""
     two = estimator == "two_sided"
-    result = EvalResult(job_id=1, step=2, compute_us=3, estimator=estimator, ks=tuple(range(8, 16)),
-                        loss_plus=(1.5,) * 8, loss_minus=(2.5,) * 8 if two else (),
-                        loss_zero=None if two else 0.5)
+    result = EvalResult(
+        job_id=1,
+        step=2,
+        compute_us=3,
+        estimator=estimator,
+        ks=tuple(range(8, 16)),
+        loss_plus=(1.5,) * 8,
+        loss_minus=(2.5,) * 8 if two else (),
+        loss_zero=None if two else 0.5,
+    )
     assert len(encode(result)) <= 96
 
 
 def test_codec_largest_messages_fit_max_payload() -> None:
     """MAX_KS keys with two losses, as a list, and a full chunk fit MAX_PAYLOAD."""
     ks = tuple(range(0, 2 * MAX_KS, 2))
-    result = EvalResult(job_id=1, step=2, compute_us=3, estimator="two_sided", ks=ks,
-                        loss_plus=(1.0,) * MAX_KS, loss_minus=(2.0,) * MAX_KS)
-    chunk = SetWeights(total=MAX_CHUNK, offset=0, job_id=1, step=2, checksum=3, chunk=bytes(MAX_CHUNK))
+    result = EvalResult(
+        job_id=1,
+        step=2,
+        compute_us=3,
+        estimator="two_sided",
+        ks=ks,
+        loss_plus=(1.0,) * MAX_KS,
+        loss_minus=(2.0,) * MAX_KS,
+    )
+    chunk = SetWeights(
+        total=MAX_CHUNK, offset=0, job_id=1, step=2, checksum=3, chunk=bytes(MAX_CHUNK)
+    )
     assert len(encode(result)) <= MAX_PAYLOAD
     assert len(encode(chunk)) <= MAX_PAYLOAD
 
@@ -206,7 +282,14 @@ def test_codec_rounds_floats_to_float32() -> None:
 )
 def test_messages_reject_invalid_fields(bad: dict[str, Any]) -> None:
     """Models refuse unordered or repeated keys, keys over uint16 and non-float32 values."""
-    fields = {"job_id": 1, "step": 1, "batch_size": 1, "eps": 1.0, "estimator": "two_sided", "ks": (0,)}
+    fields = {
+        "job_id": 1,
+        "step": 1,
+        "batch_size": 1,
+        "eps": 1.0,
+        "estimator": "two_sided",
+        "ks": (0,),
+    }
     with pytest.raises(ValueError):
         EvalRequest(**(fields | bad))
 
@@ -214,11 +297,25 @@ def test_messages_reject_invalid_fields(bad: dict[str, Any]) -> None:
 def test_messages_eval_result_shape_follows_estimator() -> None:
     """A one-sided result needs loss_zero and no loss_minus; two-sided the reverse."""
     with pytest.raises(ValueError, match="one-sided"):
-        EvalResult(job_id=1, step=1, compute_us=1, estimator="one_sided", ks=(0,), loss_plus=(1.0,),
-                   loss_minus=(1.0,))
+        EvalResult(
+            job_id=1,
+            step=1,
+            compute_us=1,
+            estimator="one_sided",
+            ks=(0,),
+            loss_plus=(1.0,),
+            loss_minus=(1.0,),
+        )
     with pytest.raises(ValueError, match="two-sided"):
-        EvalResult(job_id=1, step=1, compute_us=1, estimator="two_sided", ks=(0,), loss_plus=(1.0,),
-                   loss_zero=1.0)
+        EvalResult(
+            job_id=1,
+            step=1,
+            compute_us=1,
+            estimator="two_sided",
+            ks=(0,),
+            loss_plus=(1.0,),
+            loss_zero=1.0,
+        )
 
 
 def test_messages_chunk_cannot_run_past_total() -> None:
@@ -229,12 +326,17 @@ def test_messages_chunk_cannot_run_past_total() -> None:
 
 def test_codec_unsupported_version_keeps_header_fields() -> None:
     """A message of another version raises unsupported_version with version and type set."""
-    data = bytearray(encode(Hello(board_id="b", firmware_version="1", npu="none", ram_kib=1, max_batch=1)))
+    data = bytearray(
+        encode(Hello(board_id="b", firmware_version="1", npu="none", ram_kib=1, max_batch=1))
+    )
     data[2] = PROTOCOL_VERSION + 1
     with pytest.raises(ProtocolError) as info:
         decode(bytes(data))
     assert (info.value.kind, info.value.version, info.value.msg_type) == (
-        "unsupported_version", PROTOCOL_VERSION + 1, 0x01)
+        "unsupported_version",
+        PROTOCOL_VERSION + 1,
+        0x01,
+    )
     assert peek_header(bytes(data)) == (PROTOCOL_VERSION + 1, 0x01)
 
 
@@ -243,7 +345,9 @@ def test_codec_encode_refuses_oversized() -> None:
     ks = tuple(range(0, 2 * MAX_KS, 2))
     update = ApplyUpdate(job_id=1, step=1, ks=ks, coefficients=(1.0,) * MAX_KS)
     assert len(encode(update)) <= MAX_PAYLOAD  # the largest update fits
-    big = SetWeights(total=MAX_CHUNK, offset=0, job_id=1, step=1, checksum=0, chunk=bytes(MAX_CHUNK))
+    big = SetWeights(
+        total=MAX_CHUNK, offset=0, job_id=1, step=1, checksum=0, chunk=bytes(MAX_CHUNK)
+    )
     assert len(encode(big)) <= MAX_PAYLOAD
     with pytest.raises(ProtocolError) as info:
         decode(bytes(MAX_PAYLOAD + 1))
@@ -289,8 +393,15 @@ def test_codec_mutated_messages_raise_only_protocol_error(msg: Any, data: st.Dat
     try:
         decoded = decode(bytes(raw))
     except ProtocolError as exc:
-        assert exc.kind in {"truncated", "trailing_bytes", "bad_magic", "unsupported_version",
-                            "unknown_type", "invalid_field", "oversized"}
+        assert exc.kind in {
+            "truncated",
+            "trailing_bytes",
+            "bad_magic",
+            "unsupported_version",
+            "unknown_type",
+            "invalid_field",
+            "oversized",
+        }
     else:
         # Whatever decodes is a valid message with a canonical encoding of its own.
         assert decode(encode(decoded)) == decoded
@@ -302,7 +413,11 @@ def test_codec_job_config_from_spec() -> None:
     config = job_config(spec)
     assert config.job_id == job_id_of(spec) != job_id_of(spec.model_copy(update={"seed": 1}))
     assert (config.seed, config.numerics, config.batch_size, config.estimator) == (
-        2**63 + 5, "fp32", 32, "one_sided")
+        2**63 + 5,
+        "fp32",
+        32,
+        "one_sided",
+    )
     assert decode(encode(config)) == config
 
 

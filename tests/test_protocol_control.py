@@ -43,7 +43,9 @@ def test_control_parses_simple_commands(command: str) -> None:
 
 def test_control_start_job_carries_job_spec() -> None:
     """start_job validates its spec with JobSpec."""
-    parsed = parse_command(b'{"type": "start_job", "spec": {"name": "a", "numerics": "fp32", "eps": 0.01}}')
+    parsed = parse_command(
+        b'{"type": "start_job", "spec": {"name": "a", "numerics": "fp32", "eps": 0.01}}'
+    )
     assert isinstance(parsed, StartJob)
     assert parsed.spec == JobSpec(name="a", numerics="fp32", eps=0.01)
     assert parse_command(parsed.model_dump_json()) == parsed
@@ -51,9 +53,13 @@ def test_control_start_job_carries_job_spec() -> None:
 
 def test_control_change_policy_and_drain() -> None:
     """change_policy carries a PolicySpec; drain_board names a board."""
-    policy = parse_command('{"type": "change_policy", "policy": {"name": "fixed", "config": {"q": 8}}}')
+    policy = parse_command(
+        '{"type": "change_policy", "policy": {"name": "fixed", "config": {"q": 8}}}'
+    )
     drain = parse_command('{"type": "drain_board", "board_id": "n6-01"}')
-    assert isinstance(policy, ChangePolicy) and policy.policy == PolicySpec(name="fixed", config={"q": 8})
+    assert isinstance(policy, ChangePolicy) and policy.policy == PolicySpec(
+        name="fixed", config={"q": 8}
+    )
     assert isinstance(drain, DrainBoard) and drain.drain
 
 
@@ -77,7 +83,9 @@ def test_control_malformed_command_keeps_request_id(document: str) -> None:
     assert reply.message == info.value.detail and not reply.message.startswith("invalid_command")
 
 
-@pytest.mark.parametrize("document", [b"", b"\xff\xfe", b"[]", b"null", b"{", b"[" * 5000, b"1e999"])
+@pytest.mark.parametrize(
+    "document", [b"", b"\xff\xfe", b"[]", b"null", b"{", b"[" * 5000, b"1e999"]
+)
 def test_control_garbage_is_invalid_command(document: bytes) -> None:
     """Non-JSON, non-object and deeply nested input give the typed error."""
     with pytest.raises(ProtocolError) as info:
@@ -86,10 +94,16 @@ def test_control_garbage_is_invalid_command(document: bytes) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.one_of(st.binary(max_size=200), st.text(max_size=200),
-                 st.dictionaries(st.sampled_from(["type", "request_id", "job", "spec", "x"]),
-                                 st.one_of(st.text(max_size=10), st.integers(), st.none()))
-                 .map(json.dumps)))
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.text(max_size=200),
+        st.dictionaries(
+            st.sampled_from(["type", "request_id", "job", "spec", "x"]),
+            st.one_of(st.text(max_size=10), st.integers(), st.none()),
+        ).map(json.dumps),
+    )
+)
 def test_control_random_input_raises_only_protocol_error(document: bytes | str) -> None:
     """Random documents either parse or raise ProtocolError, nothing else."""
     try:
@@ -138,9 +152,24 @@ def test_schema_covers_every_control_document() -> None:
     """The schema's union names every command, reply, event, status and presence type."""
     schema = control_schema()
     types = set(schema["discriminator"]["mapping"])
-    assert {"start_job", "pause", "resume", "stop", "status", "checkpoint", "change_policy",
-            "list_boards", "drain_board", "export", "reply", "error", "event", "status_report",
-            "board_presence", "daemon_state"} == types
+    assert {
+        "start_job",
+        "pause",
+        "resume",
+        "stop",
+        "status",
+        "checkpoint",
+        "change_policy",
+        "list_boards",
+        "drain_board",
+        "export",
+        "reply",
+        "error",
+        "event",
+        "status_report",
+        "board_presence",
+        "daemon_state",
+    } == types
 
 
 def test_schema_main_writes_and_checks(tmp_path: Path) -> None:
@@ -170,8 +199,22 @@ def test_states_job_lifecycle() -> None:
 
 def test_states_board_session() -> None:
     """A board goes hello -> loading -> ready <-> busy; faulty boards resync; Hello restarts."""
-    path = ["unknown", "hello", "loading", "ready", "busy", "ready", "resync", "ready", "busy",
-            "faulty", "resync", "ready", "gone", "hello"]
+    path = [
+        "unknown",
+        "hello",
+        "loading",
+        "ready",
+        "busy",
+        "ready",
+        "resync",
+        "ready",
+        "busy",
+        "faulty",
+        "resync",
+        "ready",
+        "gone",
+        "hello",
+    ]
     for old, new in itertools.pairwise(path):
         check_board_transition(old, new)  # type: ignore[arg-type]
     with pytest.raises(ValueError):

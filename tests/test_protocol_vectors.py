@@ -48,8 +48,12 @@ def test_vectors_committed_files_are_current() -> None:
     """Every committed vector file equals a fresh generation (else run make_vectors)."""
     fresh = vector_sets()
     for name, vectors in fresh.items():
-        assert (VECTOR_DIR / f"{name}.txt").read_text(encoding="utf-8") == render_txt(name, vectors), name
-        assert (VECTOR_DIR / f"{name}.json").read_text(encoding="utf-8") == render_json(vectors), name
+        assert (VECTOR_DIR / f"{name}.txt").read_text(encoding="utf-8") == render_txt(
+            name, vectors
+        ), name
+        assert (VECTOR_DIR / f"{name}.json").read_text(encoding="utf-8") == render_json(vectors), (
+            name
+        )
     assert main(["--check"]) == 0
 
 
@@ -89,7 +93,10 @@ def test_vectors_messages_decode_to_their_fields() -> None:
         present = {key for key, value in message if key != "type" and value is not None}
         assert present == set(fields), name
         for field, text in fields.items():
-            assert getattr(message, field) == _expected_field(getattr(message, field), text), (name, field)
+            assert getattr(message, field) == _expected_field(getattr(message, field), text), (
+                name,
+                field,
+            )
 
 
 def test_vectors_bad_messages_are_refused() -> None:
@@ -105,10 +112,19 @@ def test_vectors_bad_messages_are_refused() -> None:
 # What each bad.* input breaks, in the decoder's words: an input refused for another
 # reason (a field patched at the wrong offset, say) would not test its case.
 _BAD_REASONS = {
-    "empty": "0 bytes", "short_header": "3 bytes", "bad_magic": "header starts", "future_version": "version",
-    "unknown_type": "type code", "truncated_body": "layout needs", "trailing_byte": "after the message",
-    "bad_enum": "scope code", "bad_kset_mode": "k set mode", "kset_not_ascending": "ascending",
-    "zero_keys": "k count 0", "nan_eps": "eps", "oversized_chunk": "chunk is",
+    "empty": "0 bytes",
+    "short_header": "3 bytes",
+    "bad_magic": "header starts",
+    "future_version": "version",
+    "unknown_type": "type code",
+    "truncated_body": "layout needs",
+    "trailing_byte": "after the message",
+    "bad_enum": "scope code",
+    "bad_kset_mode": "k set mode",
+    "kset_not_ascending": "ascending",
+    "zero_keys": "k count 0",
+    "nan_eps": "eps",
+    "oversized_chunk": "chunk is",
 }
 
 
@@ -133,7 +149,9 @@ def test_vectors_frames() -> None:
     vectors = _read_txt("frames")
     for name, fields in _groups(vectors, "frame").items():
         (frame,) = FrameReader().feed(bytes.fromhex(fields["wire"]))
-        assert frame == Frame(int(fields["seq"]), int(fields["flags"]), bytes.fromhex(fields["payload"])), name
+        assert frame == Frame(
+            int(fields["seq"]), int(fields["flags"]), bytes.fromhex(fields["payload"])
+        ), name
     for name, fields in _groups(vectors, "stream").items():
         items = FrameReader().feed(bytes.fromhex(fields["wire"]))
         assert ",".join(_summary(item) for item in items) == fields["frames"], name
@@ -144,9 +162,11 @@ def test_vectors_prng_matches_known_answers() -> None:
     groups = _groups(_read_txt("prng"), "philox")
     outputs = {fields["counter"] + "/" + fields["key"]: fields["out"] for fields in groups.values()}
     assert outputs["00000000,00000000,00000000,00000000/00000000,00000000"] == (
-        "6627e8d5,e169c58d,bc57ac4c,9b00dbd8")
+        "6627e8d5,e169c58d,bc57ac4c,9b00dbd8"
+    )
     assert outputs["243f6a88,85a308d3,13198a2e,03707344/a4093822,299f31d0"] == (
-        "d16cfe09,94fdcceb,5001e420,24126ea1")
+        "d16cfe09,94fdcceb,5001e420,24126ea1"
+    )
     for fields in groups.values():
         counter = [int(w, 16) for w in fields["counter"].split(",")]
         key = tuple(int(w, 16) for w in fields["key"].split(","))
@@ -159,12 +179,18 @@ def test_vectors_rademacher_and_batches() -> None:
     vectors = _read_txt("prng")
     for fields in _groups(vectors, "rademacher").values():
         seed, step, k, size = (int(fields[f]) for f in ("seed", "step", "k", "size"))
-        bits = np.unpackbits(np.frombuffer(bytes.fromhex(fields["bits"]), np.uint8), bitorder="little")
+        bits = np.unpackbits(
+            np.frombuffer(bytes.fromhex(fields["bits"]), np.uint8), bitorder="little"
+        )
         assert np.array_equal(bits[:size].astype(bool), rademacher_bits(seed, step, k, size))
         assert not bits[size:].any()
     for fields in _groups(vectors, "batch").values():
-        got = batch_indices(int(fields["seed"]), int(fields["step"]), int(fields["batch_size"]),
-                            int(fields["dataset_size"]))
+        got = batch_indices(
+            int(fields["seed"]),
+            int(fields["step"]),
+            int(fields["batch_size"]),
+            int(fields["dataset_size"]),
+        )
         assert ",".join(map(str, got)) == fields["indices"]
 
 
@@ -182,14 +208,17 @@ def test_vectors_update_results() -> None:
     assert fp32 and int8
     for fields in fp32.values():
         theta = np.frombuffer(bytes.fromhex(fields["theta"]), "<f4").copy()
-        result = apply_fp32(theta, int(fields["seed"]), int(fields["step"]), _pairs(fields)).tobytes()
+        result = apply_fp32(
+            theta, int(fields["seed"]), int(fields["step"]), _pairs(fields)
+        ).tobytes()
         assert result.hex() == fields["expected"]
         assert zlib.crc32(result) == int(fields["checksum"])
     for fields in int8.values():
         weights = np.frombuffer(bytes.fromhex(fields["weights"]), np.int8).copy()
         buffer = np.frombuffer(bytes.fromhex(fields["buffer"]), "<f2").copy()
-        new_w, new_b = apply_int8_fp16(weights, buffer, int(fields["seed"]), int(fields["step"]),
-                                       _pairs(fields))
+        new_w, new_b = apply_int8_fp16(
+            weights, buffer, int(fields["seed"]), int(fields["step"]), _pairs(fields)
+        )
         assert new_w.tobytes().hex() == fields["expected_weights"]
         assert new_b.tobytes().hex() == fields["expected_buffer"]
         assert zlib.crc32(new_w.tobytes() + new_b.tobytes()) == int(fields["checksum"])

@@ -38,10 +38,22 @@ def _every_op_model(padding, rng, dtype=np.float64):
 
     nodes = [
         Conv2D("conv", ["input"], "conv", w(4, 3, 3, 2), w(4), padding=padding, activation="relu"),
-        Conv2D("dw", ["conv"], "dw", w(1, 3, 3, 8, scale=2.0), w(8), stride=(2, 2), padding="same",
-               groups=4, depthwise=True, activation="relu6"),
+        Conv2D(
+            "dw",
+            ["conv"],
+            "dw",
+            w(1, 3, 3, 8, scale=2.0),
+            w(8),
+            stride=(2, 2),
+            padding="same",
+            groups=4,
+            depthwise=True,
+            activation="relu6",
+        ),
         Conv2D("grouped", ["dw"], "grouped", w(4, 3, 3, 4), w(4), padding="same", groups=2),
-        Conv2D("shortcut", ["conv"], "shortcut", w(4, 1, 1, 4), w(4), stride=(2, 2), padding="same"),
+        Conv2D(
+            "shortcut", ["conv"], "shortcut", w(4, 1, 1, 4), w(4), stride=(2, 2), padding="same"
+        ),
         Add("add", ["grouped", "shortcut"], "add", activation="relu"),
         ReLU("relu", ["add"], "relu"),
         AvgPool("avg", ["relu"], "avg", (2, 2), (1, 1), padding),
@@ -89,7 +101,14 @@ def test_backprop_gradcheck_every_op(padding):
 
 def test_backprop_avgpool_same_counts_in_bounds_only():
     """A SAME average pool divides by the number of in-bounds elements (TFLite)."""
-    model = Model("p", "input", (2, 2, 1), [AvgPool("avg", ["input"], "avg", (2, 2), (1, 1), "same")], "avg", 2)
+    model = Model(
+        "p",
+        "input",
+        (2, 2, 1),
+        [AvgPool("avg", ["input"], "avg", (2, 2), (1, 1), "same")],
+        "avg",
+        2,
+    )
     out = forward(model, np.array([[1.0, 2.0], [3.0, 4.0]], np.float32).reshape(1, 2, 2, 1))
     assert np.array_equal(out[0, :, :, 0], np.array([[2.5, 3.0], [3.5, 4.0]], np.float32))
 
@@ -129,8 +148,9 @@ def test_train_backprop_cnn_sgd_momentum_learns():
     """SGD with momentum trains the CNN on digits well above chance."""
     ds = load_digits()
     model = build_model("cnn", ds.input_shape, 10, seed=1)
-    _, history = train_backprop(model, ds, steps=150, lr=0.05, batch_size=32, seed=1, optimizer="sgd",
-                                eval_every=50)
+    _, history = train_backprop(
+        model, ds, steps=150, lr=0.05, batch_size=32, seed=1, optimizer="sgd", eval_every=50
+    )
     assert history.eval_steps == [50, 100, 150]
     assert history.val_accuracy[-1] >= 0.8
 
@@ -143,7 +163,9 @@ def test_train_backprop_leaves_input_and_is_deterministic():
     a, _ = train_backprop(model, ds, steps=20, lr=1e-2, seed=3)
     b, _ = train_backprop(model, ds, steps=20, lr=1e-2, seed=3)
     c, _ = train_backprop(model, ds, steps=20, lr=1e-2, seed=4)
-    assert all(np.array_equal(w, n.weight) for w, n in zip(before, model.param_nodes(), strict=True))
+    assert all(
+        np.array_equal(w, n.weight) for w, n in zip(before, model.param_nodes(), strict=True)
+    )
     wa, wb, wc = (m.param_nodes()[0].weight for m in (a, b, c))
     assert np.array_equal(wa, wb) and not np.array_equal(wa, wc)
     assert wa.dtype == np.float32
@@ -163,11 +185,14 @@ def test_train_backprop_trainable_last_layer_only():
 def test_train_backprop_transfer_head_on_unseen_classes():
     """A backbone pretrained on digits 0-4 supports a new head trained alone on digits 5-9."""
     src, tgt = split_classes(load_digits(), [0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
-    backbone, _ = train_backprop(build_model("cnn", src.input_shape, 5, seed=0), src, steps=150, lr=1e-2,
-                                 batch_size=32)
+    backbone, _ = train_backprop(
+        build_model("cnn", src.input_shape, 5, seed=0), src, steps=150, lr=1e-2, batch_size=32
+    )
     fresh = replace_classifier(backbone, tgt.num_classes, seed=1)
     assert evaluate(fresh, tgt.x_val, tgt.y_val)[1] < 0.5
-    tuned, history = train_backprop(fresh, tgt, steps=100, lr=1e-2, batch_size=32, trainable="last:1")
+    tuned, history = train_backprop(
+        fresh, tgt, steps=100, lr=1e-2, batch_size=32, trainable="last:1"
+    )
     assert history.val_accuracy[-1] >= 0.85
     assert np.array_equal(tuned.param_nodes()[0].weight, backbone.param_nodes()[0].weight)
 
@@ -235,4 +260,6 @@ def test_forward_matches_engine_every_op():
     for padding in ("same", "valid"):
         model = _every_op_model(padding, np.random.default_rng(5), np.float32)
         x = np.random.default_rng(6).uniform(0, 3, (3, *model.input_shape)).astype(np.float32)
-        assert np.allclose(forward(model, x), np.asarray(engine.run_fp32(model, x)), rtol=1e-4, atol=1e-5)
+        assert np.allclose(
+            forward(model, x), np.asarray(engine.run_fp32(model, x)), rtol=1e-4, atol=1e-5
+        )

@@ -13,15 +13,22 @@ _STEPS, _BATCH = 200, 32
 
 def test_baseline_backprop_beats_zo_on_digits() -> None:
     """Backprop reaches a clearly higher accuracy than FP32 SPSA (q = 4) from the same MLP and budget of steps."""
-    spec = JobSpec.model_validate({
-        "model": "mlp", "numerics": "fp32", "steps": _STEPS, "batch_size": _BATCH, "eval_every": _STEPS,
-        "policy": PolicySpec(name="fixed", config={"q": 4}),
-    })
+    spec = JobSpec.model_validate(
+        {
+            "model": "mlp",
+            "numerics": "fp32",
+            "steps": _STEPS,
+            "batch_size": _BATCH,
+            "eval_every": _STEPS,
+            "policy": PolicySpec(name="fixed", config={"q": 4}),
+        }
+    )
     zo = train_zo(spec)
     ds = load_digits(flat=True)
     model = build_model("mlp", ds.input_shape, ds.num_classes, seed=spec.seed)
-    _, history = train_backprop(model, ds, steps=_STEPS, lr=1e-2, batch_size=_BATCH, seed=spec.seed,
-                                eval_every=_STEPS)
+    _, history = train_backprop(
+        model, ds, steps=_STEPS, lr=1e-2, batch_size=_BATCH, seed=spec.seed, eval_every=_STEPS
+    )
     bp_accuracy = history.val_accuracy[-1]
     assert zo.final_accuracy > 0.2  # ZO learns something: the comparison is not with a broken run
     assert bp_accuracy >= 0.85

@@ -26,15 +26,25 @@ from qsched.zo.zoo import build_model
 def _every_op_model() -> Model:
     rng = np.random.default_rng(3)
     nodes = [
-        Conv2D("conv", ["input"], "conv", rng.normal(0, 0.3, (4, 3, 3, 1)).astype(np.float32),
-               rng.normal(0, 0.1, 4).astype(np.float32)),
+        Conv2D(
+            "conv",
+            ["input"],
+            "conv",
+            rng.normal(0, 0.3, (4, 3, 3, 1)).astype(np.float32),
+            rng.normal(0, 0.1, 4).astype(np.float32),
+        ),
         ReLU("relu", ["conv"], "relu"),
         MaxPool("maxpool", ["relu"], "maxpool"),
         AvgPool("avgpool", ["maxpool"], "avgpool", (2, 2), (1, 1), "same"),
         ReLU6("relu6", ["avgpool"], "relu6"),
         Reshape("flatten", ["relu6"], "flatten", (64,)),
-        Dense("dense", ["flatten"], "dense", rng.normal(0, 0.2, (10, 64)).astype(np.float32),
-              np.zeros(10, np.float32)),
+        Dense(
+            "dense",
+            ["flatten"],
+            "dense",
+            rng.normal(0, 0.2, (10, 64)).astype(np.float32),
+            np.zeros(10, np.float32),
+        ),
     ]
     return Model("every_op", "input", (8, 8, 1), nodes, "dense", 10)
 
@@ -56,7 +66,9 @@ _MODELS = _models()
 
 
 @pytest.mark.parametrize(("name", "qmodel", "x"), _MODELS, ids=[m[0] for m in _MODELS])
-def test_blob_int8_round_trip_evaluates_identically(name: str, qmodel: QuantModel, x: np.ndarray) -> None:
+def test_blob_int8_round_trip_evaluates_identically(
+    name: str, qmodel: QuantModel, x: np.ndarray
+) -> None:
     """decode(encode(q)) re-encodes to the same bytes and gives the same int8 logits."""
     blob = encode_blob(qmodel)
     back = decode_blob(blob)
@@ -78,7 +90,9 @@ def test_blob_fp32_round_trip() -> None:
 
 def test_blob_carries_precomputed_requantisation() -> None:
     """The op records hold the per-channel multipliers and shifts the engine computes."""
-    qmodel = quantize_model(_every_op_model(), np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32))
+    qmodel = quantize_model(
+        _every_op_model(), np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32)
+    )
     blob = encode_blob(qmodel)
     header = struct.unpack_from("<4sHBBHHHHIIIIII", blob)
     n_tensors, n_ops = header[4], header[5]

@@ -153,7 +153,9 @@ def test_image_folder_png_via_pillow(tmp_path):
     for cls, value in (("a", 10), ("b", 200)):
         (tmp_path / cls).mkdir()
         for i in range(2):
-            image_mod.fromarray(np.full((5, 5, 3), value, np.uint8)).save(tmp_path / cls / f"{i}.png")
+            image_mod.fromarray(np.full((5, 5, 3), value, np.uint8)).save(
+                tmp_path / cls / f"{i}.png"
+            )
     ds = load_image_folder(tmp_path, val_fraction=0.5)
     assert np.allclose(ds.x_train[ds.y_train == 1], 200 / 255)
 
@@ -190,7 +192,9 @@ def test_stl10_binary_layout(tmp_path):
     assert np.array_equal(ds.x_val, test.astype(np.float32) / np.float32(255))
     small = load_dataset(tmp_path, size=32)
     assert small.x_val.shape == (2, 32, 32, 3)
-    assert np.allclose(small.x_train[1, 0, 0], train[1, :3, :3].reshape(-1, 3).mean(0) / 255, atol=1e-5)
+    assert np.allclose(
+        small.x_train[1, 0, 0], train[1, :3, :3].reshape(-1, 3).mean(0) / 255, atol=1e-5
+    )
 
 
 def test_stl10_missing_files(tmp_path):

@@ -37,7 +37,16 @@ def _model(rng: np.random.Generator) -> Model:
 
     nodes = [
         Conv2D("stem", ["x"], "t1", r(8, 3, 3, 2), r(8, k=0.1), stride=(2, 2), activation="relu6"),
-        Conv2D("dw", ["t1"], "t2", r(1, 3, 3, 8), r(8, k=0.1), groups=8, depthwise=True, activation="relu"),
+        Conv2D(
+            "dw",
+            ["t1"],
+            "t2",
+            r(1, 3, 3, 8),
+            r(8, k=0.1),
+            groups=8,
+            depthwise=True,
+            activation="relu",
+        ),
         Conv2D("pw", ["t2"], "t3", r(8, 1, 1, 8), r(8, k=0.1)),
         Add("res", ["t1", "t3"], "t4"),
         Conv2D("grp", ["t4"], "t5", r(12, 3, 3, 4), r(12, k=0.1), groups=2),
@@ -81,7 +90,9 @@ def test_int8_perturbed_equals_separate_passes(setup, names) -> None:
     batched = run_int8_perturbed(qm, xq, sets)
     assert batched.shape == (5, 6, 5) and batched.dtype == np.int8
     for p in range(5):
-        np.testing.assert_array_equal(batched[p], run_int8(qm, xq, {k: v[p] for k, v in sets.items()}))
+        np.testing.assert_array_equal(
+            batched[p], run_int8(qm, xq, {k: v[p] for k, v in sets.items()})
+        )
     assert not all(np.array_equal(batched[0], batched[p]) for p in range(1, 5))
 
 
@@ -91,7 +102,9 @@ def test_int8_perturbed_chunks_agree(setup) -> None:
     qm = quantize_model(model, x)
     xq = quantize_input(qm, x)
     sets = _int8_sets(qm, ["pw", "fc"], 4, np.random.default_rng(2))
-    np.testing.assert_array_equal(run_int8_perturbed(qm, xq, sets, max_bytes=1), run_int8_perturbed(qm, xq, sets))
+    np.testing.assert_array_equal(
+        run_int8_perturbed(qm, xq, sets, max_bytes=1), run_int8_perturbed(qm, xq, sets)
+    )
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels not built or disabled")
@@ -137,7 +150,9 @@ def test_prefix_activations_resume_and_take(setup) -> None:
     np.testing.assert_array_equal(run_int8(qm, pre), run_int8(qm, xq))
     np.testing.assert_array_equal(run_int8(qm, pre.take([4, 1])), run_int8(qm, xq[[4, 1]]))
     sets = _int8_sets(qm, ["fc"], 3, np.random.default_rng(4))
-    np.testing.assert_array_equal(run_int8_perturbed(qm, pre, sets), run_int8_perturbed(qm, xq, sets))
+    np.testing.assert_array_equal(
+        run_int8_perturbed(qm, pre, sets), run_int8_perturbed(qm, xq, sets)
+    )
     fpre = prefix_activations(model, x, "pw")
     assert set(fpre.tensors) == {"t1", "t2"}
     assert np.array_equal(run_fp32(model, fpre), run_fp32(model, x))
@@ -153,7 +168,14 @@ def test_errors_name_the_layer(setup) -> None:
     qm = quantize_model(model, x)
     with pytest.raises(GraphError, match="'grp'"):
         run_int8_perturbed(qm, quantize_input(qm, x), {"grp": np.zeros((2, 12, 3, 3, 8), np.int8)})
-    bad = Model("bad", "x", (4,), [Dense("d", ["x"], "y", np.zeros((3, 5), np.float32), np.zeros(3, np.float32))], "y", 3)
+    bad = Model(
+        "bad",
+        "x",
+        (4,),
+        [Dense("d", ["x"], "y", np.zeros((3, 5), np.float32), np.zeros(3, np.float32))],
+        "y",
+        3,
+    )
     with pytest.raises(GraphError, match="'d'"):
         infer_shapes(bad)
     with pytest.raises(GraphError, match="int8"):

@@ -24,7 +24,10 @@ def test_intloss_close_to_float(scale: float) -> None:
     rng = np.random.default_rng(1)
     logits = rng.integers(-128, 128, size=(500, 10)).astype(np.int8)
     labels = rng.integers(0, 10, size=500)
-    got = intloss.loss_q16(logits, labels, intloss.exp_table(scale), intloss.scale_q24(scale)) / 65536.0
+    got = (
+        intloss.loss_q16(logits, labels, intloss.exp_table(scale), intloss.scale_q24(scale))
+        / 65536.0
+    )
     assert np.abs(got - _float64_ce(logits, labels, scale)).max() < 1e-4
 
 
@@ -51,7 +54,9 @@ def test_intloss_scale_q24_rounds_exactly() -> None:
 
 def test_intloss_ilog2_against_float() -> None:
     """ilog2_q24 is within 2**-22 of log2 and exact on powers of two."""
-    values = np.array([1, 2, 3, 1 << 24, (1 << 24) + 12345, 10 << 24, 2**40 - 1, 2**61], dtype=np.uint64)
+    values = np.array(
+        [1, 2, 3, 1 << 24, (1 << 24) + 12345, 10 << 24, 2**40 - 1, 2**61], dtype=np.uint64
+    )
     got = intloss.ilog2_q24(values).astype(np.float64) / 2**24
     assert np.abs(got - np.log2(values.astype(np.float64))).max() < 2**-22
     assert int(intloss.ilog2_q24(np.array([1 << 30], dtype=np.uint64))[0]) == 30 << 24

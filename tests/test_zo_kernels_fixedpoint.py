@@ -46,7 +46,9 @@ def _edge_values() -> list[int]:
 def test_srdhm_saturates_int32_min_squared() -> None:
     """INT32_MIN * INT32_MIN is the one overflow and saturates to INT32_MAX."""
     assert saturating_rounding_doubling_high_mul(INT32_MIN, INT32_MIN) == INT32_MAX
-    assert saturating_rounding_doubling_high_mul(INT32_MIN, INT32_MAX) == _srdhm(INT32_MIN, INT32_MAX)
+    assert saturating_rounding_doubling_high_mul(INT32_MIN, INT32_MAX) == _srdhm(
+        INT32_MIN, INT32_MAX
+    )
 
 
 def test_srdhm_matches_scalar_on_edges_and_random() -> None:
@@ -54,7 +56,9 @@ def test_srdhm_matches_scalar_on_edges_and_random() -> None:
     rng = np.random.default_rng(1)
     edges = _edge_values()
     a = np.array(edges * len(edges) + list(rng.integers(INT32_MIN, INT32_MAX, 2000)), np.int64)
-    b = np.array([e for e in edges for _ in edges] + list(rng.integers(INT32_MIN, INT32_MAX, 2000)), np.int64)
+    b = np.array(
+        [e for e in edges for _ in edges] + list(rng.integers(INT32_MIN, INT32_MAX, 2000)), np.int64
+    )
     got = saturating_rounding_doubling_high_mul(a, b)
     assert got.tolist() == [_srdhm(int(x), int(y)) for x, y in zip(a, b, strict=True)]
 
@@ -73,7 +77,9 @@ def test_rounding_divide_by_pot_matches_scalar_per_element_shift() -> None:
     rng = np.random.default_rng(2)
     x = rng.integers(INT32_MIN, INT32_MAX, 3000)
     e = rng.integers(0, 32, 3000)
-    assert rounding_divide_by_pot(x, e).tolist() == [_rdbpot(int(v), int(s)) for v, s in zip(x, e, strict=True)]
+    assert rounding_divide_by_pot(x, e).tolist() == [
+        _rdbpot(int(v), int(s)) for v, s in zip(x, e, strict=True)
+    ]
 
 
 def test_rounding_divide_by_pot_rejects_bad_exponent() -> None:
@@ -117,7 +123,9 @@ def test_multiply_by_quantized_multiplier_double_rounding(low: int, high: int) -
     Right shifts only (one fused shift), mixed signs (general path) and shift 0.
     """
     rng = np.random.default_rng([4, -low, high])
-    x = np.concatenate([rng.integers(INT32_MIN, INT32_MAX, 1000), rng.integers(-(2**12), 2**12, 3000)])
+    x = np.concatenate(
+        [rng.integers(INT32_MIN, INT32_MAX, 1000), rng.integers(-(2**12), 2**12, 3000)]
+    )
     m = rng.integers(2**30, 2**31, x.size)
     s = rng.integers(low, high, x.size)
     # Exact ties of the rounding shift: x * m with its low 31 + e bits at a half.
@@ -153,4 +161,9 @@ def test_round_half_away_from_zero() -> None:
 
 def test_wrap_int32_two_complement() -> None:
     """Values past int32 wrap as an int32 store does."""
-    assert wrap_int32(np.array([2**31, -(2**31) - 1, 5, 2**32 + 7])).tolist() == [INT32_MIN, INT32_MAX, 5, 7]
+    assert wrap_int32(np.array([2**31, -(2**31) - 1, 5, 2**32 + 7])).tolist() == [
+        INT32_MIN,
+        INT32_MAX,
+        5,
+        7,
+    ]

@@ -37,7 +37,9 @@ def _loop_conv(x, w, b, stride, padding, groups):
                         for kx in range(kw):
                             iy, ix = oy * stride[0] - top + ky, ox * stride[1] - left + kx
                             if 0 <= iy < h and 0 <= ix < wd:
-                                acc += float(np.dot(x[bi, iy, ix, g * ig : (g + 1) * ig], w[oc, ky, kx]))
+                                acc += float(
+                                    np.dot(x[bi, iy, ix, g * ig : (g + 1) * ig], w[oc, ky, kx])
+                                )
                     y[bi, oy, ox, oc] = acc
     return y
 
@@ -95,10 +97,14 @@ def test_conv2d_matches_loops(hw, kernel, stride, padding, groups) -> None:
     w = _rand(rng, o, *kernel, c // groups)
     b = _rand(rng, o)
     got = kf.conv2d(x[None], w[None], b[None], stride, padding, groups)[0]
-    np.testing.assert_allclose(got, _loop_conv(x, w, b, stride, padding, groups), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        got, _loop_conv(x, w, b, stride, padding, groups), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize(("stride", "padding", "mult"), [((1, 1), "same", 1), ((2, 2), "same", 2), ((2, 1), "valid", 3)])
+@pytest.mark.parametrize(
+    ("stride", "padding", "mult"), [((1, 1), "same", 1), ((2, 2), "same", 2), ((2, 1), "valid", 3)]
+)
 def test_depthwise_conv2d_matches_loops(stride, padding, mult) -> None:
     """1HWO depthwise weights with a depth multiplier: output o reads channel o // mult."""
     rng = np.random.default_rng(mult)
@@ -115,26 +121,40 @@ def test_dense_and_activations() -> None:
     x, w, b = _rand(rng, 5, 8) * 4, _rand(rng, 3, 8), _rand(rng, 3)
     ref = x.astype(np.float64) @ w.T.astype(np.float64) + b
     np.testing.assert_allclose(kf.dense(x[None], w[None], b[None])[0], ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(kf.dense(x[None], w[None], b[None], "relu")[0], np.maximum(ref, 0), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(kf.dense(x[None], w[None], b[None], "relu6")[0], np.clip(ref, 0, 6), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        kf.dense(x[None], w[None], b[None], "relu")[0], np.maximum(ref, 0), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        kf.dense(x[None], w[None], b[None], "relu6")[0], np.clip(ref, 0, 6), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize(("pool", "stride", "padding"), [((2, 2), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((3, 2), (1, 2), "same")])
+@pytest.mark.parametrize(
+    ("pool", "stride", "padding"),
+    [((2, 2), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((3, 2), (1, 2), "same")],
+)
 def test_pools_match_loops(pool, stride, padding) -> None:
     """Average pools count only in-bounds cells; max pools ignore padding."""
     rng = np.random.default_rng(11)
     x = _rand(rng, 2, 7, 6, 3)
     np.testing.assert_allclose(
-        kf.avg_pool(x[None], pool, stride, padding)[0], _loop_pool(x, pool, stride, padding, np.mean), rtol=1e-5, atol=1e-6
+        kf.avg_pool(x[None], pool, stride, padding)[0],
+        _loop_pool(x, pool, stride, padding, np.mean),
+        rtol=1e-5,
+        atol=1e-6,
     )
-    np.testing.assert_array_equal(kf.max_pool(x[None], pool, stride, padding)[0], _loop_pool(x, pool, stride, padding, np.max))
+    np.testing.assert_array_equal(
+        kf.max_pool(x[None], pool, stride, padding)[0], _loop_pool(x, pool, stride, padding, np.max)
+    )
 
 
 def test_global_avg_pool_and_add() -> None:
     """Global pooling is the spatial mean; Add sums and applies its activation."""
     rng = np.random.default_rng(12)
     x = _rand(rng, 3, 4, 5, 6)
-    np.testing.assert_allclose(kf.global_avg_pool(x[None])[0], x.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        kf.global_avg_pool(x[None])[0], x.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_array_equal(kf.add(x[None], x[None], "relu")[0], np.maximum(x + x, 0))
 
 
@@ -146,7 +166,9 @@ def test_stacked_weights_equal_separate_calls() -> None:
     b = _rand(rng, 5, 8)
     stacked = kf.conv2d(x, w, b, (2, 2), "same")
     for p in range(5):
-        assert np.array_equal(stacked[p], kf.conv2d(x, w[p : p + 1], b[p : p + 1], (2, 2), "same")[0])
+        assert np.array_equal(
+            stacked[p], kf.conv2d(x, w[p : p + 1], b[p : p + 1], (2, 2), "same")[0]
+        )
 
 
 @pytest.mark.parametrize("k, o", [(64, 32), (300, 10), (72, 8), (1024, 5)])

@@ -59,7 +59,9 @@ def _act(activation: str, out: TensorQuant) -> tuple[int, int]:
     return lo, hi
 
 
-def _requant(acc: int, in_scale: float, w_scale: float, activation: str, single: bool = False) -> int:
+def _requant(
+    acc: int, in_scale: float, w_scale: float, activation: str, single: bool = False
+) -> int:
     real = float(np.float32(in_scale)) * float(np.float32(w_scale)) / float(np.float32(OUT.scale))
     m, s = _qm(real)
     lo, hi = _act(activation, OUT)
@@ -76,7 +78,9 @@ def _geometry(size: int, k: int, s: int, padding: str) -> tuple[int, int]:
 # ---- random operands
 
 
-def _operands(rng: np.random.Generator, xshape: tuple[int, ...], wshape: tuple[int, ...], channels: int):
+def _operands(
+    rng: np.random.Generator, xshape: tuple[int, ...], wshape: tuple[int, ...], channels: int
+):
     x = rng.integers(-128, 128, xshape).astype(np.int8)
     w = rng.integers(-127, 128, wshape).astype(np.int8)
     bias = rng.integers(-3000, 3000, channels).astype(np.int64)
@@ -86,7 +90,12 @@ def _operands(rng: np.random.Generator, xshape: tuple[int, ...], wshape: tuple[i
 
 @pytest.mark.parametrize(
     ("stride", "padding", "groups", "activation"),
-    [((1, 1), "same", 1, "none"), ((2, 2), "same", 1, "relu"), ((2, 1), "valid", 2, "relu6"), ((1, 2), "same", 3, "none")],
+    [
+        ((1, 1), "same", 1, "none"),
+        ((2, 2), "same", 1, "relu"),
+        ((2, 1), "valid", 2, "relu6"),
+        ((1, 2), "same", 3, "none"),
+    ],
 )
 def test_conv2d_matches_scalar_reference(stride, padding, groups, activation) -> None:
     """ConvPerChannel: skipped padding taps, per-channel requantisation, clamps."""
@@ -109,12 +118,16 @@ def test_conv2d_matches_scalar_reference(stride, padding, groups, activation) ->
                             iy, ix = oy * stride[0] - top + ky, ox * stride[1] - left + kx
                             if 0 <= iy < h and 0 <= ix < w_:
                                 for ic in range(ig):
-                                    acc += int(w[oc, ky, kx, ic]) * (int(x[b, iy, ix, g * ig + ic]) - IN.zero_point)
+                                    acc += int(w[oc, ky, kx, ic]) * (
+                                        int(x[b, iy, ix, g * ig + ic]) - IN.zero_point
+                                    )
                     want = _requant(acc + int(bias[oc]), IN.scale, scales[oc], activation)
                     assert got[b, oy, ox, oc] == want, (b, oy, ox, oc)
 
 
-@pytest.mark.parametrize(("stride", "padding", "mult"), [((1, 1), "same", 1), ((2, 2), "same", 2), ((2, 2), "valid", 1)])
+@pytest.mark.parametrize(
+    ("stride", "padding", "mult"), [((1, 1), "same", 1), ((2, 2), "same", 2), ((2, 2), "valid", 1)]
+)
 def test_depthwise_conv2d_matches_scalar_reference(stride, padding, mult) -> None:
     """DepthwiseConvPerChannel with 1HWO weights and a depth multiplier."""
     rng = np.random.default_rng([*stride, mult])
@@ -134,7 +147,9 @@ def test_depthwise_conv2d_matches_scalar_reference(stride, padding, mult) -> Non
                         for kx in range(k):
                             iy, ix = oy * stride[0] - top + ky, ox * stride[1] - left + kx
                             if 0 <= iy < h and 0 <= ix < w_:
-                                acc += int(w[0, ky, kx, oc]) * (int(x[b, iy, ix, oc // mult]) - IN.zero_point)
+                                acc += int(w[0, ky, kx, oc]) * (
+                                    int(x[b, iy, ix, oc // mult]) - IN.zero_point
+                                )
                     assert got[b, oy, ox, oc] == _requant(acc, IN.scale, scales[oc], "relu6")
 
 
@@ -147,7 +162,9 @@ def test_dense_matches_scalar_reference(single: bool) -> None:
     got = ki.dense(x[None], w[None], bias[None], stage, single_rounding=single)[0]
     for b in range(4):
         for oc in range(7):
-            acc = sum(int(w[oc, i]) * (int(x[b, i]) - IN.zero_point) for i in range(20)) + int(bias[oc])
+            acc = sum(int(w[oc, i]) * (int(x[b, i]) - IN.zero_point) for i in range(20)) + int(
+                bias[oc]
+            )
             assert got[b, oc] == _requant(acc, IN.scale, scales[oc], "relu", single)
 
 
@@ -176,7 +193,9 @@ def test_relu_rescales_and_clamps() -> None:
     got = ki.relu(x, ki.prepare_relu(IN, out, six=True))[0, 0]
     m, s = _qm(float(np.float32(IN.scale) / np.float32(out.scale)))
     lo, hi = _act("relu6", out)
-    want = [min(hi, max(lo, _mbqm(int(v) - IN.zero_point, m, s) + out.zero_point)) for v in x.ravel()]
+    want = [
+        min(hi, max(lo, _mbqm(int(v) - IN.zero_point, m, s) + out.zero_point)) for v in x.ravel()
+    ]
     assert got.tolist() == want
 
 
@@ -187,22 +206,35 @@ def _pool_ref(x: np.ndarray, pool, stride, padding, avg: bool) -> np.ndarray:
     y = np.zeros((n, oh, ow, c), np.int64)
     for b, oy, ox, ch in np.ndindex(n, oh, ow, c):
         y0, x0 = oy * stride[0] - top, ox * stride[1] - left
-        vals = [int(x[b, iy, ix, ch]) for iy in range(max(y0, 0), min(y0 + pool[0], h)) for ix in range(max(x0, 0), min(x0 + pool[1], w))]
+        vals = [
+            int(x[b, iy, ix, ch])
+            for iy in range(max(y0, 0), min(y0 + pool[0], h))
+            for ix in range(max(x0, 0), min(x0 + pool[1], w))
+        ]
         if avg:
             acc, cnt = sum(vals), len(vals)
-            y[b, oy, ox, ch] = _c_div(acc + cnt // 2, cnt) if acc > 0 else _c_div(acc - cnt // 2, cnt)
+            y[b, oy, ox, ch] = (
+                _c_div(acc + cnt // 2, cnt) if acc > 0 else _c_div(acc - cnt // 2, cnt)
+            )
         else:
             y[b, oy, ox, ch] = max(vals)
     return y
 
 
-@pytest.mark.parametrize(("pool", "stride", "padding"), [((2, 2), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((3, 2), (1, 1), "same")])
+@pytest.mark.parametrize(
+    ("pool", "stride", "padding"),
+    [((2, 2), (2, 2), "valid"), ((3, 3), (2, 2), "same"), ((3, 2), (1, 1), "same")],
+)
 def test_pools_match_scalar_reference(pool, stride, padding) -> None:
     """AVERAGE_POOL_2D rounds halves away from zero over in-bounds cells; MAX_POOL_2D."""
     rng = np.random.default_rng(list(pool) + list(stride))
     x = rng.integers(-128, 128, (2, 7, 6, 4)).astype(np.int8)
-    np.testing.assert_array_equal(ki.avg_pool(x[None], pool, stride, padding)[0], _pool_ref(x, pool, stride, padding, True))
-    np.testing.assert_array_equal(ki.max_pool(x[None], pool, stride, padding)[0], _pool_ref(x, pool, stride, padding, False))
+    np.testing.assert_array_equal(
+        ki.avg_pool(x[None], pool, stride, padding)[0], _pool_ref(x, pool, stride, padding, True)
+    )
+    np.testing.assert_array_equal(
+        ki.max_pool(x[None], pool, stride, padding)[0], _pool_ref(x, pool, stride, padding, False)
+    )
 
 
 def test_global_avg_pool_rounds_negative_halves_away() -> None:

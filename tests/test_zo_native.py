@@ -17,10 +17,14 @@ from qsched.zo.graph import TensorQuant
 IN = TensorQuant(scale=0.05, zero_point=-3)
 OUT = TensorQuant(scale=0.1, zero_point=5)
 
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels not built or disabled")
+needs_native = pytest.mark.skipif(
+    not native.available(), reason="native kernels not built or disabled"
+)
 
 
-def _stage(rng: np.random.Generator, channels: int, activation: str, wide: bool = False) -> ki.OutputStage:
+def _stage(
+    rng: np.random.Generator, channels: int, activation: str, wide: bool = False
+) -> ki.OutputStage:
     # wide: scales that give multipliers > 1 (left shifts) next to tiny ones.
     hi = 40.0 if wide else 0.02
     scales = rng.uniform(0.002, hi, channels).astype(np.float32)
@@ -45,7 +49,9 @@ CONV_CASES = [
 
 
 @needs_native
-@pytest.mark.parametrize(("sx", "sw", "stride", "padding", "groups", "act", "k", "c", "o"), CONV_CASES)
+@pytest.mark.parametrize(
+    ("sx", "sw", "stride", "padding", "groups", "act", "k", "c", "o"), CONV_CASES
+)
 @pytest.mark.parametrize("single", [False, True])
 def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, o, single) -> None:
     """Convolution: every stride, padding, group count and set broadcast, both roundings."""
@@ -60,8 +66,15 @@ def test_native_conv2d_equals_numpy(sx, sw, stride, padding, groups, act, k, c, 
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize(("sx", "sw", "stride", "padding"), [(1, 4, (1, 1), "same"), (3, 3, (2, 2), "same"),
-                                                            (2, 1, (2, 1), "valid"), (1, 2, (1, 2), "same")])
+@pytest.mark.parametrize(
+    ("sx", "sw", "stride", "padding"),
+    [
+        (1, 4, (1, 1), "same"),
+        (3, 3, (2, 2), "same"),
+        (2, 1, (2, 1), "valid"),
+        (1, 2, (1, 2), "same"),
+    ],
+)
 @needs_native
 @pytest.mark.parametrize("mult", [1, 2])
 @pytest.mark.parametrize("c", [5, 16])
@@ -86,7 +99,9 @@ def test_native_dense_equals_numpy(single: bool) -> None:
     w = _int8(rng, (4, 10, 37), -127)
     bias = rng.integers(-3000, 3000, (1, 10)).astype(np.int64)
     stage = _stage(rng, 10, "none", wide=True)
-    np.testing.assert_array_equal(native.dense(x, w, bias, stage, single), ki.dense(x, w, bias, stage, single))
+    np.testing.assert_array_equal(
+        native.dense(x, w, bias, stage, single), ki.dense(x, w, bias, stage, single)
+    )
 
 
 @needs_native
@@ -199,8 +214,19 @@ def _variant(tmp_path, flags: list[str]):
     cc = shutil.which(os.environ.get("CC", "gcc"))
     assert cc is not None
     lib = tmp_path / f"variant{len(flags)}.so"
-    cmd = [cc, "-O2", *flags, "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread",
-           str(native.SOURCE), "-o", str(lib)]
+    cmd = [
+        cc,
+        "-O2",
+        *flags,
+        "-ffp-contract=off",
+        "-fno-strict-aliasing",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        str(native.SOURCE),
+        "-o",
+        str(lib),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     handle = ctypes.CDLL(str(lib))
     native._declare(handle)
@@ -215,7 +241,9 @@ def _has_avx2() -> bool:
         return False
 
 
-@pytest.mark.parametrize("flags", [["-mno-avx2"], ["-mavx2", "-mno-avx512f"]], ids=["portable", "avx2"])
+@pytest.mark.parametrize(
+    "flags", [["-mno-avx2"], ["-mavx2", "-mno-avx512f"]], ids=["portable", "avx2"]
+)
 def test_native_simd_paths_equal_numpy(tmp_path, flags: list[str]) -> None:
     """The portable and the AVX2 builds give the numpy kernels' bits too (conv, depthwise)."""
     if os.uname().machine not in ("x86_64", "AMD64"):
@@ -238,7 +266,9 @@ def test_native_simd_paths_equal_numpy(tmp_path, flags: list[str]) -> None:
     finally:
         native._state.update(saved)
     np.testing.assert_array_equal(conv, ki.conv2d(x, w, bias, stage, (2, 1), "same"))
-    np.testing.assert_array_equal(dw, ki.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same"))
+    np.testing.assert_array_equal(
+        dw, ki.depthwise_conv2d(x, wd, bias[:, :16], dstage, (1, 1), "same")
+    )
 
 
 @needs_native

@@ -35,7 +35,11 @@ def test_rademacher_is_prefix_stable_and_balanced():
 def test_rademacher_differs_by_key_parts():
     """Changing seed, step or k changes the perturbation."""
     base = rademacher_bits(1, 2, 3, 256)
-    for other in (rademacher_bits(2, 2, 3, 256), rademacher_bits(1, 3, 3, 256), rademacher_bits(1, 2, 4, 256)):
+    for other in (
+        rademacher_bits(2, 2, 3, 256),
+        rademacher_bits(1, 3, 3, 256),
+        rademacher_bits(1, 2, 4, 256),
+    ):
         assert not np.array_equal(base, other)
 
 
@@ -43,7 +47,9 @@ def test_rademacher_bit_layout_matches_spec():
     """Bit i of the stream is bit (i mod 32) of word (i mod 128) div 32 of block i div 128."""
     seed, step, k = 0x0123456789ABCDEF, 11, 4
     bits = rademacher_bits(seed, step, k, 300)
-    block2 = philox4x32(np.array([[2, step, k, 0]], dtype=np.uint32), (seed & 0xFFFFFFFF, seed >> 32))[0]
+    block2 = philox4x32(
+        np.array([[2, step, k, 0]], dtype=np.uint32), (seed & 0xFFFFFFFF, seed >> 32)
+    )[0]
     i = 2 * 128 + 1 * 32 + 5
     assert bits[i] == bool((int(block2[1]) >> 5) & 1)
 

@@ -30,7 +30,17 @@ def _cnn(rng: np.random.Generator) -> Model:
 
     nodes = [
         Conv2D("c1", ["x"], "t1", r(8, 3, 3, 1), r(8, k=0.1), activation="relu"),
-        Conv2D("dw", ["t1"], "t2", r(1, 3, 3, 8), r(8, k=0.1), stride=(2, 2), groups=8, depthwise=True, activation="relu6"),
+        Conv2D(
+            "dw",
+            ["t1"],
+            "t2",
+            r(1, 3, 3, 8),
+            r(8, k=0.1),
+            stride=(2, 2),
+            groups=8,
+            depthwise=True,
+            activation="relu6",
+        ),
         MaxPool("mp", ["t2"], "t3"),
         Reshape("flat", ["t3"], "t4", shape=(2 * 2 * 8,)),
         Dense("fc1", ["t4"], "t5", r(16, 32), r(16, k=0.1), activation="relu"),
@@ -39,7 +49,9 @@ def _cnn(rng: np.random.Generator) -> Model:
     return Model("cnn", "x", (8, 8, 1), nodes, "y", 10)
 
 
-@pytest.mark.parametrize(("lo", "hi"), [(-1.0, 1.0), (0.0, 6.0), (-3.0, -1.0), (0.5, 2.0), (-0.01, 7.3)])
+@pytest.mark.parametrize(
+    ("lo", "hi"), [(-1.0, 1.0), (0.0, 6.0), (-3.0, -1.0), (0.5, 2.0), (-0.01, 7.3)]
+)
 def test_asymmetric_params_represent_zero_and_range(lo: float, hi: float) -> None:
     """0 maps to the zero point exactly; the widened range fits within a step."""
     tq = asymmetric_params(lo, hi)
@@ -60,7 +72,9 @@ def test_asymmetric_params_one_sided_ranges() -> None:
 def test_quantize_weight_per_channel() -> None:
     """Each channel's largest |w| maps to 127; rounding error is at most half a step."""
     rng = np.random.default_rng(1)
-    w = rng.normal(size=(1, 3, 3, 5)).astype(np.float32) * np.array([0.1, 1, 3, 0.01, 2], np.float32)
+    w = rng.normal(size=(1, 3, 3, 5)).astype(np.float32) * np.array(
+        [0.1, 1, 3, 0.01, 2], np.float32
+    )
     q, scales = quantize_weight(w, axis=3)
     assert q.dtype == np.int8 and scales.shape == (5,)
     assert np.abs(q).reshape(-1, 5).max(axis=0).tolist() == [127] * 5
@@ -106,13 +120,22 @@ def test_ptq_tensor_parameters_follow_tflite_rules() -> None:
 def test_quantize_input_round_trip() -> None:
     """quantize_input then dequantise is within half a step inside the calibrated range."""
     rng = np.random.default_rng(4)
-    model = Model("m", "x", (4,), [Dense("fc", ["x"], "y", np.eye(4, dtype=np.float32), np.zeros(4, np.float32))], "y", 4)
+    model = Model(
+        "m",
+        "x",
+        (4,),
+        [Dense("fc", ["x"], "y", np.eye(4, dtype=np.float32), np.zeros(4, np.float32))],
+        "y",
+        4,
+    )
     x = rng.uniform(-2, 3, size=(50, 4)).astype(np.float32)
     qm = quantize_model(model, x)
     tq = qm.tensors["x"]
     xq = quantize_input(qm, x)
     assert xq.dtype == np.int8
-    assert np.all(np.abs(tq.scale * (xq.astype(np.float32) - tq.zero_point) - x) <= tq.scale / 2 + 1e-6)
+    assert np.all(
+        np.abs(tq.scale * (xq.astype(np.float32) - tq.zero_point) - x) <= tq.scale / 2 + 1e-6
+    )
     out = dequantize_output(qm, np.array([[qm.tensors["y"].zero_point] * 4], np.int8))
     assert out.tolist() == [[0.0] * 4]
 

@@ -24,8 +24,22 @@ def test_tflite_bench_model_measures_both_sides() -> None:
 def test_tflite_bench_main_prints_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """main prints the resolvers used and a table row per model, and writes JSON."""
     out = tmp_path / "bench.json"
-    code = main(["--models", "cnn", "--q", "1", "--batch", "2", "--repeats", "1",
-                 "--trainable", "all", "--json", str(out)])
+    code = main(
+        [
+            "--models",
+            "cnn",
+            "--q",
+            "1",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+            "--trainable",
+            "all",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0
     assert "default (optimised) op resolver" in text and "reference-kernel" in text

@@ -49,8 +49,17 @@ def _every_op_model() -> Model:
     """A small graph that uses every operator the writer knows."""
     nodes = [
         Conv2D("conv", ["input"], "conv", _zeros(8, 3, 3, 3), _zeros(8), activation="relu"),
-        Conv2D("dw", ["conv"], "dw", _zeros(1, 3, 3, 16), _zeros(16), stride=(2, 2),
-               groups=8, depthwise=True, activation="relu6"),
+        Conv2D(
+            "dw",
+            ["conv"],
+            "dw",
+            _zeros(1, 3, 3, 16),
+            _zeros(16),
+            stride=(2, 2),
+            groups=8,
+            depthwise=True,
+            activation="relu6",
+        ),
         Conv2D("pw", ["dw"], "pw", _zeros(16, 1, 1, 16), _zeros(16), padding="valid"),
         Add("add", ["pw", "dw"], "add"),
         ReLU6("relu6", ["add"], "relu6"),
@@ -101,15 +110,22 @@ def _run(data: bytes, x: np.ndarray, feeds: dict[str, np.ndarray] | None = None)
 def _assert_same_model(a: QuantModel, b: QuantModel) -> None:
     ma, mb = a.model, b.model
     assert (ma.name, ma.input_name, ma.input_shape, ma.output_name, ma.num_classes) == (
-        mb.name, mb.input_name, mb.input_shape, mb.output_name, mb.num_classes)
+        mb.name,
+        mb.input_name,
+        mb.input_shape,
+        mb.output_name,
+        mb.num_classes,
+    )
     assert len(ma.nodes) == len(mb.nodes)
     for na, nb in zip(ma.nodes, mb.nodes, strict=True):
         assert type(na) is type(nb)
         skip = {"weight", "bias"}
         assert {k: v for k, v in vars(na).items() if k not in skip} == {
-            k: v for k, v in vars(nb).items() if k not in skip}
+            k: v for k, v in vars(nb).items() if k not in skip
+        }
     assert {k: (v.scale, v.zero_point) for k, v in a.tensors.items()} == {
-        k: (v.scale, v.zero_point) for k, v in b.tensors.items()}
+        k: (v.scale, v.zero_point) for k, v in b.tensors.items()
+    }
     assert a.layers.keys() == b.layers.keys()
     for name, la in a.layers.items():
         lb = b.layers[name]
@@ -159,8 +175,10 @@ def test_tflite_file_write_read(tmp_path: Path) -> None:
 def test_tflite_litert_runs_int8_in_int8_out() -> None:
     """LiteRT's reference kernels run the file; input and output are int8 with our qparams."""
     qm = _quantise_randomly(_every_op_model(), seed=4)
-    it = Interpreter(model_content=export_tflite(qm, batch=3),
-                     experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    it = Interpreter(
+        model_content=export_tflite(qm, batch=3),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
+    )
     it.allocate_tensors()
     (inp,), (out,) = it.get_input_details(), it.get_output_details()
     assert inp["dtype"] == np.int8 and out["dtype"] == np.int8
@@ -176,8 +194,9 @@ def test_tflite_weights_as_inputs_match_constants() -> None:
     fed = export_tflite(qm, batch=2, weights_as_inputs=True)
     feeds = {weight_tensor_name(n): lay.weight for n, lay in qm.layers.items()}
     np.testing.assert_array_equal(_run(fed, x, feeds), _run(export_tflite(qm, batch=2), x))
-    qm.layers["conv"].weight = np.clip(qm.layers["conv"].weight.astype(np.int16) + 1,
-                                       -127, 127).astype(np.int8)
+    qm.layers["conv"].weight = np.clip(
+        qm.layers["conv"].weight.astype(np.int16) + 1, -127, 127
+    ).astype(np.int8)
     feeds[weight_tensor_name("conv")] = qm.layers["conv"].weight
     np.testing.assert_array_equal(_run(fed, x, feeds), _run(export_tflite(qm, batch=2), x))
 
@@ -290,17 +309,28 @@ def _rounding_case(kind: str, seed: int) -> tuple[QuantModel, np.ndarray, int]:
     shapes = {"dense": (out_ch, 1), "conv": (out_ch, 1, 1, 1), "depthwise": (1, 1, 1, out_ch)}
     weight = np.ones(shapes[kind], np.int8)
     if kind == "dense":
-        node: Dense | Conv2D = Dense("layer", ["input"], "out", _zeros(*weight.shape), _zeros(out_ch))
+        node: Dense | Conv2D = Dense(
+            "layer", ["input"], "out", _zeros(*weight.shape), _zeros(out_ch)
+        )
         in_shape: tuple[int, ...] = (1,)
     else:
-        node = Conv2D("layer", ["input"], "out", _zeros(*weight.shape), _zeros(out_ch),
-                      depthwise=kind == "depthwise")
+        node = Conv2D(
+            "layer",
+            ["input"],
+            "out",
+            _zeros(*weight.shape),
+            _zeros(out_ch),
+            depthwise=kind == "depthwise",
+        )
         in_shape, x = (1, 1, 1), x.reshape(-1, 1, 1, 1)
     model = Model(f"{kind}_ties", "input", in_shape, [node], "out", out_ch)
     layer = QuantizedLayer(weight, w_scales, bias)
     tensors = {"input": TensorQuant(in_scale, 0), "out": TensorQuant(out_scale, 0)}
-    return QuantModel(model, tensors, {"layer": layer}), x.reshape(-1, *in_shape), int(
-        (single != double).sum())
+    return (
+        QuantModel(model, tensors, {"layer": layer}),
+        x.reshape(-1, *in_shape),
+        int((single != double).sum()),
+    )
 
 
 @pytest.mark.parametrize("kind", ["dense", "conv", "depthwise"])
@@ -313,10 +343,17 @@ def test_tflite_requantisation_rounding_matches_reference(kind: str) -> None:
 
 def test_tflite_dense_flattens_image_input() -> None:
     """A Dense straight on a feature map exports, runs exactly and round-trips."""
-    model = Model("flat", "input", (4, 4, 2), [
-        Conv2D("conv", ["input"], "conv", _zeros(3, 3, 3, 2), _zeros(3), activation="relu"),
-        Dense("fc", ["conv"], "logits", _zeros(5, 48), _zeros(5)),
-    ], "logits", 5)
+    model = Model(
+        "flat",
+        "input",
+        (4, 4, 2),
+        [
+            Conv2D("conv", ["input"], "conv", _zeros(3, 3, 3, 2), _zeros(3), activation="relu"),
+            Dense("fc", ["conv"], "logits", _zeros(5, 48), _zeros(5)),
+        ],
+        "logits",
+        5,
+    )
     qm = _quantise_randomly(model, seed=15)
     x = np.random.default_rng(15).integers(-128, 128, size=(3, 4, 4, 2)).astype(np.int8)
     data = export_tflite(qm, batch=3)

@@ -19,8 +19,11 @@ from qsched.zo.zoo import build_model
 _ZOO: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {
     "cnn": ("cnn", (8, 8, 1), {}),
     "resnet_blocks": ("resnet8", (16, 16, 3), {"width": 0.5}),
-    "mobilenetv2_blocks": ("mobilenetv2", (16, 16, 3),
-                           {"stages": 4, "max_repeats": 2, "last_channels": 64}),
+    "mobilenetv2_blocks": (
+        "mobilenetv2",
+        (16, 16, 3),
+        {"stages": 4, "max_repeats": 2, "last_channels": 64},
+    ),
 }
 _BATCH = 8
 
@@ -36,8 +39,11 @@ def _quantised(key: str, seed: int = 0) -> tuple[QuantModel, np.ndarray]:
 
 
 def _interpreter(data: bytes) -> Interpreter:
-    it = Interpreter(model_content=data, experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
-                     experimental_preserve_all_tensors=True)
+    it = Interpreter(
+        model_content=data,
+        experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
+        experimental_preserve_all_tensors=True,
+    )
     it.allocate_tensors()
     return it
 
@@ -45,7 +51,7 @@ def _interpreter(data: bytes) -> Interpreter:
 def _truncated(qm: QuantModel, k: int) -> QuantModel:
     """The model up to and including node k, whose output becomes the model output."""
     m = qm.model
-    nodes = m.nodes[:k + 1]
+    nodes = m.nodes[: k + 1]
     sub = Model(m.name, m.input_name, m.input_shape, nodes, nodes[-1].output, m.num_classes)
     names = {n.name for n in nodes}
     return QuantModel(sub, qm.tensors, {n: lay for n, lay in qm.layers.items() if n in names})
@@ -78,7 +84,9 @@ def test_tflite_litert_bit_exact_perturbed() -> None:
             for n in names:
                 w = qm.layers[n].weight
                 z = prng.rademacher(7, 3, k, w.size).reshape(w.shape)
-                sets[n].append(np.clip(w + sign * 2 * z.astype(np.int16), -127, 127).astype(np.int8))
+                sets[n].append(
+                    np.clip(w + sign * 2 * z.astype(np.int16), -127, 127).astype(np.int8)
+                )
     ours = run_int8_perturbed(qm, x, {n: np.stack(v) for n, v in sets.items()})
     it = _interpreter(export_tflite(qm, batch=_BATCH, weights_as_inputs=True))
     inputs = {d["name"]: d["index"] for d in it.get_input_details()}
@@ -100,7 +108,8 @@ def test_tflite_zoo_round_trip(key: str) -> None:
     assert [type(n) for n in back.model.nodes] == [type(n) for n in qm.model.nodes]
     assert [n.name for n in back.model.nodes] == [n.name for n in qm.model.nodes]
     assert {k: (v.scale, v.zero_point) for k, v in back.tensors.items()} == {
-        k: (v.scale, v.zero_point) for k, v in qm.tensors.items()}
+        k: (v.scale, v.zero_point) for k, v in qm.tensors.items()
+    }
     for name, layer in qm.layers.items():
         np.testing.assert_array_equal(back.layers[name].weight, layer.weight)
         np.testing.assert_array_equal(back.layers[name].weight_scales, layer.weight_scales)

@@ -26,8 +26,12 @@ def test_trainer_resume_from_saved_state_is_bit_identical(accumulator: str) -> N
     first = train_zo(spec, workload=workload, stop_at=17)
     assert first.state.step == 17 and not first.done
     saved = TrainResult(
-        spec, TrainState.from_bytes(first.state.to_bytes()), first.policy_state,
-        first.steps, first.evals, first.forward_passes,
+        spec,
+        TrainState.from_bytes(first.state.to_bytes()),
+        first.policy_state,
+        first.steps,
+        first.evals,
+        first.forward_passes,
     )
     resumed = train_zo(spec, workload=Workload.from_spec(spec), resume=saved)
     assert resumed.done
@@ -37,11 +41,14 @@ def test_trainer_resume_from_saved_state_is_bit_identical(accumulator: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("options", "floor"), [({}, 0.45), ({"accumulator": "int8"}, 0.45), ({"numerics": "fp32"}, 0.35)]
+    ("options", "floor"),
+    [({}, 0.45), ({"accumulator": "int8"}, 0.45), ({"numerics": "fp32"}, 0.35)],
 )
 def test_trainer_beats_chance_on_digits(options: dict[str, str], floor: float) -> None:
     """300 steps with q = 4 clearly beat 10% accuracy and lower the loss, in every numerics."""
-    spec = _short(steps=300, eval_every=100, policy=PolicySpec(name="fixed", config={"q": 4}), **options)
+    spec = _short(
+        steps=300, eval_every=100, policy=PolicySpec(name="fixed", config={"q": 4}), **options
+    )
     result = train_zo(spec)
     assert result.evals[-1].val_loss < result.evals[0].val_loss
     assert result.final_accuracy > floor

@@ -51,7 +51,9 @@ def _direct_int8_loss(wl: Workload, weights: np.ndarray, step: int) -> float:
     scale = wl.qmodel.tensors[wl.model.output_name].scale
     x_q = wl._x_train[idx]  # the quantised training inputs
     logits = engine.run_int8(wl.qmodel, x_q, layers)
-    per = intloss.loss_q16(logits, wl.dataset.y_train[idx], intloss.exp_table(scale), intloss.scale_q24(scale))
+    per = intloss.loss_q16(
+        logits, wl.dataset.y_train[idx], intloss.exp_table(scale), intloss.scale_q24(scale)
+    )
     return float(intloss.q16_to_float(intloss.batch_loss_q16(per)))
 
 
@@ -162,9 +164,14 @@ def test_workload_export_matches_state(int8_workload: Workload) -> None:
     wl = int8_workload
     state = wl.apply_update(wl.initial_state(), 0, [(0, 40.0)])
     qmodel = wl.to_quant_model(state)
-    assert np.array_equal(np.concatenate([qmodel.layers[n].weight.ravel() for n in wl.trainable_layers]), state.params)
+    assert np.array_equal(
+        np.concatenate([qmodel.layers[n].weight.ravel() for n in wl.trainable_layers]), state.params
+    )
     logits = engine.run_int8(qmodel, wl._x_val[:50])
-    assert int((np.argmax(logits, axis=-1) == wl.dataset.y_val[:50]).sum()) == wl.validate(state, 0, 50)[1]
+    assert (
+        int((np.argmax(logits, axis=-1) == wl.dataset.y_val[:50]).sum())
+        == wl.validate(state, 0, 50)[1]
+    )
     float_model = wl.to_model(state)
     assert float_model.param_nodes()[0].weight.dtype == np.float32
 

@@ -20,7 +20,10 @@ SMALL = {
     "cnn": ((8, 8, 1), {}),
     "resnet8": ((16, 16, 3), {"width": 0.5}),
     "resnet18": ((16, 16, 3), {"width": 0.125}),
-    "mobilenetv2": ((16, 16, 3), {"width": 0.35, "stages": 4, "max_repeats": 2, "last_channels": 64}),
+    "mobilenetv2": (
+        (16, 16, 3),
+        {"width": 0.35, "stages": 4, "max_repeats": 2, "last_channels": 64},
+    ),
 }
 
 
@@ -100,7 +103,10 @@ def test_resnet_downsampling_uses_1x1_stride2_shortcut():
     sc = model.node("stage2.block1.shortcut")
     assert isinstance(sc, Conv2D) and sc.weight.shape[1:3] == (1, 1) and sc.stride == (2, 2)
     add = model.node("stage2.block1.add")
-    assert isinstance(add, Add) and set(add.inputs) == {"stage2.block1.conv2", "stage2.block1.shortcut"}
+    assert isinstance(add, Add) and set(add.inputs) == {
+        "stage2.block1.conv2",
+        "stage2.block1.shortcut",
+    }
     assert infer_shapes(model)["stage3.block1.add"] == (8, 8, 64)
 
 
@@ -127,9 +133,19 @@ def test_resnet18_imagenet_stem_for_large_inputs():
 def test_mobilenetv2_inverted_residuals():
     """MobileNetV2 blocks: 1x1 expand relu6, depthwise 3x3 relu6, linear project, Add at stride 1."""
     model = build_model("mobilenetv2", (32, 32, 3), 10, seed=0, width=0.35)
-    expand, dw, project = (model.node(f"stage2.block2.{p}") for p in ("expand", "depthwise", "project"))
-    assert isinstance(expand, Conv2D) and expand.activation == "relu6" and expand.weight.shape[1:3] == (1, 1)
-    assert isinstance(dw, Conv2D) and dw.depthwise and dw.weight.shape == (1, 3, 3, expand.weight.shape[0])
+    expand, dw, project = (
+        model.node(f"stage2.block2.{p}") for p in ("expand", "depthwise", "project")
+    )
+    assert (
+        isinstance(expand, Conv2D)
+        and expand.activation == "relu6"
+        and expand.weight.shape[1:3] == (1, 1)
+    )
+    assert (
+        isinstance(dw, Conv2D)
+        and dw.depthwise
+        and dw.weight.shape == (1, 3, 3, expand.weight.shape[0])
+    )
     assert dw.groups == expand.weight.shape[0] and dw.activation == "relu6"
     assert isinstance(project, Conv2D) and project.activation == "none"
     assert isinstance(model.node("stage2.block2.add"), Add)
@@ -140,8 +156,11 @@ def test_mobilenetv2_inverted_residuals():
 def test_mobilenetv2_reduced_depth_is_smaller():
     """Fewer stages and repeats shrink the parameter count."""
     full, _ = model_summary(build_model("mobilenetv2", (32, 32, 3), 10, seed=0))
-    small, _ = model_summary(build_model("mobilenetv2", (32, 32, 3), 10, seed=0, stages=4,
-                                         max_repeats=2, last_channels=128))
+    small, _ = model_summary(
+        build_model(
+            "mobilenetv2", (32, 32, 3), 10, seed=0, stages=4, max_repeats=2, last_channels=128
+        )
+    )
     assert small < full / 4
 
 

@@ -111,8 +111,15 @@ class _Writer:
         """Add a non-constant int8 activation tensor with its scale and zero point."""
         return self.tensor(name, shape, schema.TensorType.INT8, _quant([tq.scale], [tq.zero_point]))
 
-    def op(self, code: int, inputs: list[int], outputs: list[int], options: Any = None,
-           options_type: int = 0, version: int | None = None) -> None:
+    def op(
+        self,
+        code: int,
+        inputs: list[int],
+        outputs: list[int],
+        options: Any = None,
+        options_type: int = 0,
+        version: int | None = None,
+    ) -> None:
         """Append an operator; the opcode table is shared by (code, version)."""
         key = (code, version if version is not None else _VERSIONS[code])
         if key not in self.opcodes:
@@ -133,7 +140,9 @@ def _qparams(qm: QuantModel, name: str, node: str) -> TensorQuant:
     try:
         return qm.tensors[name]
     except KeyError:
-        raise TFLiteError(f"layer {node!r}: tensor {name!r} has no quantisation parameters") from None
+        raise TFLiteError(
+            f"layer {node!r}: tensor {name!r} has no quantisation parameters"
+        ) from None
 
 
 def _layer(qm: QuantModel, node: str) -> QuantizedLayer:
@@ -151,9 +160,11 @@ def _same_qparams(qm: QuantModel, node: Node) -> TensorQuant:
     """
     a, b = _qparams(qm, node.inputs[0], node.name), _qparams(qm, node.output, node.name)
     if np.float32(a.scale) != np.float32(b.scale) or a.zero_point != b.zero_point:
-        raise TFLiteError(f"layer {node.name!r}: int8 {type(node).__name__} needs its input's "
-                          f"quantisation on its output ({a.scale}, {a.zero_point}) != "
-                          f"({b.scale}, {b.zero_point})")
+        raise TFLiteError(
+            f"layer {node.name!r}: int8 {type(node).__name__} needs its input's "
+            f"quantisation on its output ({a.scale}, {a.zero_point}) != "
+            f"({b.scale}, {b.zero_point})"
+        )
     return b
 
 
@@ -167,8 +178,9 @@ def _input_shape(w: _Writer, node: Node, rank: int) -> Shape:
     return shape
 
 
-def _params(w: _Writer, qm: QuantModel, node: Conv2D | Dense, in_scale: float,
-            channel_dim: int) -> tuple[int, int]:
+def _params(
+    w: _Writer, qm: QuantModel, node: Conv2D | Dense, in_scale: float, channel_dim: int
+) -> tuple[int, int]:
     """Write the int8 weight (constant or graph input) and int32 bias; return indices."""
     layer = _layer(qm, node.name)
     scales = np.asarray(layer.weight_scales, dtype=np.float32)
@@ -176,7 +188,8 @@ def _params(w: _Writer, qm: QuantModel, node: Conv2D | Dense, in_scale: float,
     if scales.shape != (out_ch,) or layer.bias.shape != (out_ch,):
         raise TFLiteError(
             f"layer {node.name!r}: {out_ch} output channels but {scales.size} weight scales "
-            f"and {layer.bias.size} biases")
+            f"and {layer.bias.size} biases"
+        )
     wq = _quant([float(s) for s in scales], [0] * out_ch, channel_dim)
     weight = np.asarray(layer.weight, dtype=np.int8)
     wname = f"{node.name}/weight"
@@ -205,11 +218,15 @@ def _conv(w: _Writer, qm: QuantModel, node: Conv2D) -> None:
     cout = weight.shape[dim]
     if node.depthwise:
         if weight.shape[0] != 1 or cout % cin:
-            raise TFLiteError(f"layer {node.name!r}: depthwise weight {weight.shape} "
-                              f"does not fit {cin} input channels")
+            raise TFLiteError(
+                f"layer {node.name!r}: depthwise weight {weight.shape} "
+                f"does not fit {cin} input channels"
+            )
     elif weight.shape[3] * node.groups != cin:
-        raise TFLiteError(f"layer {node.name!r}: weight {weight.shape} with groups="
-                          f"{node.groups} does not fit {cin} input channels")
+        raise TFLiteError(
+            f"layer {node.name!r}: weight {weight.shape} with groups="
+            f"{node.groups} does not fit {cin} input channels"
+        )
     wi, bi = _params(w, qm, node, in_q.scale, dim)
     sh, sw = node.stride
     shape = (n, _out_size(h, kh, sh, node.padding), _out_size(wd, kw, sw, node.padding), cout)
@@ -219,35 +236,54 @@ def _conv(w: _Writer, qm: QuantModel, node: Conv2D) -> None:
         o = schema.DepthwiseConv2DOptionsT()
         o.padding, o.strideH, o.strideW, o.fusedActivationFunction = pad, sh, sw, act
         o.depthMultiplier, o.dilationHFactor, o.dilationWFactor = cout // cin, 1, 1
-        w.op(_OP.DEPTHWISE_CONV_2D, [w.index[node.inputs[0]], wi, bi], [oi], o,
-             schema.BuiltinOptions.DepthwiseConv2DOptions)
+        w.op(
+            _OP.DEPTHWISE_CONV_2D,
+            [w.index[node.inputs[0]], wi, bi],
+            [oi],
+            o,
+            schema.BuiltinOptions.DepthwiseConv2DOptions,
+        )
         return
     o = schema.Conv2DOptionsT()
     o.padding, o.strideH, o.strideW, o.fusedActivationFunction = pad, sh, sw, act
     o.dilationHFactor, o.dilationWFactor = 1, 1
     version = _GROUPED_CONV_VERSION if node.groups > 1 else None
-    w.op(_OP.CONV_2D, [w.index[node.inputs[0]], wi, bi], [oi], o,
-         schema.BuiltinOptions.Conv2DOptions, version)
+    w.op(
+        _OP.CONV_2D,
+        [w.index[node.inputs[0]], wi, bi],
+        [oi],
+        o,
+        schema.BuiltinOptions.Conv2DOptions,
+        version,
+    )
 
 
 def _dense(w: _Writer, qm: QuantModel, node: Dense) -> None:
     src = w.shapes.get(node.inputs[0])
     if src is None or len(src) < 2:
-        raise TFLiteError(f"layer {node.name!r}: input {node.inputs[0]!r} is not produced "
-                          "before it or has no feature axis")
+        raise TFLiteError(
+            f"layer {node.name!r}: input {node.inputs[0]!r} is not produced "
+            "before it or has no feature axis"
+        )
     # FULLY_CONNECTED flattens all but the batch axis itself, as the engine does.
     n, features = src[0], int(np.prod(src[1:]))
     weight = _layer(qm, node.name).weight
     if weight.ndim != 2 or weight.shape[1] != features:
-        raise TFLiteError(f"layer {node.name!r}: weight {weight.shape} does not fit "
-                          f"{features} input features")
+        raise TFLiteError(
+            f"layer {node.name!r}: weight {weight.shape} does not fit {features} input features"
+        )
     wi, bi = _params(w, qm, node, _qparams(qm, node.inputs[0], node.name).scale, 0)
     oi = w.activation(node.output, (n, weight.shape[0]), _qparams(qm, node.output, node.name))
     o = schema.FullyConnectedOptionsT()
     o.fusedActivationFunction = activation_code(node.activation)
     o.weightsFormat, o.keepNumDims = schema.FullyConnectedOptionsWeightsFormat.DEFAULT, False
-    w.op(_OP.FULLY_CONNECTED, [w.index[node.inputs[0]], wi, bi], [oi], o,
-         schema.BuiltinOptions.FullyConnectedOptions)
+    w.op(
+        _OP.FULLY_CONNECTED,
+        [w.index[node.inputs[0]], wi, bi],
+        [oi],
+        o,
+        schema.BuiltinOptions.FullyConnectedOptions,
+    )
 
 
 def _add(w: _Writer, qm: QuantModel, node: Add) -> None:
@@ -256,8 +292,10 @@ def _add(w: _Writer, qm: QuantModel, node: Add) -> None:
     shape = w.shapes.get(node.inputs[0])
     for name in node.inputs:
         if name not in w.shapes or w.shapes[name] != shape:
-            raise TFLiteError(f"layer {node.name!r}: inputs {node.inputs} differ in shape "
-                              "or are not produced before it")
+            raise TFLiteError(
+                f"layer {node.name!r}: inputs {node.inputs} differ in shape "
+                "or are not produced before it"
+            )
     assert shape is not None
     oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
     o = schema.AddOptionsT()
@@ -265,8 +303,15 @@ def _add(w: _Writer, qm: QuantModel, node: Add) -> None:
     w.op(_OP.ADD, [w.index[i] for i in node.inputs], [oi], o, schema.BuiltinOptions.AddOptions)
 
 
-def _pool_op(w: _Writer, code: int, src: str, out: int, pool: tuple[int, int],
-             stride: tuple[int, int], padding: str) -> None:
+def _pool_op(
+    w: _Writer,
+    code: int,
+    src: str,
+    out: int,
+    pool: tuple[int, int],
+    stride: tuple[int, int],
+    padding: str,
+) -> None:
     o = schema.Pool2DOptionsT()
     o.padding, o.strideH, o.strideW = _PADDING[padding], stride[0], stride[1]
     o.filterHeight, o.filterWidth = pool
@@ -337,8 +382,11 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
 
 
 def _metadata(w: _Writer, qm: QuantModel) -> Any:
-    info = {"name": qm.model.name, "num_classes": qm.model.num_classes,
-            "nodes": [n.name for n in qm.model.nodes]}
+    info = {
+        "name": qm.model.name,
+        "num_classes": qm.model.num_classes,
+        "nodes": [n.name for n in qm.model.nodes],
+    }
     buf = schema.BufferT()
     buf.data = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     w.buffers.append(buf)
@@ -389,6 +437,8 @@ def build_tflite(qmodel: QuantModel, batch: int = 1, weights_as_inputs: bool = F
     if model.output_name not in w.index:
         raise TFLiteError(f"output tensor {model.output_name!r} is produced by no layer")
     builder = flatbuffers.Builder(1024)
-    builder.Finish(_model(w, qmodel, [inp], w.index[model.output_name]).Pack(builder),
-                   file_identifier=FILE_IDENTIFIER)
+    builder.Finish(
+        _model(w, qmodel, [inp], w.index[model.output_name]).Pack(builder),
+        file_identifier=FILE_IDENTIFIER,
+    )
     return bytes(builder.Output())

@@ -75,8 +75,10 @@ class _Reader:
         """Record an int8 activation tensor's quantisation; return its name."""
         t, name = self.tensor(index, where), self.names[index]
         if t.type != _TT.INT8:
-            raise TFLiteError(f"{where}: tensor {name!r} is not int8 (TensorType {t.type}); "
-                              "only int8 models are supported, quantise a float model first")
+            raise TFLiteError(
+                f"{where}: tensor {name!r} is not int8 (TensorType {t.type}); "
+                "only int8 models are supported, quantise a float model first"
+            )
         q = t.quantization
         if q is None or q.scale is None or len(q.scale) != 1:
             raise TFLiteError(f"{where}: tensor {name!r} lacks per-tensor quantisation")
@@ -89,17 +91,21 @@ class _Reader:
         t, name = self.tensor(index, where), self.names[index]
         buffers = self.model.buffers or []
         if not 0 <= t.buffer < len(buffers):
-            raise TFLiteFormatError(f"{where}: tensor {name!r} names buffer {t.buffer} "
-                                    f"of {len(buffers)}")
+            raise TFLiteFormatError(
+                f"{where}: tensor {name!r} names buffer {t.buffer} of {len(buffers)}"
+            )
         raw = buffers[t.buffer].data
         if raw is None or len(raw) == 0:
-            raise TFLiteError(f"{where}: tensor {name!r} has no constant data "
-                              "(weights given as graph inputs cannot be imported)")
+            raise TFLiteError(
+                f"{where}: tensor {name!r} has no constant data "
+                "(weights given as graph inputs cannot be imported)"
+            )
         shape = self.shape(index, where)
         arr = np.frombuffer(np.asarray(raw, dtype=np.uint8).tobytes(), dtype=dtype)
         if arr.size != int(np.prod(shape)):
-            raise TFLiteFormatError(f"{where}: tensor {name!r} has {arr.size} values for "
-                                    f"shape {shape}")
+            raise TFLiteFormatError(
+                f"{where}: tensor {name!r} has {arr.size} values for shape {shape}"
+            )
         return arr.reshape(shape).copy()
 
 
@@ -114,8 +120,7 @@ def _decode(data: bytes) -> Any:
     if not model.subgraphs:
         raise TFLiteFormatError("the .tflite file has no subgraph")
     if len(model.subgraphs) != 1:
-        raise TFLiteError(f"only single-subgraph models are supported, got "
-                          f"{len(model.subgraphs)}")
+        raise TFLiteError(f"only single-subgraph models are supported, got {len(model.subgraphs)}")
     return model
 
 
@@ -153,17 +158,19 @@ def _per_channel(r: _Reader, index: int, where: str, channel_dim: int) -> Quanti
     weight = r.data(index, where, np.int8)
     out_ch = weight.shape[channel_dim]
     q = t.quantization
-    scales = np.asarray(q.scale if q is not None and q.scale is not None else [],
-                        dtype=np.float32)
+    scales = np.asarray(q.scale if q is not None and q.scale is not None else [], dtype=np.float32)
     if scales.size == 1:
         scales = np.full(out_ch, scales[0], dtype=np.float32)
     elif scales.size != out_ch or (q.quantizedDimension or 0) != channel_dim:
-        raise TFLiteError(f"{where}: weight needs per-channel scales on dimension "
-                          f"{channel_dim} ({out_ch}), got {scales.size}")
+        raise TFLiteError(
+            f"{where}: weight needs per-channel scales on dimension "
+            f"{channel_dim} ({out_ch}), got {scales.size}"
+        )
     if q.zeroPoint is not None and np.any(np.asarray(q.zeroPoint) != 0):
         raise TFLiteError(f"{where}: weight zero points must be 0 (symmetric)")
-    return QuantizedLayer(weight=weight, weight_scales=scales,
-                          bias=np.zeros(out_ch, dtype=np.int32))
+    return QuantizedLayer(
+        weight=weight, weight_scales=scales, bias=np.zeros(out_ch, dtype=np.int32)
+    )
 
 
 def _bias(r: _Reader, op: Any, where: str, layer: QuantizedLayer) -> None:
@@ -178,8 +185,9 @@ def _bias(r: _Reader, op: Any, where: str, layer: QuantizedLayer) -> None:
     layer.bias = bias
 
 
-def _float_params(layer: QuantizedLayer, in_scale: float, channel_dim: int
-                  ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+def _float_params(
+    layer: QuantizedLayer, in_scale: float, channel_dim: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     shape = [1] * layer.weight.ndim
     shape[channel_dim] = -1
     weight = layer.weight.astype(np.float32) * layer.weight_scales.reshape(shape)
@@ -201,8 +209,11 @@ def _options(op: Any, expected: int, where: str) -> Any:
 def _conv(r: _Reader, op: Any, code: int, where: str) -> Node:
     _check_arity(op, where, 2)
     depthwise = code == _OP.DEPTHWISE_CONV_2D
-    expected = (schema.BuiltinOptions.DepthwiseConv2DOptions if depthwise
-                else schema.BuiltinOptions.Conv2DOptions)
+    expected = (
+        schema.BuiltinOptions.DepthwiseConv2DOptions
+        if depthwise
+        else schema.BuiltinOptions.Conv2DOptions
+    )
     o = _options(op, expected, where)
     if (o.dilationHFactor or 1) != 1 or (o.dilationWFactor or 1) != 1:
         raise TFLiteError(f"{where}: dilated convolution is not supported")
@@ -217,10 +228,18 @@ def _conv(r: _Reader, op: Any, code: int, where: str) -> Node:
         raise TFLiteFormatError(f"{where}: filter depth {filt_in} does not divide {cin}")
     weight, bias = _float_params(layer, r.tensors[x].scale, dim)
     name = _claim(r, out, layer)
-    return Conv2D(name, [x], out, weight, bias, stride=(int(o.strideH), int(o.strideW)),
-                  padding=_padding(o.padding, where),
-                  groups=cin if depthwise else cin // filt_in, depthwise=depthwise,
-                  activation=activation_name(o.fusedActivationFunction, where))
+    return Conv2D(
+        name,
+        [x],
+        out,
+        weight,
+        bias,
+        stride=(int(o.strideH), int(o.strideW)),
+        padding=_padding(o.padding, where),
+        groups=cin if depthwise else cin // filt_in,
+        depthwise=depthwise,
+        activation=activation_name(o.fusedActivationFunction, where),
+    )
 
 
 def _dense(r: _Reader, op: Any, where: str) -> Node:
@@ -231,14 +250,23 @@ def _dense(r: _Reader, op: Any, where: str) -> Node:
     x = r.activation(op.inputs[0], where)
     in_shape = r.shape(op.inputs[0], where)
     layer = _per_channel(r, op.inputs[1], where, 0)
-    if layer.weight.ndim != 2 or len(in_shape) < 2 \
-            or layer.weight.shape[1] != int(np.prod(in_shape[1:])):
+    if (
+        layer.weight.ndim != 2
+        or len(in_shape) < 2
+        or layer.weight.shape[1] != int(np.prod(in_shape[1:]))
+    ):
         raise TFLiteError(f"{where}: weight {layer.weight.shape} does not fit input {in_shape}")
     _bias(r, op, where, layer)
     out = r.activation(op.outputs[0], where)
     weight, bias = _float_params(layer, r.tensors[x].scale, 0)
-    return Dense(_claim(r, out, layer), [x], out, weight, bias,
-                 activation=activation_name(o.fusedActivationFunction, where))
+    return Dense(
+        _claim(r, out, layer),
+        [x],
+        out,
+        weight,
+        bias,
+        activation=activation_name(o.fusedActivationFunction, where),
+    )
 
 
 def _padding(code: int, where: str) -> Padding:
@@ -278,8 +306,14 @@ def _pool(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
     pool, stride = (int(o.filterHeight), int(o.filterWidth)), (int(o.strideH), int(o.strideW))
     padding = _padding(o.padding, where)
     nxt = _global_reshape(r, op, ops)
-    if code == _OP.AVERAGE_POOL_2D and nxt is not None and len(in_shape) == 4 \
-            and pool == in_shape[1:3] and padding == "valid" and out_shape[1:3] == (1, 1):
+    if (
+        code == _OP.AVERAGE_POOL_2D
+        and nxt is not None
+        and len(in_shape) == 4
+        and pool == in_shape[1:3]
+        and padding == "valid"
+        and out_shape[1:3] == (1, 1)
+    ):
         r.activation(op.outputs[0], where)
         out = r.activation(nxt.outputs[0], where)
         return GlobalAvgPool(_claim(r, out), [x], out), 2
@@ -312,8 +346,9 @@ def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
         o = _options(op, schema.BuiltinOptions.AddOptions, where)
         xs = [r.activation(i, where) for i in op.inputs[:2]]
         out = r.activation(op.outputs[0], where)
-        return Add(_claim(r, out), xs, out,
-                   activation=activation_name(o.fusedActivationFunction, where)), 1
+        return Add(
+            _claim(r, out), xs, out, activation=activation_name(o.fusedActivationFunction, where)
+        ), 1
     x = r.activation(op.inputs[0], where)
     out = r.activation(op.outputs[0], where)
     if code == _OP.RESHAPE:
@@ -350,8 +385,10 @@ def _parse(data: bytes) -> QuantModel:
     graph = model.subgraphs[0]
     info = _metadata(model)
     r = _Reader(model=model, graph=graph)
-    r.names = [(t.name.decode() if isinstance(t.name, bytes) else (t.name or f"t{i}"))
-               for i, t in enumerate(graph.tensors or [])]
+    r.names = [
+        (t.name.decode() if isinstance(t.name, bytes) else (t.name or f"t{i}"))
+        for i, t in enumerate(graph.tensors or [])
+    ]
     r.names_meta = [str(n) for n in info.get("nodes", [])]
     ops = list(graph.operators or [])
     _normalise(graph, ops)
@@ -366,7 +403,7 @@ def _parse(data: bytes) -> QuantModel:
     k = 0
     while k < len(ops):
         code = _opcode(model, ops[k])
-        node, used = _node(r, ops[k], code, ops[k + 1:], f"operator #{k} ({op_name(code)})")
+        node, used = _node(r, ops[k], code, ops[k + 1 :], f"operator #{k} ({op_name(code)})")
         r.nodes.append(node)
         k += used
     _rename(r)
@@ -386,31 +423,53 @@ def _normalise(graph: Any, ops: list[Any]) -> None:
         op.inputs, op.outputs = _ints(op.inputs), _ints(op.outputs)
 
 
-_SUPPORTED = frozenset({_OP.CONV_2D, _OP.DEPTHWISE_CONV_2D, _OP.FULLY_CONNECTED, _OP.ADD,
-                        _OP.AVERAGE_POOL_2D, _OP.MAX_POOL_2D, _OP.RESHAPE, _OP.RELU,
-                        _OP.RELU6})
+_SUPPORTED = frozenset(
+    {
+        _OP.CONV_2D,
+        _OP.DEPTHWISE_CONV_2D,
+        _OP.FULLY_CONNECTED,
+        _OP.ADD,
+        _OP.AVERAGE_POOL_2D,
+        _OP.MAX_POOL_2D,
+        _OP.RESHAPE,
+        _OP.RELU,
+        _OP.RELU6,
+    }
+)
 
 
 def _quant_model(r: _Reader, info: dict[str, Any]) -> QuantModel:
     graph = r.graph
     inputs, outputs = list(graph.inputs or []), list(graph.outputs or [])
     if len(inputs) != 1 or len(outputs) != 1:
-        raise TFLiteError(f"expected one input and one output, got {len(inputs)} inputs and "
-                          f"{len(outputs)} outputs (weights as graph inputs cannot be imported)")
+        raise TFLiteError(
+            f"expected one input and one output, got {len(inputs)} inputs and "
+            f"{len(outputs)} outputs (weights as graph inputs cannot be imported)"
+        )
     in_name = r.activation(inputs[0], "model input")
     out_name = r.activation(outputs[0], "model output")
     in_shape, out_shape = r.shape(inputs[0], "input"), r.shape(outputs[0], "output")
     model = Model(
-        name=str(info.get("name", graph.name.decode() if isinstance(graph.name, bytes)
-                          else graph.name or "imported")),
-        input_name=in_name, input_shape=in_shape[1:], nodes=r.nodes, output_name=out_name,
-        num_classes=int(info.get("num_classes", out_shape[-1] if out_shape else 0)))
+        name=str(
+            info.get(
+                "name",
+                graph.name.decode() if isinstance(graph.name, bytes) else graph.name or "imported",
+            )
+        ),
+        input_name=in_name,
+        input_shape=in_shape[1:],
+        nodes=r.nodes,
+        output_name=out_name,
+        num_classes=int(info.get("num_classes", out_shape[-1] if out_shape else 0)),
+    )
     produced = {in_name}
     for node in r.nodes:
         missing = [i for i in node.inputs if i not in produced]
         if missing:
-            raise TFLiteError(f"layer {node.name!r} reads {missing}, which no earlier "
-                              "operator produces (constant or out-of-order activations)")
+            raise TFLiteError(
+                f"layer {node.name!r} reads {missing}, which no earlier "
+                "operator produces (constant or out-of-order activations)"
+            )
         produced.add(node.output)
     if out_name not in produced:
         raise TFLiteError(f"the model output {out_name!r} is produced by no operator")

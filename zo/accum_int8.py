@@ -117,7 +117,9 @@ def apply(
     r = np.rint(np.clip(scaled, -_ROUND_LIMIT, _ROUND_LIMIT)).astype(np.int64)
     acc = buffer.astype(np.int64) + r
     moves = np.sign(acc) * (np.abs(acc) >> sigma)
-    new_weights = np.clip(weights.astype(np.int64) + moves, -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).astype(np.int8)
+    new_weights = np.clip(
+        weights.astype(np.int64) + moves, -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX
+    ).astype(np.int8)
     remainder = np.clip(acc - (moves << sigma), -_BUFFER_MAX, _BUFFER_MAX).astype(np.int8)
     new_state = np.concatenate([remainder, shifts]).astype(np.int8)
     if (step + 1) % RESCALE_EVERY == 0:

@@ -81,8 +81,13 @@ class _Window:
     pads: tuple[tuple[int, int], tuple[int, int]]
 
     @classmethod
-    def of(cls, shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int],
-           padding: Padding) -> _Window:
+    def of(
+        cls,
+        shape: tuple[int, ...],
+        kernel: tuple[int, int],
+        stride: tuple[int, int],
+        padding: Padding,
+    ) -> _Window:
         oh, t, b = _pads(shape[1], kernel[0], stride[0], padding)
         ow, left, right = _pads(shape[2], kernel[1], stride[1], padding)
         return cls(kernel[0], kernel[1], stride[0], stride[1], oh, ow, ((t, b), (left, right)))
@@ -94,20 +99,24 @@ class _Window:
 
     def tap(self, xp: Array, i: int, j: int) -> Array:
         """The (N, oh, ow, C) input values under window offset (i, j)."""
-        return xp[:, i:i + self.sh * (self.oh - 1) + 1:self.sh, j:j + self.sw * (self.ow - 1) + 1:self.sw]
+        return xp[
+            :,
+            i : i + self.sh * (self.oh - 1) + 1 : self.sh,
+            j : j + self.sw * (self.ow - 1) + 1 : self.sw,
+        ]
 
     def taps(self) -> list[tuple[int, int]]:
         return [(i, j) for i in range(self.kh) for j in range(self.kw)]
 
     def unpad(self, xp: Array) -> Array:
         (t, b), (left, right) = self.pads
-        return xp[:, t:xp.shape[1] - b, left:xp.shape[2] - right]
+        return xp[:, t : xp.shape[1] - b, left : xp.shape[2] - right]
 
 
 def _patches(xp: Array, w: _Window) -> Array:
     """im2col: (N, oh, ow, kh, kw, C) view-copy of the padded input."""
     view = sliding_window_view(xp, (w.kh, w.kw), axis=(1, 2))  # (N, H', W', C, kh, kw)
-    view = view[:, ::w.sh, ::w.sw][:, :w.oh, :w.ow]
+    view = view[:, :: w.sh, :: w.sw][:, : w.oh, : w.ow]
     return np.ascontiguousarray(view.transpose(0, 1, 2, 4, 5, 3))
 
 
@@ -182,8 +191,10 @@ def _conv_bwd(node: Conv2D, ctx: _Ctx, dy: Array, need_dx: bool) -> _Back:
         dcg = dzg @ node.weight.reshape(g, out // g, -1)  # (G, M, kh*kw*I/G)
         dcols = dcg.reshape(g, m, kh * kw, -1).transpose(1, 2, 0, 3)
     dcols = dcols.reshape(cols.shape)
-    dxp = np.zeros((xshape[0], xshape[1] + sum(w.pads[0]), xshape[2] + sum(w.pads[1]), xshape[3]),
-                   dtype=dz.dtype)
+    dxp = np.zeros(
+        (xshape[0], xshape[1] + sum(w.pads[0]), xshape[2] + sum(w.pads[1]), xshape[3]),
+        dtype=dz.dtype,
+    )
     for i, j in w.taps():
         w.tap(dxp, i, j)[...] += dcols[:, :, :, i, j, :]
     return [w.unpad(dxp)], (dw.reshape(node.weight.shape), *grads)
@@ -249,8 +260,10 @@ def _pool_fwd(node: AvgPool | MaxPool, x: Array) -> tuple[Array, _Ctx]:
 
 def _pool_bwd(node: AvgPool | MaxPool, ctx: _Ctx, dy: Array) -> _Back:
     w, xshape, extra = ctx
-    dxp = np.zeros((xshape[0], xshape[1] + sum(w.pads[0]), xshape[2] + sum(w.pads[1]), xshape[3]),
-                   dtype=dy.dtype)
+    dxp = np.zeros(
+        (xshape[0], xshape[1] + sum(w.pads[0]), xshape[2] + sum(w.pads[1]), xshape[3]),
+        dtype=dy.dtype,
+    )
     for t, (i, j) in enumerate(w.taps()):
         if isinstance(node, MaxPool):
             w.tap(dxp, i, j)[...] += dy * (extra == t)
@@ -304,7 +317,9 @@ def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
 
 def _check_input(model: Model, x: Array) -> None:
     if tuple(x.shape[1:]) != tuple(model.input_shape):
-        raise BackpropError(f"model {model.name!r} takes inputs {model.input_shape}, got {x.shape[1:]}")
+        raise BackpropError(
+            f"model {model.name!r} takes inputs {model.input_shape}, got {x.shape[1:]}"
+        )
 
 
 def forward(model: Model, x: npt.ArrayLike) -> Array:
@@ -366,12 +381,16 @@ def resolve_trainable(model: Model, trainable: str | Sequence[str] | None) -> li
     if isinstance(trainable, str):
         head, _, count = trainable.partition(":")
         if head != "last" or not count.isdigit() or not 1 <= int(count) <= len(names):
-            raise BackpropError(f"trainable {trainable!r}: expected 'all', 'last:N' with N in 1..{len(names)}, "
-                                "or a list of layer names")
-        return names[-int(count):]
+            raise BackpropError(
+                f"trainable {trainable!r}: expected 'all', 'last:N' with N in 1..{len(names)}, "
+                "or a list of layer names"
+            )
+        return names[-int(count) :]
     unknown = sorted(set(trainable) - set(names))
     if unknown:
-        raise BackpropError(f"trainable layers {unknown} are not parametrised layers of {model.name!r}: {names}")
+        raise BackpropError(
+            f"trainable layers {unknown} are not parametrised layers of {model.name!r}: {names}"
+        )
     return [n for n in names if n in set(trainable)]
 
 
@@ -424,7 +443,9 @@ def _backward(model: Model, ctxs: list[_Ctx], dlogits: Array, names: set[str], f
     return grads
 
 
-def evaluate(model: Model, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 256) -> tuple[float, float]:
+def evaluate(
+    model: Model, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 256
+) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of the float model on a data set.
 
     Args:
@@ -441,8 +462,8 @@ def evaluate(model: Model, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int =
         raise BackpropError("cannot evaluate on an empty set")
     total, correct = 0.0, 0
     for start in range(0, len(xa), batch_size):
-        logits = forward(model, xa[start:start + batch_size])
-        yb = ya[start:start + batch_size]
+        logits = forward(model, xa[start : start + batch_size])
+        yb = ya[start : start + batch_size]
         loss, _ = softmax_cross_entropy(logits, yb)
         total += loss * len(yb)
         correct += int((logits.argmax(axis=1) == yb).sum())
@@ -505,7 +526,7 @@ class _Batches:
         if self.pos + self.batch_size > self.n:
             self.perm, self.pos = self.rng.permutation(self.n), 0
         start, self.pos = self.pos, self.pos + self.batch_size
-        return np.asarray(self.perm[start:self.pos], dtype=np.int64)
+        return np.asarray(self.perm[start : self.pos], dtype=np.int64)
 
 
 def _flat_grads(names: list[str], grads: Grads, nodes: dict[str, Conv2D | Dense]) -> list[Array]:

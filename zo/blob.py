@@ -92,7 +92,15 @@ _TABLE = struct.Struct("<256I")
 _DATASET_HEADER = struct.Struct("<4sHHIIIHB1x3HHfi32s")
 
 OPCODES: Final[dict[type, int]] = {
-    Conv2D: 1, Dense: 3, ReLU: 4, ReLU6: 5, Add: 6, AvgPool: 7, MaxPool: 8, GlobalAvgPool: 9, Reshape: 10,
+    Conv2D: 1,
+    Dense: 3,
+    ReLU: 4,
+    ReLU6: 5,
+    Add: 6,
+    AvgPool: 7,
+    MaxPool: 8,
+    GlobalAvgPool: 9,
+    Reshape: 10,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -151,7 +159,9 @@ def _source(
 
     if isinstance(obj, Workload):
         st = state if state is not None else obj.initial_state()
-        exported: QuantModel | Model = obj.to_quant_model(st) if obj.qmodel is not None else obj.to_model(st)
+        exported: QuantModel | Model = (
+            obj.to_quant_model(st) if obj.qmodel is not None else obj.to_model(st)
+        )
         return _source(exported, None, obj.trainable_layers)
     if state is not None:
         raise BlobError("a state can only be given with a Workload")
@@ -196,7 +206,9 @@ def encode_blob(
     if len(set(tensor_names)) != len(tensor_names):
         raise BlobError("tensor names must be unique")
     if len(tensor_names) > MAX_TENSORS or len(src.model.nodes) > MAX_OPS:
-        raise BlobError(f"model has {len(tensor_names)} tensors / {len(src.model.nodes)} ops; limits {MAX_TENSORS}/{MAX_OPS}")
+        raise BlobError(
+            f"model has {len(tensor_names)} tensors / {len(src.model.nodes)} ops; limits {MAX_TENSORS}/{MAX_OPS}"
+        )
     index = {name: i for i, name in enumerate(tensor_names)}
     tensors = b"".join(_tensor_record(name, shapes[name], src.qmodel) for name in tensor_names)
     data = _Data()
@@ -209,9 +221,18 @@ def encode_blob(
     numerics = NUMERICS_INT8 if src.qmodel is not None else NUMERICS_FP32
     scale = src.qmodel.tensors[src.model.output_name].scale if src.qmodel is not None else 0.0
     header = _HEADER.pack(
-        BLOB_MAGIC, BLOB_VERSION, numerics, FLAG_SINGLE_ROUNDING if single_rounding else 0,
-        len(tensor_names), len(src.model.nodes), index[src.model.input_name], index[src.model.output_name],
-        src.model.num_classes, flat, data.size, zlib.crc32(body),
+        BLOB_MAGIC,
+        BLOB_VERSION,
+        numerics,
+        FLAG_SINGLE_ROUNDING if single_rounding else 0,
+        len(tensor_names),
+        len(src.model.nodes),
+        index[src.model.input_name],
+        index[src.model.output_name],
+        src.model.num_classes,
+        flat,
+        data.size,
+        zlib.crc32(body),
         _f32_bits(scale) if src.qmodel is not None else 0,
         intloss.scale_q24(scale) if src.qmodel is not None else 0,
     )
@@ -234,12 +255,25 @@ def _tensor_record(name: str, shape: tuple[int, ...], qmodel: QuantModel | None)
     tq = qmodel.tensors.get(name)
     if tq is None:
         raise BlobError(f"tensor {name!r} has no quantisation parameters")
-    return _TENSOR.pack(_name(name), len(shape), DTYPE_INT8, 0, *dims, 0, float(np.float32(tq.scale)), int(tq.zero_point))
+    return _TENSOR.pack(
+        _name(name),
+        len(shape),
+        DTYPE_INT8,
+        0,
+        *dims,
+        0,
+        float(np.float32(tq.scale)),
+        int(tq.zero_point),
+    )
 
 
-def _op_record(node: Node, src: _Source, index: dict[str, int], data: _Data, flat: int) -> tuple[bytes, int]:
+def _op_record(
+    node: Node, src: _Source, index: dict[str, int], data: _Data, flat: int
+) -> tuple[bytes, int]:
     """One op record; appends the op's arrays to ``data``; returns the next flat offset."""
-    opcode = OPCODE_DEPTHWISE if isinstance(node, Conv2D) and node.depthwise else OPCODES[type(node)]
+    opcode = (
+        OPCODE_DEPTHWISE if isinstance(node, Conv2D) and node.depthwise else OPCODES[type(node)]
+    )
     activation: Activation = getattr(node, "activation", "none")
     padding: Padding = getattr(node, "padding", "valid")
     ins = [index[t] for t in node.inputs] + [NO_TENSOR]
@@ -248,7 +282,11 @@ def _op_record(node: Node, src: _Source, index: dict[str, int], data: _Data, fla
     if isinstance(node, (AvgPool, MaxPool)):
         window, stride = node.pool, node.stride
     if isinstance(node, Conv2D):
-        window, stride, groups = (int(node.weight.shape[1]), int(node.weight.shape[2])), node.stride, node.groups
+        window, stride, groups = (
+            (int(node.weight.shape[1]), int(node.weight.shape[2])),
+            node.stride,
+            node.groups,
+        )
     act_min, act_max, in_zp, out_zp, in1_zp = -128, 127, 0, 0, 0
     aux = [0] * 7
     arrays = [NO_OFFSET] * 5 + [0]  # weight, bias, multipliers, shifts, weight scales; channels
@@ -270,7 +308,10 @@ def _op_record(node: Node, src: _Source, index: dict[str, int], data: _Data, fla
         arrays[5] = int(bias.shape[0])
         if q is not None:
             stage = ki.prepare_output_stage(
-                q.tensors[node.inputs[0]], q.layers[node.name].weight_scales, q.tensors[node.output], node.activation
+                q.tensors[node.inputs[0]],
+                q.layers[node.name].weight_scales,
+                q.tensors[node.output],
+                node.activation,
             )
             arrays[2] = data.add(stage.multiplier.astype(np.int32))
             arrays[3] = data.add(stage.shift.astype(np.int32))
@@ -279,12 +320,30 @@ def _op_record(node: Node, src: _Source, index: dict[str, int], data: _Data, fla
             param_offset = flat
             flat += w_count + (0 if q is not None else int(bias.size))
     record = _OP.pack(
-        _name(node.name), opcode, ACTIVATIONS[activation], PADDINGS[padding], OP_TRAINABLE if trainable else 0,
-        ins[0], ins[1], index[node.output], 0,
-        *window, *stride, groups, 0,
-        act_min, act_max, in_zp, out_zp,
-        *w_dims, *arrays[:5], w_count, arrays[5], param_offset,
-        *aux, in1_zp,
+        _name(node.name),
+        opcode,
+        ACTIVATIONS[activation],
+        PADDINGS[padding],
+        OP_TRAINABLE if trainable else 0,
+        ins[0],
+        ins[1],
+        index[node.output],
+        0,
+        *window,
+        *stride,
+        groups,
+        0,
+        act_min,
+        act_max,
+        in_zp,
+        out_zp,
+        *w_dims,
+        *arrays[:5],
+        w_count,
+        arrays[5],
+        param_offset,
+        *aux,
+        in1_zp,
     )
     return record, flat
 
@@ -297,11 +356,24 @@ def _int8_params(
     lo, hi = ki.activation_range(activation, out)
     if isinstance(node, Add):
         p = ki.prepare_add(inp, q.tensors[node.inputs[1]], out, node.activation)
-        aux = [p.left_shift, p.in1_multiplier, p.in1_shift, p.in2_multiplier, p.in2_shift, p.out_multiplier, p.out_shift]
+        aux = [
+            p.left_shift,
+            p.in1_multiplier,
+            p.in1_shift,
+            p.in2_multiplier,
+            p.in2_shift,
+            p.out_multiplier,
+            p.out_shift,
+        ]
         return p.act_min, p.act_max, aux, p.in2_zero_point
     if isinstance(node, (ReLU, ReLU6)):
         stage = ki.prepare_relu(inp, out, isinstance(node, ReLU6))
-        return stage.act_min, stage.act_max, [int(stage.multiplier[0]), int(stage.shift[0]), 0, 0, 0, 0, 0], 0
+        return (
+            stage.act_min,
+            stage.act_max,
+            [int(stage.multiplier[0]), int(stage.shift[0]), 0, 0, 0, 0, 0],
+            0,
+        )
     return lo, hi, aux, 0
 
 
@@ -330,7 +402,9 @@ def _read(data: bytes, offset: int, dtype: type[np.generic], count: int) -> npt.
     end = offset + count * np.dtype(dtype).itemsize
     if offset % 4 or end > len(data):
         raise BlobError(f"model blob: array at {offset} (+{count}) outside the data section")
-    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=offset).astype(dtype)
+    return np.frombuffer(
+        data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=offset
+    ).astype(dtype)
 
 
 def decode_blob(blob: bytes) -> QuantModel | Model:
@@ -348,7 +422,14 @@ def decode_blob(blob: bytes) -> QuantModel | Model:
         BlobError: malformed bytes.
     """
     fields = _check_header(blob)
-    numerics, n_tensors, n_ops, in_idx, out_idx, num_classes = fields[2], fields[4], fields[5], fields[6], fields[7], fields[8]
+    numerics, n_tensors, n_ops, in_idx, out_idx, num_classes = (
+        fields[2],
+        fields[4],
+        fields[5],
+        fields[6],
+        fields[7],
+        fields[8],
+    )
     if numerics not in (NUMERICS_INT8, NUMERICS_FP32):
         raise BlobError(f"model blob: unknown numerics {numerics}")
     int8 = numerics == NUMERICS_INT8
@@ -366,7 +447,9 @@ def decode_blob(blob: bytes) -> QuantModel | Model:
     nodes: list[Node] = []
     layers: dict[str, QuantizedLayer] = {}
     for _ in range(n_ops):
-        node, layer = _decode_op(_OpFields(*_OP.unpack_from(blob, pos)), names, shapes, quants, data, int8)
+        node, layer = _decode_op(
+            _OpFields(*_OP.unpack_from(blob, pos)), names, shapes, quants, data, int8
+        )
         pos += _OP.size
         nodes.append(node)
         if layer is not None:
@@ -374,8 +457,12 @@ def decode_blob(blob: bytes) -> QuantModel | Model:
     if not (in_idx < n_tensors and out_idx < n_tensors):
         raise BlobError("model blob: input/output tensor index out of range")
     model = Model(
-        name="blob", input_name=names[in_idx], input_shape=shapes[in_idx], nodes=nodes,
-        output_name=names[out_idx], num_classes=int(num_classes),
+        name="blob",
+        input_name=names[in_idx],
+        input_shape=shapes[in_idx],
+        nodes=nodes,
+        output_name=names[out_idx],
+        num_classes=int(num_classes),
     )
     if not int8:
         return model
@@ -452,10 +539,17 @@ def _tensor_name(names: list[str], i: int, op: str) -> str:
 
 
 def _decode_op(
-    f: _OpFields, names: list[str], shapes: list[tuple[int, ...]], quants: list[TensorQuant], data: bytes, int8: bool
+    f: _OpFields,
+    names: list[str],
+    shapes: list[tuple[int, ...]],
+    quants: list[TensorQuant],
+    data: bytes,
+    int8: bool,
 ) -> tuple[Node, QuantizedLayer | None]:
     name = f.name.rstrip(b"\0").decode()
-    inputs = [_tensor_name(names, f.in0, name)] + ([_tensor_name(names, f.in1, name)] if f.in1 != NO_TENSOR else [])
+    inputs = [_tensor_name(names, f.in0, name)] + (
+        [_tensor_name(names, f.in1, name)] if f.in1 != NO_TENSOR else []
+    )
     output = _tensor_name(names, f.out, name)
     activation = cast(Activation, _key(ACTIVATIONS, f.activation, "activation"))
     padding = cast(Padding, _key(PADDINGS, f.padding, "padding"))
@@ -465,7 +559,9 @@ def _decode_op(
         if f.opcode == OPCODES[Dense]:
             return Dense(name, inputs, output, weight, bias, activation), layer
         depthwise = f.opcode == OPCODE_DEPTHWISE
-        return Conv2D(name, inputs, output, weight, bias, stride, padding, f.groups, depthwise, activation), layer
+        return Conv2D(
+            name, inputs, output, weight, bias, stride, padding, f.groups, depthwise, activation
+        ), layer
     simple: dict[int, Node] = {
         OPCODES[ReLU]: ReLU(name, inputs, output),
         OPCODES[ReLU6]: ReLU6(name, inputs, output),
@@ -488,7 +584,11 @@ def _decode_weights(
     if int(np.prod(dims)) != f.weight_count:
         raise BlobError(f"model blob: weight dims {dims} do not hold {f.weight_count} values")
     if not int8:
-        w_f32 = _read(data, f.weight_offset, np.float32, f.weight_count).reshape(dims).astype(np.float32)
+        w_f32 = (
+            _read(data, f.weight_offset, np.float32, f.weight_count)
+            .reshape(dims)
+            .astype(np.float32)
+        )
         return w_f32, _read(data, f.bias_offset, np.float32, f.channels).astype(np.float32), None
     wq = _read(data, f.weight_offset, np.int8, f.weight_count).reshape(dims).astype(np.int8)
     bq = _read(data, f.bias_offset, np.int32, f.channels).astype(np.int32)
@@ -542,18 +642,32 @@ def encode_dataset_blob(dataset: Dataset, qmodel: QuantModel) -> bytes:
 
     shape = dataset.input_shape
     if not 1 <= len(shape) <= MAX_RANK or dataset.num_classes > 256:
-        raise BlobError(f"data set {dataset.name!r}: shape {shape} / {dataset.num_classes} classes outside the limits")
+        raise BlobError(
+            f"data set {dataset.name!r}: shape {shape} / {dataset.num_classes} classes outside the limits"
+        )
     tq = qmodel.tensors[qmodel.model.input_name]
     dims = (*shape, *([0] * (MAX_RANK - len(shape))))
     header = _DATASET_HEADER.pack(
-        DATASET_MAGIC, DATASET_VERSION, len(shape), len(dataset.x_train), len(dataset.x_val),
-        int(np.prod(shape)), dataset.num_classes, 0, *dims, 0, float(np.float32(tq.scale)), int(tq.zero_point),
+        DATASET_MAGIC,
+        DATASET_VERSION,
+        len(shape),
+        len(dataset.x_train),
+        len(dataset.x_val),
+        int(np.prod(shape)),
+        dataset.num_classes,
+        0,
+        *dims,
+        0,
+        float(np.float32(tq.scale)),
+        int(tq.zero_point),
         bytes.fromhex(dataset.content_hash),
     )
     data = _Data()
     for array in (
-        quantize_input(qmodel, dataset.x_train), dataset.y_train.astype(np.uint8),
-        quantize_input(qmodel, dataset.x_val), dataset.y_val.astype(np.uint8),
+        quantize_input(qmodel, dataset.x_train),
+        dataset.y_train.astype(np.uint8),
+        quantize_input(qmodel, dataset.x_val),
+        dataset.y_val.astype(np.uint8),
     ):
         data.add(np.asarray(array))
     return header + b"".join(data.parts)
@@ -590,9 +704,12 @@ def decode_dataset_blob(blob: bytes) -> DatasetBlob:
         out.append(np.frombuffer(blob, dtype=dtype, count=size, offset=pos).copy())
         pos += pad
     return DatasetBlob(
-        x_train=out[0].reshape(n_train, *shape).astype(np.int8), y_train=out[1].astype(np.uint8),
-        x_val=out[2].reshape(n_val, *shape).astype(np.int8), y_val=out[3].astype(np.uint8),
-        num_classes=int(classes), input_scale=float(f[12]), input_zero_point=int(f[13]),
+        x_train=out[0].reshape(n_train, *shape).astype(np.int8),
+        y_train=out[1].astype(np.uint8),
+        x_val=out[2].reshape(n_val, *shape).astype(np.int8),
+        y_val=out[3].astype(np.uint8),
+        num_classes=int(classes),
+        input_scale=float(f[12]),
+        input_zero_point=int(f[13]),
         content_hash=bytes(f[14]).hex(),
     )
-

@@ -104,7 +104,9 @@ class Dataset:
         if len(self.x_train) != len(self.y_train) or len(self.x_val) != len(self.y_val):
             raise DatasetError(f"{self.name}: inputs and labels differ in count")
         if self.x_train.shape[1:] != self.x_val.shape[1:]:
-            raise DatasetError(f"{self.name}: train {self.x_train.shape} and val {self.x_val.shape} differ")
+            raise DatasetError(
+                f"{self.name}: train {self.x_train.shape} and val {self.x_val.shape} differ"
+            )
         for y in (self.y_train, self.y_val):
             if y.size and (y.min() < 0 or y.max() >= self.num_classes):
                 raise DatasetError(f"{self.name}: labels outside 0..{self.num_classes - 1}")
@@ -164,7 +166,9 @@ def split_classes(
         ``(source, target)`` data sets.
     """
     if set(source_classes) & set(target_classes):
-        raise DatasetError(f"source and target share classes {sorted(set(source_classes) & set(target_classes))}")
+        raise DatasetError(
+            f"source and target share classes {sorted(set(source_classes) & set(target_classes))}"
+        )
     return _subset(dataset, source_classes, "source"), _subset(dataset, target_classes, "target")
 
 
@@ -179,8 +183,13 @@ def _subset(ds: Dataset, classes: Sequence[int], tag: str) -> Dataset:
     keep_t, keep_v = lut[ds.y_train] >= 0, lut[ds.y_val] >= 0
     return Dataset(
         f"{ds.name}[{tag}:{','.join(map(str, classes))}]",
-        ds.x_train[keep_t], lut[ds.y_train[keep_t]], ds.x_val[keep_v], lut[ds.y_val[keep_v]],
-        len(classes), tuple(ds.class_names[c] for c in classes), ds.input_range,
+        ds.x_train[keep_t],
+        lut[ds.y_train[keep_t]],
+        ds.x_val[keep_v],
+        lut[ds.y_val[keep_v]],
+        len(classes),
+        tuple(ds.class_names[c] for c in classes),
+        ds.input_range,
     )
 
 
@@ -239,7 +248,7 @@ def _resize_u8_chunks(images: npt.NDArray[np.uint8], size: int | None, chunk: in
     """uint8 NHWC images -> float32 in [0, 1], resized in chunks to bound memory."""
     parts = []
     for start in range(0, len(images), chunk):
-        part = images[start:start + chunk].astype(np.float32)
+        part = images[start : start + chunk].astype(np.float32)
         if size is not None:
             part = resize_images(part, size)
         parts.append(part / np.float32(255.0))
@@ -294,11 +303,20 @@ def load_eurosat(size: int | None = None, limit_per_class: int | None = None) ->
     if limit_per_class is not None:
         (xt, yt), (xv, yv) = _limit(xt, yt, limit_per_class), _limit(xv, yv, limit_per_class)
     name = "eurosat" if size is None else f"eurosat{size}"
-    return Dataset(name, _resize_u8_chunks(xt, size), yt, _resize_u8_chunks(xv, size), yv,
-                   len(classes), classes)
+    return Dataset(
+        name,
+        _resize_u8_chunks(xt, size),
+        yt,
+        _resize_u8_chunks(xv, size),
+        yv,
+        len(classes),
+        classes,
+    )
 
 
-def _limit(x: npt.NDArray[Any], y: npt.NDArray[Any], n: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+def _limit(
+    x: npt.NDArray[Any], y: npt.NDArray[Any], n: int
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     keep = np.concatenate([np.flatnonzero(y == c)[:n] for c in np.unique(y)])
     keep.sort()
     return x[keep], y[keep]
@@ -313,8 +331,10 @@ def _read_image(path: Path) -> npt.NDArray[Any]:
     try:
         from PIL import Image
     except ImportError as exc:
-        raise DatasetError(f"{path.name}: reading {path.suffix} images needs Pillow (pip install pillow); "
-                           ".npy images need nothing") from exc
+        raise DatasetError(
+            f"{path.name}: reading {path.suffix} images needs Pillow (pip install pillow); "
+            ".npy images need nothing"
+        ) from exc
     with Image.open(path) as img:
         return np.asarray(img.convert("L" if img.mode in ("L", "I;16", "1") else "RGB"))
 
@@ -332,7 +352,10 @@ def _to_unit(image: npt.NDArray[Any], path: Path) -> F32:
 
 
 def load_image_folder(
-    path: str | Path, size: int | None = None, val_fraction: float = 0.2, seed: int = 0,
+    path: str | Path,
+    size: int | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
     limit_per_class: int | None = None,
 ) -> Dataset:
     """A folder of class sub-folders of images (EuroSAT's own layout), split per class.
@@ -357,7 +380,9 @@ def load_image_folder(
         raise DatasetError(f"{root}: expected a folder with at least two class sub-folders")
     images, labels = [], []
     for label, cls in enumerate(classes):
-        files = sorted(f for f in (root / cls).iterdir() if f.suffix.lower() in (*_IMAGE_SUFFIXES, ".npy"))
+        files = sorted(
+            f for f in (root / cls).iterdir() if f.suffix.lower() in (*_IMAGE_SUFFIXES, ".npy")
+        )
         for f in files[:limit_per_class]:
             img = _to_unit(_read_image(f), f)
             images.append(img if size is None else resize_images(img[None], size)[0])
@@ -426,7 +451,9 @@ def load_npz(path: str | Path, num_classes: int | None = None) -> Dataset:
         if missing:
             raise DatasetError(f"{p.name}: missing arrays {sorted(missing)}")
         arrays = [npz[k] for k in ("x_train", "y_train", "x_val", "y_val")]
-    xt, xv = (a.astype(np.float32) / np.float32(255.0) if a.dtype == np.uint8 else a for a in arrays[::2])
+    xt, xv = (
+        a.astype(np.float32) / np.float32(255.0) if a.dtype == np.uint8 else a for a in arrays[::2]
+    )
     yt, yv = arrays[1].astype(np.int64), arrays[3].astype(np.int64)
     k = num_classes or int(max(yt.max(initial=0), yv.max(initial=0)) + 1)
     return Dataset(p.stem, xt, yt, xv, yv, k)
@@ -474,7 +501,9 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
         return _call(loader, key, options, path)
     if path.is_file() and path.suffix == ".npz":
         return _call(load_npz, key, options, path)
-    raise DatasetError(f"unknown data set {key!r}: not one of {dataset_names()} nor an existing folder or .npz")
+    raise DatasetError(
+        f"unknown data set {key!r}: not one of {dataset_names()} nor an existing folder or .npz"
+    )
 
 
 def _parse_inline(text: str, key: str) -> dict[str, Any]:
@@ -483,7 +512,9 @@ def _parse_inline(text: str, key: str) -> dict[str, Any]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, raw = item.partition("=")
         if not sep or not name:
-            raise DatasetError(f"data set {key!r}: expected key=value options after ':', got {item!r}")
+            raise DatasetError(
+                f"data set {key!r}: expected key=value options after ':', got {item!r}"
+            )
         value: Any = raw
         if raw.lower() in ("true", "false"):
             value = raw.lower() == "true"
@@ -498,8 +529,10 @@ def _parse_inline(text: str, key: str) -> dict[str, Any]:
     return out
 
 
-def _call(loader: Callable[..., Dataset], key: str, options: dict[str, Any], *args: Path) -> Dataset:
-    known = list(inspect.signature(loader).parameters)[len(args):]
+def _call(
+    loader: Callable[..., Dataset], key: str, options: dict[str, Any], *args: Path
+) -> Dataset:
+    known = list(inspect.signature(loader).parameters)[len(args) :]
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise DatasetError(f"data set {key!r} has no option(s) {unknown}; options: {known}")

@@ -109,7 +109,9 @@ class Activations:
     def take(self, index: npt.ArrayLike) -> Activations:
         """The same activations for a subset of samples (e.g. a minibatch of a data set)."""
         idx = np.asarray(index)
-        return Activations(self.position, {k: v[idx] for k, v in self.tensors.items()}, self.quantized)
+        return Activations(
+            self.position, {k: v[idx] for k, v in self.tensors.items()}, self.quantized
+        )
 
 
 # ---------------------------------------------------------------------------- shapes
@@ -124,12 +126,15 @@ def _conv_shape(node: Conv2D, shape: tuple[int, ...]) -> tuple[int, ...]:
     if node.depthwise:
         _, kh, kw, o = node.weight.shape
         if node.weight.shape[0] != 1 or o % c:
-            raise GraphError(node.name, f"depthwise weight {node.weight.shape} does not fit {c} input channels")
+            raise GraphError(
+                node.name, f"depthwise weight {node.weight.shape} does not fit {c} input channels"
+            )
     else:
         o, kh, kw, ig = node.weight.shape
         if c % node.groups or o % node.groups or ig * node.groups != c:
             raise GraphError(
-                node.name, f"weight {node.weight.shape} with groups={node.groups} does not fit {c} input channels"
+                node.name,
+                f"weight {node.weight.shape} with groups={node.groups} does not fit {c} input channels",
             )
     if node.bias.shape != (o,):
         raise GraphError(node.name, f"bias shape {node.bias.shape} != ({o},)")
@@ -158,9 +163,14 @@ def _node_shape(node: Node, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int,
     if isinstance(node, Dense):
         features = int(np.prod(shape))
         if node.weight.ndim != 2 or node.weight.shape[1] != features:
-            raise GraphError(node.name, f"weight {node.weight.shape} does not take {features} input features {shape}")
+            raise GraphError(
+                node.name,
+                f"weight {node.weight.shape} does not take {features} input features {shape}",
+            )
         if node.bias.shape != (node.weight.shape[0],):
-            raise GraphError(node.name, f"bias shape {node.bias.shape} != ({node.weight.shape[0]},)")
+            raise GraphError(
+                node.name, f"bias shape {node.bias.shape} != ({node.weight.shape[0]},)"
+            )
         return (node.weight.shape[0],)
     if isinstance(node, Add):
         if len(ins) != 2 or ins[0] != ins[1]:
@@ -323,12 +333,16 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
     if isinstance(node, Conv2D):
         w, b = ctx.weights[node.name]
         if node.depthwise:
-            y = kernels.depthwise_conv2d(x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"])
+            y = kernels.depthwise_conv2d(
+                x, w, b, stage, node.stride, node.padding, sr["depthwise_conv2d"]
+            )
         elif kernels is native:
             y = native.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"])
         else:
             cols = _cached_patches(node, x, stage, ctx)
-            y = ki.conv2d(x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols)
+            y = ki.conv2d(
+                x, w, b, stage, node.stride, node.padding, node.groups, sr["conv2d"], cols
+            )
     elif isinstance(node, Dense):
         w, b = ctx.weights[node.name]
         y = kernels.dense(x.reshape(*x.shape[:2], -1), w, b, stage, sr["dense"])
@@ -348,7 +362,9 @@ def _cached_patches(node: Conv2D, x: Array, stage: ki.OutputStage, ctx: _Ctx) ->
     if node.name not in ctx.cache:
         kernel = (node.weight.shape[1], node.weight.shape[2])
         ig = node.weight.shape[3]
-        ctx.cache[node.name] = ki.patches(x, kernel, node.stride, node.padding, stage.input_zero_point, ig)
+        ctx.cache[node.name] = ki.patches(
+            x, kernel, node.stride, node.padding, stage.input_zero_point, ig
+        )
     return ctx.cache[node.name]
 
 
@@ -357,7 +373,15 @@ def _cached_patches(node: Conv2D, x: Array, stage: ki.OutputStage, ctx: _Ctx) ->
 _NodeFn: TypeAlias = Callable[[Node, Env, _Ctx], Array]
 
 
-def _run(model: Model, env: Env, start: int, stop: int, ctx: _Ctx, fn: _NodeFn, last: dict[str, int] | None = None) -> Env:
+def _run(
+    model: Model,
+    env: Env,
+    start: int,
+    stop: int,
+    ctx: _Ctx,
+    fn: _NodeFn,
+    last: dict[str, int] | None = None,
+) -> Env:
     """Run nodes [start, stop) on stacked tensors, dropping tensors after their last use."""
     last = ctx.plan.last_use if last is None else last
     for i in range(start, stop):
@@ -378,18 +402,24 @@ def _start_env(model: Model, x: Array | Activations, quantized: bool) -> tuple[E
     """Stacked (set axis 1) tensors to start from, and the index of the first node to run."""
     if isinstance(x, Activations):
         if x.quantized != quantized:
-            raise GraphError(model.input_name, "activations were computed in the other numeric mode")
+            raise GraphError(
+                model.input_name, "activations were computed in the other numeric mode"
+            )
         return {k: v[None] for k, v in x.tensors.items()}, x.position
     arr = np.asarray(x)
     if tuple(arr.shape[1:]) != tuple(model.input_shape):
-        raise GraphError(model.input_name, f"input shape {arr.shape[1:]} != model input {model.input_shape}")
+        raise GraphError(
+            model.input_name, f"input shape {arr.shape[1:]} != model input {model.input_shape}"
+        )
     if quantized and arr.dtype != np.int8:
         raise GraphError(model.input_name, f"INT8 input must be int8, got {arr.dtype}")
     dtype = np.int8 if quantized else np.float32
     return {model.input_name: arr.astype(dtype, copy=False)[None]}, 0
 
 
-def _fp32_weights(model: Model, params: Mapping[str, tuple[Array, Array]] | None, stacked: bool) -> dict[str, tuple[Array, Array]]:
+def _fp32_weights(
+    model: Model, params: Mapping[str, tuple[Array, Array]] | None, stacked: bool
+) -> dict[str, tuple[Array, Array]]:
     params = params or {}
     unknown = set(params) - {n.name for n in model.param_nodes()}
     if unknown:
@@ -403,11 +433,16 @@ def _fp32_weights(model: Model, params: Mapping[str, tuple[Array, Array]] | None
             _check_weight(node, b, (*lead, *node.bias.shape), "bias")
             out[node.name] = (w, b) if stacked else (w[None], b[None])
         else:
-            out[node.name] = (node.weight.astype(np.float32)[None], node.bias.astype(np.float32)[None])
+            out[node.name] = (
+                node.weight.astype(np.float32)[None],
+                node.bias.astype(np.float32)[None],
+            )
     return out
 
 
-def _int8_weights(qmodel: QuantModel, weights: Mapping[str, Array] | None, stacked: bool) -> dict[str, tuple[Array, Array]]:
+def _int8_weights(
+    qmodel: QuantModel, weights: Mapping[str, Array] | None, stacked: bool
+) -> dict[str, tuple[Array, Array]]:
     weights = weights or {}
     nodes = qmodel.model.param_nodes()
     unknown = set(weights) - {n.name for n in nodes}
@@ -439,7 +474,9 @@ def _first_index(model: Model, names: Iterable[str]) -> int:
     return len(model.nodes)
 
 
-def _chunk_size(model: Model, plan: _Plan, start: int, batch: int, sets: int, max_bytes: int) -> int:
+def _chunk_size(
+    model: Model, plan: _Plan, start: int, batch: int, sets: int, max_bytes: int
+) -> int:
     """How many perturbed copies fit the budget: the widest node output plus its patches.
 
     Lean kernels (the native INT8 ones) build no patches and no wide temporaries: a copy
@@ -464,7 +501,10 @@ def _run_by_samples(
     per = _chunk_size(model, ctx.plan, start, 1, n, max_bytes)
     if per >= n:
         return _run(model, env, start, stop, ctx, fn)
-    parts = [_run(model, {k: v[:, i : i + per] for k, v in env.items()}, start, stop, ctx, fn) for i in range(0, n, per)]
+    parts = [
+        _run(model, {k: v[:, i : i + per] for k, v in env.items()}, start, stop, ctx, fn)
+        for i in range(0, n, per)
+    ]
     return {k: np.concatenate([part[k] for part in parts], axis=1) for k in parts[0]}
 
 
@@ -479,7 +519,9 @@ def _evaluate(
 ) -> Array:
     """Run the model; with ``sets``, P stacked copies in chunks after a shared prefix."""
     if not sets:
-        return _run_by_samples(model, env, start, len(model.nodes), ctx, fn, max_bytes)[model.output_name]
+        return _run_by_samples(model, env, start, len(model.nodes), ctx, fn, max_bytes)[
+            model.output_name
+        ]
     first = max(start, _first_index(model, sets))
     env = _run_by_samples(model, env, start, first, ctx, fn, max_bytes)
     ctx.shared = frozenset(env)
@@ -489,7 +531,13 @@ def _evaluate(
     outs = []
     base = dict(ctx.weights)
     for c0 in range(0, p, chunk):
-        ctx.weights = {**base, **{k: (w[c0 : c0 + chunk], b if b.shape[0] == 1 else b[c0 : c0 + chunk]) for k, (w, b) in sets.items()}}
+        ctx.weights = {
+            **base,
+            **{
+                k: (w[c0 : c0 + chunk], b if b.shape[0] == 1 else b[c0 : c0 + chunk])
+                for k, (w, b) in sets.items()
+            },
+        }
         y = _run(model, dict(env), first, len(model.nodes), ctx, fn)[model.output_name]
         outs.append(np.broadcast_to(y, (min(chunk, p - c0), *y.shape[1:])))
     ctx.weights = base
@@ -670,7 +718,9 @@ def _check_after_prefix(model: Model, names: Iterable[str], start: int) -> None:
     done = {node.name for node in model.nodes[:start]}
     for name in names:
         if name in done:
-            raise GraphError(name, "layer lies inside the cached prefix; its weights cannot change here")
+            raise GraphError(
+                name, "layer lies inside the cached prefix; its weights cannot change here"
+            )
 
 
 def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
@@ -730,7 +780,12 @@ def prefix_activations(
 
 
 def bench_engine(
-    qmodel: QuantModel, batch: int = 64, sets: int = 128, trainable: Iterable[str] | None = None, repeats: int = 3, seed: int = 0
+    qmodel: QuantModel,
+    batch: int = 64,
+    sets: int = 128,
+    trainable: Iterable[str] | None = None,
+    repeats: int = 3,
+    seed: int = 0,
 ) -> dict[str, float]:
     """Micro-benchmark of the INT8 engine (a CLI helper, not a test).
 
@@ -768,4 +823,9 @@ def bench_engine(
     single = best(lambda: run_int8(prepared, x))
     batched = best(lambda: run_int8_perturbed(prepared, x, wsets))
     looped = single * sets
-    return {"single_s": single, "looped_estimate_s": looped, "batched_s": batched, "speedup": looped / batched}
+    return {
+        "single_s": single,
+        "looped_estimate_s": looped,
+        "batched_s": batched,
+        "speedup": looped / batched,
+    }

@@ -58,7 +58,9 @@ def round_half_away(x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         v = v.astype(np.float64)
     whole = np.trunc(v)
     frac = v - whole  # exact: both operands share the exponent range of v
-    rounded: npt.NDArray[np.floating] = whole + np.where(np.abs(frac) >= 0.5, np.sign(v), 0).astype(v.dtype)
+    rounded: npt.NDArray[np.floating] = whole + np.where(np.abs(frac) >= 0.5, np.sign(v), 0).astype(
+        v.dtype
+    )
     return rounded
 
 

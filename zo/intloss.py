@@ -136,7 +136,8 @@ def exp_table(scale: float) -> npt.NDArray[np.uint32]:
     base = mantissa << exponent if exponent >= 0 else mantissa
     half = 1 << (_GEN_BITS - TABLE_BITS - 1)
     values = [
-        (_exp_neg_fixed(base * d, shift) + half) >> (_GEN_BITS - TABLE_BITS) for d in range(TABLE_SIZE)
+        (_exp_neg_fixed(base * d, shift) + half) >> (_GEN_BITS - TABLE_BITS)
+        for d in range(TABLE_SIZE)
     ]
     return np.asarray(values, dtype=np.uint32)
 
@@ -180,7 +181,10 @@ def ilog2_q24(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 def loss_q16(
-    logits: npt.NDArray[np.int8], labels: npt.NDArray[np.integer], table: npt.NDArray[np.uint32], s_q24: int
+    logits: npt.NDArray[np.int8],
+    labels: npt.NDArray[np.integer],
+    table: npt.NDArray[np.uint32],
+    s_q24: int,
 ) -> npt.NDArray[np.int32]:
     """Per-sample cross-entropy in Q16 from int8 logits.
 
@@ -235,7 +239,9 @@ def q16_to_float(value: int | np.integer) -> np.float32:
     return np.float32(int(value) / 65536.0)
 
 
-def float_cross_entropy(logits: npt.NDArray[np.float32], labels: npt.NDArray[np.integer]) -> npt.NDArray[np.float32]:
+def float_cross_entropy(
+    logits: npt.NDArray[np.float32], labels: npt.NDArray[np.integer]
+) -> npt.NDArray[np.float32]:
     """Per-sample softmax cross-entropy in float32, by log-sum-exp (FP32 mode).
 
     Args:
@@ -297,7 +303,9 @@ def format_vectors(seed: int = 2024, per_scale: int = 12) -> str:
         labels[1] = 1
         losses = loss_q16(logits, labels, table, s_q24)
         for row, label, loss in zip(logits, labels, losses, strict=True):
-            lines.append(f"loss {bits:08x} {row.view(np.uint8).tobytes().hex()} {int(label)} {int(loss)}")
+            lines.append(
+                f"loss {bits:08x} {row.view(np.uint8).tobytes().hex()} {int(label)} {int(loss)}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -192,7 +192,11 @@ def conv2d(
     else:
         og = o // groups
         # Patches are (kh, kw, C); group g reads channels [g*ig, (g+1)*ig) of every tap.
-        cg = cols.reshape(s, m, kh * kw, groups, ig).transpose(0, 3, 1, 2, 4).reshape(s, groups, m, kh * kw * ig)
+        cg = (
+            cols.reshape(s, m, kh * kw, groups, ig)
+            .transpose(0, 3, 1, 2, 4)
+            .reshape(s, groups, m, kh * kw * ig)
+        )
         wg = weight.reshape(weight.shape[0], groups, og, kh * kw * ig)
         y = row_wise_matmul(cg, np.swapaxes(wg, 2, 3)).transpose(0, 2, 1, 3).reshape(-1, m, o)
     y = y + bias[:, None, :]
@@ -247,7 +251,9 @@ def add(a: F32, b: F32, activation: Activation = "none") -> F32:
 def avg_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Padding) -> F32:
     """Average over the in-bounds part of each window (TFLite excludes padding)."""
     xp, oh, ow = padded_windows(x, pool, stride, padding, 0.0)
-    ones = padded_windows(np.ones((1, 1, *x.shape[2:4], 1), np.float32), pool, stride, padding, 0.0)[0]
+    ones = padded_windows(
+        np.ones((1, 1, *x.shape[2:4], 1), np.float32), pool, stride, padding, 0.0
+    )[0]
     total: Array | None = None
     count: Array | None = None
     for i in range(pool[0]):

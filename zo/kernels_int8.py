@@ -66,6 +66,7 @@ _F32_EXACT: Final = 2**24
 
 def activation_range(activation: Activation, out: TensorQuant) -> tuple[int, int]:
     """TFLite ``CalculateActivationRangeQuantized`` for int8 (float32 division, C round)."""
+
     def q(value: float) -> int:
         scaled = np.float32(value) / np.float32(out.scale)
         return int(out.zero_point) + int(round_half_away(scaled))
@@ -91,7 +92,9 @@ class OutputStage:
     def apply(self, acc: I64, single_rounding: bool = False) -> I8:
         """int32 accumulators (bias included, channels last) -> clamped int8."""
         rows, mult, shift = _tile_channels(acc, self.multiplier, self.shift)
-        y: I64 = multiply_by_quantized_multiplier(rows, mult, shift, single_rounding=single_rounding)
+        y: I64 = multiply_by_quantized_multiplier(
+            rows, mult, shift, single_rounding=single_rounding
+        )
         y += self.output_zero_point
         np.clip(y, self.act_min, self.act_max, out=y)
         return y.astype(np.int8).reshape(acc.shape)
@@ -202,7 +205,11 @@ def conv2d(
         acc = int_matmul(cols.reshape(s, m, k), np.swapaxes(w, 1, 2))
     else:
         og = o // groups
-        cg = cols.reshape(s, m, kh * kw, groups, ig).transpose(0, 3, 1, 2, 4).reshape(s, groups, m, kh * kw * ig)
+        cg = (
+            cols.reshape(s, m, kh * kw, groups, ig)
+            .transpose(0, 3, 1, 2, 4)
+            .reshape(s, groups, m, kh * kw * ig)
+        )
         wg = weight.reshape(weight.shape[0], groups, og, kh * kw * ig)
         wf = np.swapaxes(wg, 2, 3).astype(cg.dtype)
         acc4 = np.matmul(cg, wf).astype(np.int64)
@@ -284,7 +291,9 @@ class AddParams:
     act_max: int
 
 
-def prepare_add(a: TensorQuant, b: TensorQuant, out: TensorQuant, activation: Activation) -> AddParams:
+def prepare_add(
+    a: TensorQuant, b: TensorQuant, out: TensorQuant, activation: Activation
+) -> AddParams:
     """Input and output multipliers: inputs rescaled to twice the larger input scale."""
     left_shift = 20
     sa, sb, so = np.float32(a.scale), np.float32(b.scale), np.float32(out.scale)
@@ -295,10 +304,17 @@ def prepare_add(a: TensorQuant, b: TensorQuant, out: TensorQuant, activation: Ac
     lo, hi = activation_range(activation, out)
     return AddParams(
         left_shift,
-        int(a.zero_point), int(m1), int(s1),
-        int(b.zero_point), int(m2), int(s2),
-        int(out.zero_point), int(mo), int(so_),
-        lo, hi,
+        int(a.zero_point),
+        int(m1),
+        int(s1),
+        int(b.zero_point),
+        int(m2),
+        int(s2),
+        int(out.zero_point),
+        int(mo),
+        int(so_),
+        lo,
+        hi,
     )
 
 
@@ -309,7 +325,9 @@ def add(a: I8, b: I8, p: AddParams, single_rounding: bool = False) -> I8:
     x2 = (b.astype(np.int64) - p.in2_zero_point) << p.left_shift
     y1 = multiply_by_quantized_multiplier(x1, p.in1_multiplier, p.in1_shift, single_rounding=sr)
     y2 = multiply_by_quantized_multiplier(x2, p.in2_multiplier, p.in2_shift, single_rounding=sr)
-    raw: I64 = multiply_by_quantized_multiplier(y1 + y2, p.out_multiplier, p.out_shift, single_rounding=sr)
+    raw: I64 = multiply_by_quantized_multiplier(
+        y1 + y2, p.out_multiplier, p.out_shift, single_rounding=sr
+    )
     raw += p.out_zero_point
     return np.clip(raw, p.act_min, p.act_max).astype(np.int8)
 

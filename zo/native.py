@@ -52,8 +52,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CFLAGS: Final = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing",
-                 "-fPIC", "-shared", "-pthread")
+CFLAGS: Final = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+)
 SOURCE: Final = Path(__file__).with_name("_native") / "qsched_kernels.c"
 # Largest |w * (x - zp)|: the int32 accumulator holds K of them plus the bias (C file).
 _MAX_PRODUCT: Final = 128 * 255
@@ -105,11 +112,18 @@ def library_path(cc: str | None = None) -> Path:
     """
     cc = cc or _compiler() or "gcc"
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return _cache_dir() / f"qsched_kernels-{h.hexdigest()[:16]}.so"
@@ -120,7 +134,9 @@ def _build(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
         if proc.returncode != 0:
             raise NativeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)  # atomic: concurrent builders agree on the bytes
@@ -131,9 +147,44 @@ def _build(cc: str, target: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     conv_args: list[Any] = [_P8, _I, _I, _I, _I, _I, _P8, _I, _I, _I, _I]
-    lib.qs_conv.argtypes = [*conv_args, _I, _P32, _I, _I, _I, _I, _I, _I, _I, _I, _P64, _I, _I, _I, _P8, _I]
+    lib.qs_conv.argtypes = [
+        *conv_args,
+        _I,
+        _P32,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _P64,
+        _I,
+        _I,
+        _I,
+        _P8,
+        _I,
+    ]
     lib.qs_conv.restype = ctypes.c_int
-    lib.qs_depthwise.argtypes = [*conv_args, _P32, _I, _I, _I, _I, _I, _I, _I, _I, _P64, _I, _I, _I, _P8, _I]
+    lib.qs_depthwise.argtypes = [
+        *conv_args,
+        _P32,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _P64,
+        _I,
+        _I,
+        _I,
+        _P8,
+        _I,
+    ]
     lib.qs_depthwise.restype = ctypes.c_int
     lib.qs_add.argtypes = [_P8, _P8, _I, _P64, _P8]
     lib.qs_add.restype = ctypes.c_int
@@ -223,8 +274,14 @@ def _requant_table(stage: OutputStage, single_rounding: bool, channels: int) -> 
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_table(m_bytes: bytes, s_bytes: bytes, m_shape: tuple[int, ...], s_shape: tuple[int, ...],
-                  single_rounding: bool, channels: int) -> I64:
+def _cached_table(
+    m_bytes: bytes,
+    s_bytes: bytes,
+    m_shape: tuple[int, ...],
+    s_shape: tuple[int, ...],
+    single_rounding: bool,
+    channels: int,
+) -> I64:
     m = np.broadcast_to(np.frombuffer(m_bytes, np.int64).reshape(m_shape), (channels,)).copy()
     s = np.broadcast_to(np.frombuffer(s_bytes, np.int64).reshape(s_shape), (channels,)).copy()
     table = _build_table(m, s, single_rounding, channels)
@@ -249,7 +306,9 @@ def _build_table(m: I64, s: I64, single_rounding: bool, channels: int) -> I64:
 
 def _fused(multiplier: int, shift: int, single_rounding: bool) -> I64:
     """One multiplier's ``[left, multiplier, add, threshold, right]`` (see ``_requant_table``)."""
-    stage = OutputStage(np.array([multiplier], np.int64), np.array([shift], np.int64), 0, 0, -128, 127)
+    stage = OutputStage(
+        np.array([multiplier], np.int64), np.array([shift], np.int64), 0, 0, -128, 127
+    )
     return _requant_table(stage, single_rounding, 1)[:, 0]
 
 
@@ -261,7 +320,9 @@ def _c8(a: Array) -> I8:
     return np.ascontiguousarray(a, dtype=np.int8)
 
 
-def _geometry(h: int, w: int, kernel: tuple[int, int], stride: tuple[int, int], padding: Padding) -> tuple[int, int, int, int]:
+def _geometry(
+    h: int, w: int, kernel: tuple[int, int], stride: tuple[int, int], padding: Padding
+) -> tuple[int, int, int, int]:
     oh, ow = out_size(h, kernel[0], stride[0], padding), out_size(w, kernel[1], stride[1], padding)
     pt = pad_amounts(h, kernel[0], stride[0], padding)[0]
     pl = pad_amounts(w, kernel[1], stride[1], padding)[0]
@@ -279,7 +340,9 @@ def _check_range(k: int, bias: npt.NDArray[np.int32]) -> None:
     """Refuse a layer whose int32 accumulator could overflow (TFLite's would too)."""
     peak = int(np.abs(bias.astype(np.int64)).max(initial=0))
     if k * _MAX_PRODUCT + peak >= 2**31:
-        raise ValueError(f"dot-product length {k} with bias up to {peak} can overflow the int32 accumulator")
+        raise ValueError(
+            f"dot-product length {k} with bias up to {peak} can overflow the int32 accumulator"
+        )
 
 
 def _check(status: int, what: str) -> None:
@@ -325,9 +388,34 @@ def conv2d(
     rq = _requant_table(stage, single_rounding, o)
     out = np.empty((so, n, oh, ow, o), np.int8)
     status = lib.qs_conv(
-        _ptr(xc, _P8), s, n, h, w, c, _ptr(wc, _P8), sw, o, kh, kw, groups, _ptr(b32, _P32), b32.shape[0],
-        stride[0], stride[1], pt, pl, oh, ow, stage.input_zero_point, _ptr(rq, _P64),
-        stage.output_zero_point, stage.act_min, stage.act_max, _ptr(out, _P8), threads())
+        _ptr(xc, _P8),
+        s,
+        n,
+        h,
+        w,
+        c,
+        _ptr(wc, _P8),
+        sw,
+        o,
+        kh,
+        kw,
+        groups,
+        _ptr(b32, _P32),
+        b32.shape[0],
+        stride[0],
+        stride[1],
+        pt,
+        pl,
+        oh,
+        ow,
+        stage.input_zero_point,
+        _ptr(rq, _P64),
+        stage.output_zero_point,
+        stage.act_min,
+        stage.act_max,
+        _ptr(out, _P8),
+        threads(),
+    )
     _check(status, "conv2d")
     return out
 
@@ -347,8 +435,16 @@ def dense(x: I8, weight: I8, bias: I64, stage: OutputStage, single_rounding: boo
     """
     s, n, f = x.shape
     sw, o, _ = weight.shape
-    y = conv2d(x.reshape(s, n, 1, 1, f), weight.reshape(sw, o, 1, 1, f), bias, stage, (1, 1), "valid",
-               1, single_rounding)
+    y = conv2d(
+        x.reshape(s, n, 1, 1, f),
+        weight.reshape(sw, o, 1, 1, f),
+        bias,
+        stage,
+        (1, 1),
+        "valid",
+        1,
+        single_rounding,
+    )
     return y.reshape(y.shape[0], n, o)
 
 
@@ -388,9 +484,33 @@ def depthwise_conv2d(
     rq = _requant_table(stage, single_rounding, o)
     out = np.empty((so, n, oh, ow, o), np.int8)
     status = lib.qs_depthwise(
-        _ptr(xc, _P8), s, n, h, w, c, _ptr(wc, _P8), sw, o, kh, kw, _ptr(b32, _P32), b32.shape[0],
-        stride[0], stride[1], pt, pl, oh, ow, stage.input_zero_point, _ptr(rq, _P64),
-        stage.output_zero_point, stage.act_min, stage.act_max, _ptr(out, _P8), threads())
+        _ptr(xc, _P8),
+        s,
+        n,
+        h,
+        w,
+        c,
+        _ptr(wc, _P8),
+        sw,
+        o,
+        kh,
+        kw,
+        _ptr(b32, _P32),
+        b32.shape[0],
+        stride[0],
+        stride[1],
+        pt,
+        pl,
+        oh,
+        ow,
+        stage.input_zero_point,
+        _ptr(rq, _P64),
+        stage.output_zero_point,
+        stage.act_min,
+        stage.act_max,
+        _ptr(out, _P8),
+        threads(),
+    )
     _check(status, "depthwise_conv2d")
     return out
 
@@ -411,10 +531,26 @@ def add(a: I8, b: I8, p: AddParams, single_rounding: bool = False) -> I8:
     shape = np.broadcast_shapes(a.shape, b.shape)
     ac = _c8(np.broadcast_to(a, shape))
     bc = _c8(np.broadcast_to(b, shape))
-    fused = [_fused(m, sh, single_rounding) for m, sh in
-             ((p.in1_multiplier, p.in1_shift), (p.in2_multiplier, p.in2_shift), (p.out_multiplier, p.out_shift))]
-    head = [p.left_shift, p.in1_zero_point, p.in2_zero_point, p.out_zero_point, p.act_min, p.act_max]
+    fused = [
+        _fused(m, sh, single_rounding)
+        for m, sh in (
+            (p.in1_multiplier, p.in1_shift),
+            (p.in2_multiplier, p.in2_shift),
+            (p.out_multiplier, p.out_shift),
+        )
+    ]
+    head = [
+        p.left_shift,
+        p.in1_zero_point,
+        p.in2_zero_point,
+        p.out_zero_point,
+        p.act_min,
+        p.act_max,
+    ]
     params = np.concatenate([np.array(head, np.int64), *fused])
     out = np.empty(shape, np.int8)
-    _check(lib.qs_add(_ptr(ac, _P8), _ptr(bc, _P8), out.size, _ptr(params, _P64), _ptr(out, _P8)), "add")
+    _check(
+        lib.qs_add(_ptr(ac, _P8), _ptr(bc, _P8), out.size, _ptr(params, _P64), _ptr(out, _P8)),
+        "add",
+    )
     return out

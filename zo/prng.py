@@ -41,9 +41,7 @@ DOMAIN_BATCH: Final = 1
 U32 = npt.NDArray[np.uint32]
 
 
-def philox4x32(
-    counters: npt.NDArray[np.uint32], key: tuple[int, int]
-) -> npt.NDArray[np.uint32]:
+def philox4x32(counters: npt.NDArray[np.uint32], key: tuple[int, int]) -> npt.NDArray[np.uint32]:
     """Philox4x32-10 on many counters at once.
 
     Args:
@@ -109,7 +107,9 @@ def rademacher(seed: int, step: int, k: int, size: int) -> npt.NDArray[np.int8]:
     return (1 - 2 * bits.astype(np.int8)).astype(np.int8)
 
 
-def batch_indices(seed: int, step: int, batch_size: int, dataset_size: int) -> npt.NDArray[np.int64]:
+def batch_indices(
+    seed: int, step: int, batch_size: int, dataset_size: int
+) -> npt.NDArray[np.int64]:
     """Indices of a step's minibatch, drawn with replacement.
 
     Sample j takes word (j mod 4) of block (j div 4), counter (block, step, 0,

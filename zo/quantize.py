@@ -186,4 +186,11 @@ def dequantize_weights(qmodel: QuantModel) -> Model:
         bias_scale = np.float32(qmodel.tensors[node.inputs[0]].scale) * scales
         bias = (layer.bias.astype(np.float32) * bias_scale).astype(np.float32)
         nodes.append(dataclasses.replace(node, inputs=list(node.inputs), weight=weight, bias=bias))
-    return Model(model.name, model.input_name, tuple(model.input_shape), nodes, model.output_name, model.num_classes)
+    return Model(
+        model.name,
+        model.input_name,
+        tuple(model.input_shape),
+        nodes,
+        model.output_name,
+        model.num_classes,
+    )

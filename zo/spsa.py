@@ -81,7 +81,9 @@ def _finite(value: float, what: str, k: int | None) -> float:
     return result
 
 
-def _differences(losses: LossPairs, eps: float, estimator: Estimator) -> tuple[dict[int, float], float]:
+def _differences(
+    losses: LossPairs, eps: float, estimator: Estimator
+) -> tuple[dict[int, float], float]:
     """Loss differences per k and the eps factor they are divided by (2 eps or eps)."""
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")

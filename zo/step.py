@@ -74,7 +74,9 @@ def train_loss(losses: LossPairs) -> float:
     return float(sum((losses.plus[k] + losses.minus[k]) / 2.0 for k in ks) / len(ks))
 
 
-def settle_step(spec: JobSpec, step: int, q: int, losses: LossPairs, passes_before: int) -> SettledStep:
+def settle_step(
+    spec: JobSpec, step: int, q: int, losses: LossPairs, passes_before: int
+) -> SettledStep:
     """Coefficients, record and policy report of step ``step`` from its losses.
 
     Args:

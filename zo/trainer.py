@@ -87,8 +87,13 @@ def train_zo(
             raise ValueError("resume: the result belongs to another job spec")
         qpolicy.load_state_dict(resume.policy_state)
         result = TrainResult(
-            spec, resume.state.copy(), dict(resume.policy_state), list(resume.steps), list(resume.evals),
-            resume.forward_passes, resume.wall_s,
+            spec,
+            resume.state.copy(),
+            dict(resume.policy_state),
+            list(resume.steps),
+            list(resume.evals),
+            resume.forward_passes,
+            resume.wall_s,
         )
     else:
         result = TrainResult(spec, wl.initial_state(), qpolicy.state_dict())
@@ -103,7 +108,9 @@ def train_zo(
     return result
 
 
-def _one_step(wl: Workload, policy: QPolicy, result: TrainResult) -> tuple[StepRecord, EvalRecord | None]:
+def _one_step(
+    wl: Workload, policy: QPolicy, result: TrainResult
+) -> tuple[StepRecord, EvalRecord | None]:
     spec, step, q = wl.spec, result.state.step, policy.q
     losses = wl.perturbed_losses(result.state, step, range(q))
     settled = settle_step(spec, step, q, losses, result.forward_passes)

@@ -63,7 +63,9 @@ def _bits_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArra
     counters[:, :, 1] = step
     counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
     counters[:, :, 3] = DOMAIN_PERTURB
-    words = philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(len(ks), -1)
+    words = philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(
+        len(ks), -1
+    )
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     return bits[:, :size].astype(np.bool_)
 
@@ -107,7 +109,9 @@ def apply_int8_fp16(
     delta = accumulate_delta(seed, step, pairs, weights.size)
     summed = to_fp16_saturating(buffer.astype(np.float32) + delta)
     moves = np.trunc(summed.astype(np.float32))
-    new_weights = np.clip(weights.astype(np.int32) + moves.astype(np.int32), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX)
+    new_weights = np.clip(
+        weights.astype(np.int32) + moves.astype(np.int32), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX
+    )
     # summed - trunc(summed) is exactly representable in FP16 (it only drops bits).
     remainder = (summed.astype(np.float32) - moves).astype(np.float16)
     return new_weights.astype(np.int8), remainder

@@ -61,8 +61,15 @@ _VALIDATION_CHUNK: Final = 1024
 _STATE_MAGIC: Final = b"QZST"
 _STATE_VERSION: Final = 1
 _STATE_HEADER: Final = struct.Struct("<4sHBBQII")
-_PARAM_CODES: Final[dict[np.dtype[Any] | None, int]] = {np.dtype(np.float32): 1, np.dtype(np.int8): 2}
-_BUFFER_CODES: Final[dict[np.dtype[Any] | None, int]] = {None: 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2}
+_PARAM_CODES: Final[dict[np.dtype[Any] | None, int]] = {
+    np.dtype(np.float32): 1,
+    np.dtype(np.int8): 2,
+}
+_BUFFER_CODES: Final[dict[np.dtype[Any] | None, int]] = {
+    None: 0,
+    np.dtype(np.float16): 1,
+    np.dtype(np.int8): 2,
+}
 
 
 class WorkloadError(ValueError):
@@ -114,7 +121,9 @@ class TrainState:
         expected = size + (0 if self.buffer is None else self.buffer.size * self.buffer.itemsize)
         if len(raw) != expected:
             raise StateError(f"weights are {len(raw)} bytes, the job needs {expected}")
-        new_params = np.frombuffer(raw, params.dtype.newbyteorder("<"), params.size).astype(params.dtype)
+        new_params = np.frombuffer(raw, params.dtype.newbyteorder("<"), params.size).astype(
+            params.dtype
+        )
         buffer = None
         if self.buffer is not None:
             dtype = self.buffer.dtype
@@ -161,7 +170,11 @@ class TrainState:
         if pdtype is None:
             raise StateError("train state: params need a dtype")
         bdtype = _code_dtype(_BUFFER_CODES, bcode, "buffer")
-        expected = _STATE_HEADER.size + n_params * pdtype.itemsize + (n_buffer * bdtype.itemsize if bdtype else 0)
+        expected = (
+            _STATE_HEADER.size
+            + n_params * pdtype.itemsize
+            + (n_buffer * bdtype.itemsize if bdtype else 0)
+        )
         if len(data) != expected:
             raise StateError(f"train state: {len(data)} bytes, expected {expected}")
         offset = _STATE_HEADER.size
@@ -169,20 +182,26 @@ class TrainState:
         buffer = None
         if bdtype is not None:
             offset += n_params * pdtype.itemsize
-            buffer = np.frombuffer(data, dtype=bdtype.newbyteorder("<"), count=n_buffer, offset=offset)
+            buffer = np.frombuffer(
+                data, dtype=bdtype.newbyteorder("<"), count=n_buffer, offset=offset
+            )
             buffer = buffer.astype(bdtype)
         return cls(step=int(step), params=params.astype(pdtype), buffer=buffer)
 
     def copy(self) -> TrainState:
         """A deep copy."""
-        return TrainState(self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy())
+        return TrainState(
+            self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy()
+        )
 
 
 def _le_bytes(array: Flat) -> bytes:
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
 
 
-def _code_dtype(codes: dict[np.dtype[Any] | None, int], code: int, what: str) -> np.dtype[Any] | None:
+def _code_dtype(
+    codes: dict[np.dtype[Any] | None, int], code: int, what: str
+) -> np.dtype[Any] | None:
     for dtype, value in codes.items():
         if value == code:
             return dtype
@@ -207,10 +226,14 @@ def resolve_trainable(model: Model, trainable: str | list[str]) -> list[str]:
         return names
     if isinstance(trainable, str):
         if not trainable.startswith("last:"):
-            raise WorkloadError(f"trainable must be 'all', 'last:N' or layer names, got {trainable!r}")
+            raise WorkloadError(
+                f"trainable must be 'all', 'last:N' or layer names, got {trainable!r}"
+            )
         count = int(trainable.split(":", 1)[1])
         if not 0 < count <= len(names):
-            raise WorkloadError(f"trainable {trainable!r}: the model has {len(names)} layers with weights: {names}")
+            raise WorkloadError(
+                f"trainable {trainable!r}: the model has {len(names)} layers with weights: {names}"
+            )
         return names[-count:]
     unknown = [t for t in trainable if t not in names]
     if unknown:
@@ -240,7 +263,12 @@ class Workload:
     """One job's model, data and numerics (see the module docstring)."""
 
     def __init__(
-        self, spec: JobSpec, model: Model, qmodel: QuantModel | None, dataset: Dataset, trainable: list[str]
+        self,
+        spec: JobSpec,
+        model: Model,
+        qmodel: QuantModel | None,
+        dataset: Dataset,
+        trainable: list[str],
     ) -> None:
         """Assemble a workload from parts (``from_spec`` builds them from a spec).
 
@@ -255,7 +283,9 @@ class Workload:
             WorkloadError: unknown layers, no parameters, or numerics and qmodel disagree.
         """
         if (qmodel is not None) != (spec.numerics == "int8"):
-            raise WorkloadError(f"numerics {spec.numerics!r} needs {'a' if spec.numerics == 'int8' else 'no'} QuantModel")
+            raise WorkloadError(
+                f"numerics {spec.numerics!r} needs {'a' if spec.numerics == 'int8' else 'no'} QuantModel"
+            )
         self.spec = spec
         self.model = model
         self.qmodel = qmodel
@@ -305,9 +335,16 @@ class Workload:
             model = backbone
         else:
             model = build_model(
-                spec.model, dataset.input_shape, dataset.num_classes, seed=spec.seed, **spec.model_options
+                spec.model,
+                dataset.input_shape,
+                dataset.num_classes,
+                seed=spec.seed,
+                **spec.model_options,
             )
-        if tuple(model.input_shape) != dataset.input_shape or model.num_classes != dataset.num_classes:
+        if (
+            tuple(model.input_shape) != dataset.input_shape
+            or model.num_classes != dataset.num_classes
+        ):
             raise WorkloadError(
                 f"model {model.name!r} takes {model.input_shape} -> {model.num_classes} classes, "
                 f"data set {dataset.name!r} is {dataset.input_shape} -> {dataset.num_classes}"
@@ -326,7 +363,9 @@ class Workload:
         start = 0
         for name in self.trainable_layers:
             node = self.model.node(name)
-            kinds: tuple[Literal["weight", "bias"], ...] = ("weight",) if self.int8 else ("weight", "bias")
+            kinds: tuple[Literal["weight", "bias"], ...] = (
+                ("weight",) if self.int8 else ("weight", "bias")
+            )
             for kind in kinds:
                 shape = tuple(int(d) for d in getattr(node, kind).shape)
                 segments.append(_Segment(name, kind, start, shape))
@@ -348,9 +387,14 @@ class Workload:
     def initial_state(self) -> TrainState:
         """The state before step 0: the model's weights and a zero buffer."""
         if self.qmodel is None:
-            parts = [np.asarray(getattr(self.model.node(s.layer), s.kind), np.float32).ravel() for s in self.segments]
+            parts = [
+                np.asarray(getattr(self.model.node(s.layer), s.kind), np.float32).ravel()
+                for s in self.segments
+            ]
             return TrainState(0, np.concatenate(parts).astype(np.float32), None)
-        params = np.concatenate([self.qmodel.layers[s.layer].weight.ravel() for s in self.segments]).astype(np.int8)
+        params = np.concatenate(
+            [self.qmodel.layers[s.layer].weight.ravel() for s in self.segments]
+        ).astype(np.int8)
         if self.spec.accumulator == "int8":
             return TrainState(0, params, accum_int8.initial_state(self.tensor_sizes))
         return TrainState(0, params, np.zeros(self.num_params, dtype=np.float16))
@@ -364,7 +408,8 @@ class Workload:
             )
         expected = self.initial_state().buffer
         if (expected is None) != (state.buffer is None) or (
-            expected is not None and state.buffer is not None
+            expected is not None
+            and state.buffer is not None
             and (expected.dtype != state.buffer.dtype or expected.shape != state.buffer.shape)
         ):
             raise StateError("state buffer does not match the job's accumulator")
@@ -373,7 +418,9 @@ class Workload:
 
     def batch(self, step: int) -> npt.NDArray[np.int64]:
         """The minibatch indices of a step (SPEC section 1)."""
-        indices: npt.NDArray[np.int64] = prng.batch_indices(self.spec.seed, step, self.spec.batch_size, len(self.dataset.x_train))
+        indices: npt.NDArray[np.int64] = prng.batch_indices(
+            self.spec.seed, step, self.spec.batch_size, len(self.dataset.x_train)
+        )
         return indices
 
     def perturbed_losses(self, state: TrainState, step: int, ks: Sequence[int]) -> LossPairs:
@@ -412,16 +459,18 @@ class Workload:
             )
         return LossPairs(plus={k: losses[i] for i, k in enumerate(keys)}, minus={}, base=losses[-1])
 
-    def _train_inputs(
-        self, idx: npt.NDArray[np.int64]
-    ) -> Inputs:
+    def _train_inputs(self, idx: npt.NDArray[np.int64]) -> Inputs:
         """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
-        first = next(i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers))
+        first = next(
+            i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers)
+        )
         if first == 0:
             return self._x_train[idx]
         if self._train_prefix is None:
             source = self.qmodel if self.qmodel is not None else self.model
-            self._train_prefix = engine.prefix_activations(source, self._x_train, self.trainable_layers)
+            self._train_prefix = engine.prefix_activations(
+                source, self._x_train, self.trainable_layers
+            )
         return self._train_prefix.take(idx)
 
     def _perturb(
@@ -434,7 +483,9 @@ class Workload:
             z = np.where(negative, -int(eps), int(eps)).astype(np.int32)
             for sign in signs:
                 moved = wide + z if sign > 0 else wide - z
-                out.append(np.clip(moved, -update.INT8_WEIGHT_MAX, update.INT8_WEIGHT_MAX).astype(np.int8))
+                out.append(
+                    np.clip(moved, -update.INT8_WEIGHT_MAX, update.INT8_WEIGHT_MAX).astype(np.int8)
+                )
             return out
         theta = params.astype(np.float32)
         for sign in signs:
@@ -442,7 +493,9 @@ class Workload:
             out.append((theta + np.where(negative, -step_size, step_size)).astype(np.float32))
         return out
 
-    def apply_update(self, state: TrainState, step: int, pairs: Sequence[tuple[int, float]]) -> TrainState:
+    def apply_update(
+        self, state: TrainState, step: int, pairs: Sequence[tuple[int, float]]
+    ) -> TrainState:
         """Apply the step's update pairs (SPEC section 4); returns a new state at step + 1.
 
         Args:
@@ -461,7 +514,11 @@ class Workload:
             raise StateError(f"state is at step {state.step}, update is for step {step}")
         seed = self.spec.seed
         if not self.int8:
-            return TrainState(step + 1, update.apply_fp32(state.params.astype(np.float32), seed, step, pairs), None)
+            return TrainState(
+                step + 1,
+                update.apply_fp32(state.params.astype(np.float32), seed, step, pairs),
+                None,
+            )
         weights = state.params.astype(np.int8)
         if self.spec.accumulator == "int8":
             assert state.buffer is not None
@@ -470,7 +527,9 @@ class Workload:
             )
             return TrainState(step + 1, new_w, new_b)
         assert state.buffer is not None
-        new_w, new_f16 = update.apply_int8_fp16(weights, state.buffer.astype(np.float16), seed, step, pairs)
+        new_w, new_f16 = update.apply_int8_fp16(
+            weights, state.buffer.astype(np.float16), seed, step, pairs
+        )
         return TrainState(step + 1, new_w, new_f16)
 
     # ------------------------------------------------------------------ evaluation
@@ -488,7 +547,9 @@ class Workload:
             stacked = np.stack(sets[start : start + chunk])
             per_sample = self._per_sample_losses(stacked, x, y)
             if self.int8:
-                out.extend(float(intloss.q16_to_float(v)) for v in intloss.batch_loss_q16(per_sample))
+                out.extend(
+                    float(intloss.q16_to_float(v)) for v in intloss.batch_loss_q16(per_sample)
+                )
             else:
                 out.extend(float(v) for v in per_sample.mean(axis=-1, dtype=np.float32))
         return out
@@ -524,7 +585,9 @@ class Workload:
         logits = self._logits(stacked, x)
         if self.qmodel is not None:
             assert self._loss_table is not None
-            q16: Flat = intloss.loss_q16(logits.astype(np.int8), y[None, :], self._loss_table, self._loss_scale_q24)
+            q16: Flat = intloss.loss_q16(
+                logits.astype(np.int8), y[None, :], self._loss_table, self._loss_scale_q24
+            )
             return q16
         ce: Flat = intloss.float_cross_entropy(logits.astype(np.float32), y[None, :])
         return ce
@@ -532,7 +595,9 @@ class Workload:
     def _segment(self, layer: str, kind: str) -> _Segment:
         return next(s for s in self.segments if s.layer == layer and s.kind == kind)
 
-    def validate(self, state: TrainState, start: int = 0, count: int | None = None) -> tuple[float, int, int]:
+    def validate(
+        self, state: TrainState, start: int = 0, count: int | None = None
+    ) -> tuple[float, int, int]:
         """Unperturbed loss and accuracy on a slice of the validation set.
 
         Boards validate data-parallel: each takes a slice and the daemon sums the results.
@@ -558,10 +623,16 @@ class Workload:
             logits = self._logits(state.params[None, :], self._x_val[lo:hi])[0]
             if self.qmodel is not None:
                 assert self._loss_table is not None
-                q16 = intloss.loss_q16(logits.astype(np.int8), y, self._loss_table, self._loss_scale_q24)
+                q16 = intloss.loss_q16(
+                    logits.astype(np.int8), y, self._loss_table, self._loss_scale_q24
+                )
                 loss_sum += int(q16.astype(np.int64).sum()) / 65536.0
             else:
-                loss_sum += float(intloss.float_cross_entropy(logits.astype(np.float32), y).astype(np.float64).sum())
+                loss_sum += float(
+                    intloss.float_cross_entropy(logits.astype(np.float32), y)
+                    .astype(np.float64)
+                    .sum()
+                )
             correct += int((np.argmax(logits, axis=-1) == y).sum())
         return loss_sum, correct, stop - start
 
@@ -576,7 +647,9 @@ class Workload:
         for seg in self.segments:
             old = layers[seg.layer]
             weight = state.params[seg.start : seg.stop].astype(np.int8).reshape(seg.shape)
-            layers[seg.layer] = QuantizedLayer(weight=weight, weight_scales=old.weight_scales, bias=old.bias)
+            layers[seg.layer] = QuantizedLayer(
+                weight=weight, weight_scales=old.weight_scales, bias=old.bias
+            )
         updated = QuantModel(model=self.model, tensors=dict(self.qmodel.tensors), layers=layers)
         return QuantModel(model=dequantize_weights(updated), tensors=updated.tensors, layers=layers)
 
@@ -638,12 +711,16 @@ def _rademacher_many(seed: int, step: int, ks: Sequence[int], size: int) -> npt.
     counters[:, :, 1] = step
     counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
     counters[:, :, 3] = prng.DOMAIN_PERTURB
-    words = prng.philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(len(ks), -1)
+    words = prng.philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(
+        len(ks), -1
+    )
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     return bits[:, :size].astype(np.bool_)
 
 
-def calibration_indices(seed: int, dataset_size: int, count: int = CALIBRATION_SAMPLES) -> npt.NDArray[np.int64]:
+def calibration_indices(
+    seed: int, dataset_size: int, count: int = CALIBRATION_SAMPLES
+) -> npt.NDArray[np.int64]:
     """The PTQ calibration subset: ``count`` indices from Philox domain 2 (sorted, unique)."""
     if dataset_size <= count:
         return np.arange(dataset_size, dtype=np.int64)

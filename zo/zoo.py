@@ -134,7 +134,9 @@ def _conv_shape(node: Conv2D, x: Shape) -> Shape:
         out, kh, kw, cin = node.weight.shape
         ok = c % node.groups == 0 and cin == c // node.groups and out % node.groups == 0
     if not ok:
-        raise GraphError(node.name, f"weight {node.weight.shape} (groups {node.groups}) does not fit input {x}")
+        raise GraphError(
+            node.name, f"weight {node.weight.shape} (groups {node.groups}) does not fit input {x}"
+        )
     oh = conv_output_size(h, kh, node.stride[0], node.padding)
     ow = conv_output_size(w, kw, node.stride[1], node.padding)
     if oh < 1 or ow < 1:
@@ -214,20 +216,44 @@ class _Builder:
         return (self.rng.standard_normal(shape) * std).astype(np.float32)
 
     def conv(
-        self, name: str, x: str, out: int, kernel: int = 3, stride: int = 1,
-        activation: Activation = "none", gain: float = 1.0,
+        self,
+        name: str,
+        x: str,
+        out: int,
+        kernel: int = 3,
+        stride: int = 1,
+        activation: Activation = "none",
+        gain: float = 1.0,
     ) -> str:
         cin = self.shapes[x][-1]
         weight = self._he((out, kernel, kernel, cin), kernel * kernel * cin, gain)
-        node = Conv2D(name, [x], name, weight, np.zeros(out, np.float32),
-                      stride=(stride, stride), padding="same", activation=activation)
+        node = Conv2D(
+            name,
+            [x],
+            name,
+            weight,
+            np.zeros(out, np.float32),
+            stride=(stride, stride),
+            padding="same",
+            activation=activation,
+        )
         return self._append(node)
 
     def depthwise(self, name: str, x: str, stride: int, activation: Activation) -> str:
         cin = self.shapes[x][-1]
         weight = self._he((1, 3, 3, cin), 9)
-        node = Conv2D(name, [x], name, weight, np.zeros(cin, np.float32), stride=(stride, stride),
-                      padding="same", groups=cin, depthwise=True, activation=activation)
+        node = Conv2D(
+            name,
+            [x],
+            name,
+            weight,
+            np.zeros(cin, np.float32),
+            stride=(stride, stride),
+            padding="same",
+            groups=cin,
+            depthwise=True,
+            activation=activation,
+        )
         return self._append(node)
 
     def dense(self, name: str, x: str, out: int, activation: Activation = "none") -> str:
@@ -357,8 +383,15 @@ def _resnet18(b: _Builder, width: float = 0.25, stem: str = "auto") -> None:
 
 
 # (expansion t, channels c, repeats n, first stride s) of MobileNetV2.
-_MBV2_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
-                  (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+_MBV2_SETTINGS = (
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+)
 
 
 def _inverted_residual(b: _Builder, prefix: str, x: str, expand: int, out: int, stride: int) -> str:
@@ -374,8 +407,12 @@ def _inverted_residual(b: _Builder, prefix: str, x: str, expand: int, out: int, 
 
 
 def _mobilenetv2(
-    b: _Builder, width: float = 0.35, stages: int = 7, max_repeats: int = 4,
-    stem_stride: int = 0, last_channels: int = 0,
+    b: _Builder,
+    width: float = 0.35,
+    stages: int = 7,
+    max_repeats: int = 4,
+    stem_stride: int = 0,
+    last_channels: int = 0,
 ) -> None:
     """MobileNetV2 with a width multiplier; ``stages`` and ``max_repeats`` cut depth for small inputs.
 
@@ -421,7 +458,10 @@ def available_models() -> list[str]:
 
 
 def build_model(
-    name: str, input_shape: Sequence[int] | None = None, num_classes: int = 10, seed: int = 0,
+    name: str,
+    input_shape: Sequence[int] | None = None,
+    num_classes: int = 10,
+    seed: int = 0,
     **options: Any,
 ) -> Model:
     """Build a zoo model with deterministic initial weights.
@@ -482,11 +522,25 @@ def replace_classifier(model: Model, num_classes: int, seed: int = 0) -> Model:
     nodes: list[Node] = [copy.deepcopy(n) for n in model.nodes[:-1]]
     fan_in = int(last.weight.shape[1])
     rng = np.random.default_rng(seed)
-    weight = (rng.standard_normal((num_classes, fan_in)) * math.sqrt(1.0 / fan_in)).astype(np.float32)
-    head = Dense(last.name, list(last.inputs), last.output, weight, np.zeros(num_classes, np.float32),
-                 last.activation)
-    return Model(model.name, model.input_name, tuple(model.input_shape), [*nodes, head],
-                 model.output_name, num_classes)
+    weight = (rng.standard_normal((num_classes, fan_in)) * math.sqrt(1.0 / fan_in)).astype(
+        np.float32
+    )
+    head = Dense(
+        last.name,
+        list(last.inputs),
+        last.output,
+        weight,
+        np.zeros(num_classes, np.float32),
+        last.activation,
+    )
+    return Model(
+        model.name,
+        model.input_name,
+        tuple(model.input_shape),
+        [*nodes, head],
+        model.output_name,
+        num_classes,
+    )
 
 
 def _entries() -> list[_Entry]:
@@ -518,7 +572,10 @@ def model_options(name: str) -> dict[str, Any]:
 
 def _options_lines() -> list[str]:
     # Sizes in the table depend on these (ResNet-18 at width 0.25 is not the 11M-parameter net).
-    lines = ["", "options (JobSpec.model_options), defaults as above; the input size follows the data set:"]
+    lines = [
+        "",
+        "options (JobSpec.model_options), defaults as above; the input size follows the data set:",
+    ]
     for name in available_models():
         text = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items())
         lines.append(f"  {name:<12} {text}")
@@ -534,7 +591,10 @@ def zoo_table() -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for i, row in enumerate(rows):
-        cells = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))]
+        cells = [
+            c.ljust(w) if j < 2 else c.rjust(w)
+            for j, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))

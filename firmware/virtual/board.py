@@ -130,7 +130,9 @@ class BoardCrash(Exception):
 
 
 class _Refusal(Exception):
-    def __init__(self, code: BoardErrorCode, detail: str, *, job_id: int = 0, step: int = 0) -> None:
+    def __init__(
+        self, code: BoardErrorCode, detail: str, *, job_id: int = 0, step: int = 0
+    ) -> None:
         super().__init__(detail)
         self.code: BoardErrorCode = code
         self.detail = detail
@@ -182,7 +184,9 @@ class LatencyProfile:
         if name == "computed":
             return cls(**options)
         if name not in MODEL_LATENCIES:
-            raise ValueError(f"unknown latency model {name!r}; known: computed, off, {', '.join(MODEL_LATENCIES)}")
+            raise ValueError(
+                f"unknown latency model {name!r}; known: computed, off, {', '.join(MODEL_LATENCIES)}"
+            )
         return cls(macs_per_forward=MODEL_LATENCIES[name], **options)
 
     def forward_seconds(self, computed_macs: int, samples: int) -> float:
@@ -282,9 +286,13 @@ class _Shared:
 
     workload: Workload
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _updates: OrderedDict[tuple[object, ...], tuple[TrainState, TrainState]] = field(default_factory=OrderedDict)
+    _updates: OrderedDict[tuple[object, ...], tuple[TrainState, TrainState]] = field(
+        default_factory=OrderedDict
+    )
 
-    def apply_update(self, state: TrainState, step: int, pairs: list[tuple[int, float]]) -> TrainState:
+    def apply_update(
+        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> TrainState:
         """``Workload.apply_update``, memoised across boards (call with ``lock`` held)."""
         key = (step, tuple(pairs), state.checksum())
         hit = self._updates.get(key)
@@ -355,13 +363,29 @@ def _detail(text: str) -> str:
     return re.sub(r"[^\x20-\x7e]", "?", text)[:64]
 
 
-def _error(code: BoardErrorCode, detail: str, ref: DataMessage | None = None, *, job_id: int = 0, step: int = 0) -> Error:
+def _error(
+    code: BoardErrorCode,
+    detail: str,
+    ref: DataMessage | None = None,
+    *,
+    job_id: int = 0,
+    step: int = 0,
+) -> Error:
     ref_type = TYPE_CODES[type(ref)] if ref is not None else 0
     return Error(code=code, ref_type=ref_type, job_id=job_id, step=step, detail=_detail(detail))
 
 
 # Messages that read or change the weights: refused while a computation runs.
-_STATEFUL: Final = (LoadModel, SetWeights, SelectDataset, JobConfig, EvalRequest, ApplyUpdate, ValidateRequest, Reset)
+_STATEFUL: Final = (
+    LoadModel,
+    SetWeights,
+    SelectDataset,
+    JobConfig,
+    EvalRequest,
+    ApplyUpdate,
+    ValidateRequest,
+    Reset,
+)
 
 _PROTOCOL_CODES: Final[dict[str, BoardErrorCode]] = {
     "unsupported_version": "unsupported_version",
@@ -489,7 +513,13 @@ class BoardAgent:
             msg = decode(data)
         except ProtocolError as exc:
             code = _PROTOCOL_CODES.get(exc.kind, "malformed")
-            return [Error(code=code, ref_type=exc.msg_type or 0, detail=_detail(f"{exc.kind}: {exc.detail}"))]
+            return [
+                Error(
+                    code=code,
+                    ref_type=exc.msg_type or 0,
+                    detail=_detail(f"{exc.kind}: {exc.detail}"),
+                )
+            ]
         return await self.handle(msg)
 
     async def handle(self, msg: DataMessage) -> list[DataMessage]:
@@ -506,7 +536,9 @@ class BoardAgent:
             BoardCrash: a crash fault fired (the caller stops serving, or exits).
         """
         step = getattr(msg, "step", None)
-        if isinstance(msg, EvalRequest | ApplyUpdate | ValidateRequest) and self.faults.crash(msg.step):
+        if isinstance(msg, EvalRequest | ApplyUpdate | ValidateRequest) and self.faults.crash(
+            msg.step
+        ):
             raise BoardCrash(self.board_id, msg.step)
         handler = self._handlers.get(type(msg))
         if self._busy and isinstance(msg, _STATEFUL):
@@ -517,7 +549,9 @@ class BoardAgent:
                 raise _Refusal("unknown_type", f"{msg.type} is not a daemon-to-board message")
             replies = await handler(msg)
         except _Refusal as refusal:
-            replies = [_error(refusal.code, refusal.detail, msg, job_id=refusal.job_id, step=refusal.step)]
+            replies = [
+                _error(refusal.code, refusal.detail, msg, job_id=refusal.job_id, step=refusal.step)
+            ]
         except Exception as exc:  # a bug or a numeric failure: report it, keep the board alive
             _log.exception("board failed to handle a message", board=self.board_id, type=msg.type)
             replies = [_error("internal", f"{type(exc).__name__}: {exc}", msg)]
@@ -541,15 +575,26 @@ class BoardAgent:
         if self._config is None:
             raise _Refusal("not_ready", "no job config", job_id=job_id)
         if job_id != self._config.job_id:
-            raise _Refusal("unknown_job", f"job {job_id}, board has job {self._config.job_id}", job_id=job_id)
+            raise _Refusal(
+                "unknown_job", f"job {job_id}, board has job {self._config.job_id}", job_id=job_id
+            )
         if self._shared is None or self._state is None:
-            missing = [n for n, v in (("model", self._model), ("dataset", self._dataset)) if v is None]
-            raise _Refusal("not_ready", f"missing {', '.join(missing) or 'workload'}", job_id=job_id)
+            missing = [
+                n for n, v in (("model", self._model), ("dataset", self._dataset)) if v is None
+            ]
+            raise _Refusal(
+                "not_ready", f"missing {', '.join(missing) or 'workload'}", job_id=job_id
+            )
         return self._shared.workload, self._state
 
     def _check_step(self, job_id: int, step: int, state: TrainState) -> None:
         if step != state.step:
-            raise _Refusal("stale_step", f"request for step {step}, board is at step {state.step}", job_id=job_id, step=step)
+            raise _Refusal(
+                "stale_step",
+                f"request for step {step}, board is at step {state.step}",
+                job_id=job_id,
+                step=step,
+            )
 
     async def _compute(self, fn: Callable[..., _T], *args: Any) -> tuple[_T, float]:
         """Run ``fn`` in a worker thread (heartbeats go on); returns (result, seconds)."""
@@ -586,14 +631,18 @@ class BoardAgent:
         if msg.total > MAX_MODEL_BYTES:
             raise _Refusal("too_large", f"model of {msg.total} bytes > {MAX_MODEL_BYTES}")
         rx = self._model_rx
-        if rx is None or rx.key != (msg.total, msg.crc32) or msg.offset == 0:  # offset 0 restarts (SPEC 6.2)
+        if (
+            rx is None or rx.key != (msg.total, msg.crc32) or msg.offset == 0
+        ):  # offset 0 restarts (SPEC 6.2)
             rx = self._model_rx = _Transfer((msg.total, msg.crc32), msg.total)
         if not rx.add(msg.offset, msg.chunk):
             return []
         self._model_rx = None
         blob = bytes(rx.data)
         if zlib.crc32(blob) != msg.crc32:
-            raise _Refusal("crc_mismatch", f"model CRC {zlib.crc32(blob):08x}, expected {msg.crc32:08x}")
+            raise _Refusal(
+                "crc_mismatch", f"model CRC {zlib.crc32(blob):08x}, expected {msg.crc32:08x}"
+            )
         if blob != self._blob:
             self._install_model(blob)
         return [Loaded(resource="model", crc32=msg.crc32, size=msg.total), *(await self._rebuild())]
@@ -615,38 +664,67 @@ class BoardAgent:
         if dataset is None:
             raise _Refusal("dataset_missing", f"no data set {msg.name!r} here")
         if dataset_hash64(dataset.content_hash) != msg.dataset_hash:
-            raise _Refusal("dataset_missing", f"{msg.name}: hash {dataset_hash64(dataset.content_hash):016x} differs")
+            raise _Refusal(
+                "dataset_missing",
+                f"{msg.name}: hash {dataset_hash64(dataset.content_hash):016x} differs",
+            )
         if (len(dataset.x_train), len(dataset.x_val)) != (msg.train_size, msg.val_size):
-            raise _Refusal("dataset_missing", f"{msg.name}: {len(dataset.x_train)}+{len(dataset.x_val)} samples")
+            raise _Refusal(
+                "dataset_missing",
+                f"{msg.name}: {len(dataset.x_train)}+{len(dataset.x_val)} samples",
+            )
         if self._dataset is not dataset:
             self._dataset, self._dataset_hash = dataset, msg.dataset_hash
             self._shared = self._state = None
         size = msg.train_size + msg.val_size
-        return [Loaded(resource="dataset", crc32=msg.dataset_hash & _U32_MAX, size=size & _U32_MAX), *(await self._rebuild())]
+        return [
+            Loaded(resource="dataset", crc32=msg.dataset_hash & _U32_MAX, size=size & _U32_MAX),
+            *(await self._rebuild()),
+        ]
 
     async def _on_job_config(self, msg: JobConfig) -> list[DataMessage]:
         if msg.batch_size > MAX_BATCH or msg.batch_size == 0:
-            raise _Refusal("malformed", f"batch size {msg.batch_size} outside [1, {MAX_BATCH}]", job_id=msg.job_id)
+            raise _Refusal(
+                "malformed",
+                f"batch size {msg.batch_size} outside [1, {MAX_BATCH}]",
+                job_id=msg.job_id,
+            )
         if msg != self._config:
             self._config = msg
             self._shared = self._state = None
             self._last_update = None
         raw = encode(msg)
-        return [Loaded(resource="job_config", job_id=msg.job_id, crc32=zlib.crc32(raw), size=len(raw)), *(await self._rebuild())]
+        return [
+            Loaded(resource="job_config", job_id=msg.job_id, crc32=zlib.crc32(raw), size=len(raw)),
+            *(await self._rebuild()),
+        ]
 
     async def _rebuild(self) -> list[DataMessage]:
         """Build the workload once model, data set and job config are all there."""
-        if self._shared is not None or self._model is None or self._dataset is None or self._config is None:
+        if (
+            self._shared is not None
+            or self._model is None
+            or self._dataset is None
+            or self._config is None
+        ):
             return []
         cfg, model, dataset = self._config, self._model, self._dataset
         assert self._blob is not None
         key = (
-            hashlib.sha256(self._blob).digest(), dataset.content_hash,
-            cfg.numerics, cfg.accumulator, cfg.estimator, cfg.seed, cfg.batch_size, cfg.eps,
+            hashlib.sha256(self._blob).digest(),
+            dataset.content_hash,
+            cfg.numerics,
+            cfg.accumulator,
+            cfg.estimator,
+            cfg.seed,
+            cfg.batch_size,
+            cfg.eps,
         )
         try:
             # In a worker thread: quantising a data set can take seconds, heartbeats go on.
-            self._shared = await asyncio.to_thread(_shared_workload, key, lambda: self._build(cfg, model, dataset))
+            self._shared = await asyncio.to_thread(
+                _shared_workload, key, lambda: self._build(cfg, model, dataset)
+            )
         except (WorkloadError, ValueError) as exc:
             # pydantic's ValidationError is a ValueError: a config JobSpec refuses.
             return [_error("model_invalid", str(exc), cfg, job_id=cfg.job_id)]
@@ -658,12 +736,27 @@ class BoardAgent:
         qmodel = model if isinstance(model, QuantModel) else None
         graph = model.model if isinstance(model, QuantModel) else model
         if (qmodel is not None) != (cfg.numerics == "int8"):
-            raise WorkloadError(f"job is {cfg.numerics}, the model blob is {'int8' if qmodel else 'fp32'}")
-        if tuple(graph.input_shape) != dataset.input_shape or graph.num_classes != dataset.num_classes:
-            raise WorkloadError(f"model {tuple(graph.input_shape)}->{graph.num_classes} vs data {dataset.input_shape}")
+            raise WorkloadError(
+                f"job is {cfg.numerics}, the model blob is {'int8' if qmodel else 'fp32'}"
+            )
+        if (
+            tuple(graph.input_shape) != dataset.input_shape
+            or graph.num_classes != dataset.num_classes
+        ):
+            raise WorkloadError(
+                f"model {tuple(graph.input_shape)}->{graph.num_classes} vs data {dataset.input_shape}"
+            )
         spec = JobSpec(
-            name="board", dataset=dataset.name, model="blob", numerics=cfg.numerics, accumulator=cfg.accumulator,
-            estimator=cfg.estimator, seed=cfg.seed, batch_size=cfg.batch_size, eps=cfg.eps, trainable=self._trainable,
+            name="board",
+            dataset=dataset.name,
+            model="blob",
+            numerics=cfg.numerics,
+            accumulator=cfg.accumulator,
+            estimator=cfg.estimator,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+            eps=cfg.eps,
+            trainable=self._trainable,
         )
         return Workload(spec, graph, qmodel, dataset, list(self._trainable))
 
@@ -678,8 +771,12 @@ class BoardAgent:
         self._weights_rx = None
         raw = bytes(rx.data)
         if zlib.crc32(raw) != msg.checksum:
-            raise _Refusal("crc_mismatch", f"weights CRC {zlib.crc32(raw):08x}, expected {msg.checksum:08x}",
-                           job_id=msg.job_id, step=msg.step)
+            raise _Refusal(
+                "crc_mismatch",
+                f"weights CRC {zlib.crc32(raw):08x}, expected {msg.checksum:08x}",
+                job_id=msg.job_id,
+                step=msg.step,
+            )
         self._state = self._parse_weights(workload, raw, msg)
         self._last_update = None
         return [Loaded(resource="weights", job_id=msg.job_id, crc32=msg.checksum, size=msg.total)]
@@ -704,17 +801,31 @@ class BoardAgent:
         cfg = self._config
         assert cfg is not None
         if (msg.batch_size, msg.eps, msg.estimator) != (cfg.batch_size, cfg.eps, cfg.estimator):
-            raise _Refusal("malformed", f"request's batch/eps/estimator differ from job {cfg.job_id}'s",
-                           job_id=msg.job_id, step=msg.step)
+            raise _Refusal(
+                "malformed",
+                f"request's batch/eps/estimator differ from job {cfg.job_id}'s",
+                job_id=msg.job_id,
+                step=msg.step,
+            )
         losses, computed = await self._compute(workload.perturbed_losses, state, msg.step, msg.ks)
         two_sided = msg.estimator == "two_sided"
         sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
-        compute_us = await self._spend(self.latency.forward_seconds(self._macs, sets * msg.batch_size), computed)
-        values = [*losses.plus.values(), *losses.minus.values(), *([] if losses.base is None else [losses.base])]
+        compute_us = await self._spend(
+            self.latency.forward_seconds(self._macs, sets * msg.batch_size), computed
+        )
+        values = [
+            *losses.plus.values(),
+            *losses.minus.values(),
+            *([] if losses.base is None else [losses.base]),
+        ]
         if not all(math.isfinite(v) for v in values):
             raise _Refusal("numeric", "a loss is not finite", job_id=msg.job_id, step=msg.step)
         result = EvalResult(
-            job_id=msg.job_id, step=msg.step, compute_us=compute_us, estimator=msg.estimator, ks=msg.ks,
+            job_id=msg.job_id,
+            step=msg.step,
+            compute_us=compute_us,
+            estimator=msg.estimator,
+            ks=msg.ks,
             loss_plus=tuple(losses.plus[k] for k in msg.ks),
             loss_minus=tuple(losses.minus[k] for k in msg.ks) if two_sided else (),
             loss_zero=None if two_sided else losses.base,
@@ -739,13 +850,27 @@ class BoardAgent:
         self._check_step(msg.job_id, msg.step, state)
         n_val = len(workload.dataset.x_val)
         if msg.start >= n_val:
-            raise _Refusal("malformed", f"validation start {msg.start} >= {n_val} samples", job_id=msg.job_id, step=msg.step)
-        (loss_sum, correct, count), computed = await self._compute(workload.validate, state, msg.start, msg.count)
+            raise _Refusal(
+                "malformed",
+                f"validation start {msg.start} >= {n_val} samples",
+                job_id=msg.job_id,
+                step=msg.step,
+            )
+        (loss_sum, correct, count), computed = await self._compute(
+            workload.validate, state, msg.start, msg.count
+        )
         compute_us = await self._spend(self.latency.forward_seconds(self._macs, count), computed)
-        return [ValidateResult(
-            job_id=msg.job_id, step=msg.step, start=msg.start, count=count,
-            loss_sum=loss_sum, correct=correct, compute_us=compute_us,
-        )]
+        return [
+            ValidateResult(
+                job_id=msg.job_id,
+                step=msg.step,
+                start=msg.start,
+                count=count,
+                loss_sum=loss_sum,
+                correct=correct,
+                compute_us=compute_us,
+            )
+        ]
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -760,7 +885,9 @@ class BoardAgent:
 
     async def _on_error(self, msg: Error) -> list[DataMessage]:
         # Never answer an Error with an Error: two confused peers would loop forever.
-        _log.warning("daemon reported an error", board=self.board_id, code=msg.code, detail=msg.detail)
+        _log.warning(
+            "daemon reported an error", board=self.board_id, code=msg.code, detail=msg.detail
+        )
         return []
 
 
@@ -779,7 +906,9 @@ async def _send_or_skip(agent: BoardAgent, send: _Send, msg: DataMessage) -> Non
     except LinkClosedError:
         raise
     except LinkError as exc:  # e.g. the broker stayed away past the send timeout
-        _log.warning("message not delivered", board=agent.board_id, type=msg.type, reason=exc.reason)
+        _log.warning(
+            "message not delivered", board=agent.board_id, type=msg.type, reason=exc.reason
+        )
 
 
 async def _heartbeats(agent: BoardAgent, send: _Send, interval: float) -> None:
@@ -835,9 +964,17 @@ async def serve_link(
 
     async with asyncio.TaskGroup() as tasks:
         name = f"board[{agent.board_id}]"
-        helpers = [tasks.create_task(_heartbeats(agent, send, heartbeat_interval), name=f"{name}.heartbeat")]
+        helpers = [
+            tasks.create_task(
+                _heartbeats(agent, send, heartbeat_interval), name=f"{name}.heartbeat"
+            )
+        ]
         if connects is not None:
-            helpers.append(tasks.create_task(_hello_on_reconnect(agent, send, connects), name=f"{name}.reconnect"))
+            helpers.append(
+                tasks.create_task(
+                    _hello_on_reconnect(agent, send, connects), name=f"{name}.reconnect"
+                )
+            )
         try:
             await _send_or_skip(agent, send, agent.hello())
             return await _serve(agent, link, send, exit_on_crash)

@@ -74,9 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``qsched board`` argument parser."""
     p = argparse.ArgumentParser(prog="qsched board", description="Run virtual STM32N6 boards.")
     where = p.add_argument_group("link (one of)")
-    where.add_argument("--serial", action="append", default=[], metavar="DEVICE",
-                       help="serve one board on this serial device (repeatable)")
-    where.add_argument("--mqtt", metavar="HOST:PORT", help="serve --count boards on this MQTT broker")
+    where.add_argument(
+        "--serial",
+        action="append",
+        default=[],
+        metavar="DEVICE",
+        help="serve one board on this serial device (repeatable)",
+    )
+    where.add_argument(
+        "--mqtt", metavar="HOST:PORT", help="serve --count boards on this MQTT broker"
+    )
     mqtt = p.add_argument_group("MQTT")
     mqtt.add_argument("--fleet", default="default", help="fleet name (topic level)")
     mqtt.add_argument("--prefix", default="qsched/v1", help="topic prefix")
@@ -87,25 +94,50 @@ def build_parser() -> argparse.ArgumentParser:
     mqtt.add_argument("--tls-ca", type=Path, help="CA bundle (default: system CAs)")
     mqtt.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
     mqtt.add_argument("--tls-key", type=Path, help="client key (mutual TLS)")
-    mqtt.add_argument("--tls-insecure", action="store_true", help="skip host name checks (testing only)")
+    mqtt.add_argument(
+        "--tls-insecure", action="store_true", help="skip host name checks (testing only)"
+    )
     ids = p.add_argument_group("boards")
     ids.add_argument("--count", type=int, default=1, help="boards in this process (MQTT)")
     ids.add_argument("--id", help="the board id (one board)")
     ids.add_argument("--id-prefix", default="board", help="ids are PREFIX-00, PREFIX-01, ...")
-    ids.add_argument("--dataset", action="append", default=[], metavar="NAME=SOURCE",
-                     help="hold an extra data set (a built-in name, .npz or folder); built-ins are held anyway")
+    ids.add_argument(
+        "--dataset",
+        action="append",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="hold an extra data set (a built-in name, .npz or folder); built-ins are held anyway",
+    )
     timing = p.add_argument_group("timing")
-    timing.add_argument("--model-latency", default="computed",
-                        choices=["computed", "off", *MODEL_LATENCIES],
-                        help="whose NPU time to sleep: the computed model's, none, or a named model's")
-    timing.add_argument("--macs", type=int, help="MACs per inference to model (overrides --model-latency)")
-    timing.add_argument("--speed", default="1", help="throughput multiplier; a comma list is dealt to boards in turn")
-    timing.add_argument("--baud", type=int, default=DK_BAUD, help="serial line rate to model on serial links")
-    timing.add_argument("--heartbeat", type=float, default=HEARTBEAT_INTERVAL_S, help="seconds between heartbeats")
+    timing.add_argument(
+        "--model-latency",
+        default="computed",
+        choices=["computed", "off", *MODEL_LATENCIES],
+        help="whose NPU time to sleep: the computed model's, none, or a named model's",
+    )
+    timing.add_argument(
+        "--macs", type=int, help="MACs per inference to model (overrides --model-latency)"
+    )
+    timing.add_argument(
+        "--speed",
+        default="1",
+        help="throughput multiplier; a comma list is dealt to boards in turn",
+    )
+    timing.add_argument(
+        "--baud", type=int, default=DK_BAUD, help="serial line rate to model on serial links"
+    )
+    timing.add_argument(
+        "--heartbeat", type=float, default=HEARTBEAT_INTERVAL_S, help="seconds between heartbeats"
+    )
     faults = p.add_argument_group("faults")
-    faults.add_argument("--fault", action="append", default=[], metavar="KIND:ARGS",
-                        help="drop:P, delay:P:S, crash-at-step:N, corrupt:P, lie:P, bad-checksum:P "
-                             "(P a probability or step=N); repeatable")
+    faults.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND:ARGS",
+        help="drop:P, delay:P:S, crash-at-step:N, corrupt:P, lie:P, bad-checksum:P "
+        "(P a probability or step=N); repeatable",
+    )
     faults.add_argument("--fault-seed", type=int, default=0, help="seed of the fault generators")
     return p
 
@@ -144,8 +176,12 @@ def _agents(args: argparse.Namespace, count: int, serial: bool) -> list[BoardAge
     plan = FaultPlan.parse(args.fault, args.fault_seed)
     catalog = _catalog(args.dataset)
     return [
-        BoardAgent(board_id, datasets=catalog, latency=_latency(args, speeds[i % len(speeds)], serial),
-                   faults=plan.for_board(board_id))
+        BoardAgent(
+            board_id,
+            datasets=catalog,
+            latency=_latency(args, speeds[i % len(speeds)], serial),
+            faults=plan.for_board(board_id),
+        )
         for i, board_id in enumerate(board_ids(count, args.id_prefix, args.id))
     ]
 
@@ -156,12 +192,26 @@ def _mqtt_config(args: argparse.Namespace) -> Any:
     from qsched.protocol.links.config import MqttConfig, TlsConfig, parse_host_port
 
     host, port = parse_host_port(args.mqtt)
-    tls = TlsConfig(enabled=args.tls, ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
-                    insecure=args.tls_insecure)
-    password = args.password if args.password is not None else os.environ.get("QSCHED_MQTT_PASSWORD")
+    tls = TlsConfig(
+        enabled=args.tls,
+        ca_file=args.tls_ca,
+        cert_file=args.tls_cert,
+        key_file=args.tls_key,
+        insecure=args.tls_insecure,
+    )
+    password = (
+        args.password if args.password is not None else os.environ.get("QSCHED_MQTT_PASSWORD")
+    )
     secret = SecretStr(password) if password is not None else None
-    return MqttConfig(host=host, port=port, username=args.username, password=secret,
-                      tls=tls, protocol=args.mqtt_protocol, prefix=args.prefix)
+    return MqttConfig(
+        host=host,
+        port=port,
+        username=args.username,
+        password=secret,
+        tls=tls,
+        protocol=args.mqtt_protocol,
+        prefix=args.prefix,
+    )
 
 
 async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float) -> str:
@@ -171,8 +221,14 @@ async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float)
     topics = TopicMap(prefix=cfg.prefix, fleet=fleet)
     async with MqttEndpoint(cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION) as link:
         await link.wait_connected()
-        reason: str = await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True,
-                                       corrupt_payloads=True, connects=lambda: link.connection.connects)
+        reason: str = await serve_link(
+            agent,
+            link,
+            heartbeat_interval=heartbeat,
+            exit_on_crash=True,
+            corrupt_payloads=True,
+            connects=lambda: link.connection.connects,
+        )
         return reason
 
 
@@ -186,7 +242,9 @@ async def _serve_serial(agent: BoardAgent, device: str, baud: int, heartbeat: fl
         return "unavailable"
     wire = CorruptingStream(stream, agent.faults) if agent.faults.active else stream
     async with SerialLink(agent.board_id, wire) as link:
-        reason: str = await serve_link(agent, link, heartbeat_interval=heartbeat, exit_on_crash=True)
+        reason: str = await serve_link(
+            agent, link, heartbeat_interval=heartbeat, exit_on_crash=True
+        )
         return reason
 
 
@@ -205,8 +263,11 @@ async def _run(args: argparse.Namespace) -> int:
         else:
             coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat)
         runs.append(asyncio.create_task(coro, name=f"board[{agent.board_id}]"))
-    _log.info("virtual boards running", boards=[a.board_id for a in agents],
-              link="serial" if serial else f"mqtt {args.mqtt}")
+    _log.info(
+        "virtual boards running",
+        boards=[a.board_id for a in agents],
+        link="serial" if serial else f"mqtt {args.mqtt}",
+    )
     stopping = asyncio.create_task(stop.wait(), name="board.signals")
     try:
         await asyncio.wait([*runs, stopping], return_when=asyncio.FIRST_COMPLETED)

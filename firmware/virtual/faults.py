@@ -120,7 +120,9 @@ def parse_fault(spec: str) -> Fault:
         try:
             seconds = float(args[1])
         except ValueError:
-            raise FaultError(f"fault {spec!r}: delay {args[1]!r} is not a number of seconds") from None
+            raise FaultError(
+                f"fault {spec!r}: delay {args[1]!r} is not a number of seconds"
+            ) from None
         if not 0.0 <= seconds <= 3600.0:
             raise FaultError(f"fault {spec!r}: delay {seconds} s outside [0, 3600]")
     return Fault(kind, probability, step, seconds)  # type: ignore[arg-type]
@@ -194,7 +196,10 @@ class BoardFaults:
 
     def crash(self, step: int) -> bool:
         """Whether a request for ``step`` kills the board."""
-        return any(f.kind == "crash-at-step" and f.step is not None and step >= f.step for f in self.plan.faults)
+        return any(
+            f.kind == "crash-at-step" and f.step is not None and step >= f.step
+            for f in self.plan.faults
+        )
 
     def corrupt(self, data: bytes) -> bytes:
         """``data`` with bits flipped, if a corrupt fault fires for this frame."""
@@ -281,4 +286,3 @@ class CorruptingStream:
     async def close(self) -> None:
         """Close the inner stream."""
         await self._inner.close()
-

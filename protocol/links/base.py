@@ -132,7 +132,10 @@ class Transport(Protocol):
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None: ...
 
     def events(self) -> AsyncIterator[LinkEvent]:
@@ -206,7 +209,10 @@ class MultiTransport:
             await self._queue.put(event)
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         for task in self._pumps:
             task.cancel()
@@ -217,4 +223,3 @@ class MultiTransport:
         """Events of all transports, interleaved as they happen."""
         async for event in iterate_queue(self._queue):
             yield event
-

@@ -60,7 +60,9 @@ class _Pair:
 class InProcLink:
     """One end of an in-process link (the daemon's or the board's)."""
 
-    def __init__(self, pair: _Pair, inbox: asyncio.Queue[object], outbox: asyncio.Queue[object]) -> None:
+    def __init__(
+        self, pair: _Pair, inbox: asyncio.Queue[object], outbox: asyncio.Queue[object]
+    ) -> None:
         self.board_id = pair.board_id
         self._pair = pair
         self._inbox = inbox
@@ -144,7 +146,10 @@ class InProcTransport:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         for pair in self._pairs.values():
             if not pair.closed:

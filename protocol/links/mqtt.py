@@ -237,7 +237,9 @@ class MqttConnection:
         self._client = client
         self.connects += 1
         self._connected.set()
-        _log.info("mqtt connected", client=self.identifier, broker=f"{self.cfg.host}:{self.cfg.port}")
+        _log.info(
+            "mqtt connected", client=self.identifier, broker=f"{self.cfg.host}:{self.cfg.port}"
+        )
         async for message in client.messages:
             await self._dispatch(message)
 
@@ -323,7 +325,9 @@ class MqttBoardLink:
         if self._closed:
             raise LinkClosedError(self.board_id, self.reason or "closed")
         if len(payload) > MAX_PAYLOAD:
-            raise MessageTooLargeError(self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes")
+            raise MessageTooLargeError(
+                self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes"
+            )
         await self._transport.send_to_board(self.board_id, bytes(payload))
 
     def _deliver(self, payload: bytes) -> None:
@@ -387,8 +391,12 @@ class MqttTransport:
         self.connection = MqttConnection(
             cfg, identifier or f"qsched-daemon-{topics.fleet}", will=will, on_connect=self._birth
         )
-        self.connection.subscribe(topics.all_board_presence(), topics.rule("board_presence").qos, self._on_presence)
-        self.connection.subscribe(topics.all_board_out(), topics.rule("board_out").qos, self._on_out)
+        self.connection.subscribe(
+            topics.all_board_presence(), topics.rule("board_presence").qos, self._on_presence
+        )
+        self.connection.subscribe(
+            topics.all_board_out(), topics.rule("board_out").qos, self._on_out
+        )
         self._task: asyncio.Task[None] | None = None
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -399,7 +407,9 @@ class MqttTransport:
 
     async def _birth(self, client: aiomqtt.Client) -> None:
         rule = self.topics.rule("daemon_state")
-        await client.publish(self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain)
+        await client.publish(
+            self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain
+        )
 
     async def publish_state(self, job: str | None) -> None:
         """Update the daemon's retained state (``DaemonPresence``) with the current job.
@@ -410,7 +420,9 @@ class MqttTransport:
         """
         self._job = job
         rule = self.topics.rule("daemon_state")
-        await self.connection.publish(self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain)
+        await self.connection.publish(
+            self.topics.daemon_state(), self._presence(True), qos=rule.qos, retain=rule.retain
+        )
 
     async def send_to_board(self, board_id: str, payload: bytes) -> None:
         """Publish a data-plane message on the board's in topic, by the topic rule.
@@ -420,7 +432,9 @@ class MqttTransport:
         """
         rule = self.topics.rule("board_in")
         try:
-            await self.connection.publish(self.topics.board_in(board_id), payload, qos=rule.qos, retain=rule.retain)
+            await self.connection.publish(
+                self.topics.board_in(board_id), payload, qos=rule.qos, retain=rule.retain
+            )
         except TimeoutError as exc:
             raise SendTimeoutError(board_id, "broker_unreachable", str(exc)) from exc
 
@@ -431,9 +445,18 @@ class MqttTransport:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
-        await _leave(self.connection, self.topics.daemon_state(), self._presence(False), "daemon_state", self.topics)
+        await _leave(
+            self.connection,
+            self.topics.daemon_state(),
+            self._presence(False),
+            "daemon_state",
+            self.topics,
+        )
         if self._task is not None:
             self._task.cancel()
         if self._tasks is not None:
@@ -514,7 +537,9 @@ def _presence_online(payload: Any, board_id: str) -> bool | None:
     return bool(presence.online)
 
 
-async def _leave(conn: MqttConnection, topic: str, payload: bytes, kind: TopicKind, topics: TopicMap) -> None:
+async def _leave(
+    conn: MqttConnection, topic: str, payload: bytes, kind: TopicKind, topics: TopicMap
+) -> None:
     # A clean disconnect does not fire the Will, so say "offline" ourselves.
     if not conn.connected:
         return
@@ -550,11 +575,15 @@ class MqttEndpoint:
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._closed = False
         rule = topics.rule("board_presence")
-        will = aiomqtt.Will(topics.board_presence(board_id), self._presence(False), rule.qos, rule.retain)
+        will = aiomqtt.Will(
+            topics.board_presence(board_id), self._presence(False), rule.qos, rule.retain
+        )
         self.connection = MqttConnection(
             cfg, f"qsched-{topics.fleet}-{board_id}", will=will, on_connect=self._birth
         )
-        self.connection.subscribe(topics.board_in(board_id), topics.rule("board_in").qos, self._on_in)
+        self.connection.subscribe(
+            topics.board_in(board_id), topics.rule("board_in").qos, self._on_in
+        )
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -563,14 +592,19 @@ class MqttEndpoint:
         return self._closed
 
     def _presence(self, online: bool) -> bytes:
-        presence = BoardPresence(board_id=self.board_id, online=online, protocol_version=self._protocol_version)
+        presence = BoardPresence(
+            board_id=self.board_id, online=online, protocol_version=self._protocol_version
+        )
         text: str = presence.model_dump_json()
         return text.encode()
 
     async def _birth(self, client: aiomqtt.Client) -> None:
         rule = self.topics.rule("board_presence")
         await client.publish(
-            self.topics.board_presence(self.board_id), self._presence(True), qos=rule.qos, retain=rule.retain
+            self.topics.board_presence(self.board_id),
+            self._presence(True),
+            qos=rule.qos,
+            retain=rule.retain,
         )
 
     async def _on_in(self, message: aiomqtt.Message) -> None:
@@ -582,11 +616,16 @@ class MqttEndpoint:
                 _log.warning("board inbox full; message dropped", board=self.board_id)
 
     async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self.connection.run(), name=f"mqtt[{self.board_id}].connection")
+        self._task = asyncio.create_task(
+            self.connection.run(), name=f"mqtt[{self.board_id}].connection"
+        )
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.close()
 
@@ -606,7 +645,10 @@ class MqttEndpoint:
         rule = self.topics.rule("board_out")
         try:
             await self.connection.publish(
-                self.topics.board_out(self.board_id), bytes(payload), qos=rule.qos, retain=rule.retain
+                self.topics.board_out(self.board_id),
+                bytes(payload),
+                qos=rule.qos,
+                retain=rule.retain,
             )
         except TimeoutError as exc:
             raise SendTimeoutError(self.board_id, "broker_unreachable", str(exc)) from exc
@@ -622,7 +664,11 @@ class MqttEndpoint:
             return
         self._closed = True
         await _leave(
-            self.connection, self.topics.board_presence(self.board_id), self._presence(False), "board_presence", self.topics
+            self.connection,
+            self.topics.board_presence(self.board_id),
+            self._presence(False),
+            "board_presence",
+            self.topics,
         )
         if self._task is not None:
             self._task.cancel()

@@ -279,11 +279,16 @@ class SerialLink:
         return self._closed.is_set()
 
     async def __aenter__(self) -> Self:
-        self._reader_task = asyncio.create_task(self._read_loop(), name=f"link[{self.board_id}].reader")
+        self._reader_task = asyncio.create_task(
+            self._read_loop(), name=f"link[{self.board_id}].reader"
+        )
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.close()
 
@@ -304,7 +309,9 @@ class SerialLink:
             LinkClosedError: the link is gone.
         """
         if len(payload) > MAX_PAYLOAD:
-            raise MessageTooLargeError(self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes")
+            raise MessageTooLargeError(
+                self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes"
+            )
         async with self._send_lock:  # stop-and-wait: one data frame in flight
             self._check_open()
             seq, wire = self._encoder.data(bytes(payload))
@@ -508,7 +515,10 @@ class SerialTransport:
             await asyncio.sleep(self._reopen_interval)
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         if self._scanner is not None:
             self._scanner.cancel()
@@ -517,6 +527,7 @@ class SerialTransport:
         if self._tasks is not None:
             await self._tasks.__aexit__(None, None, None)
         close_queue(self._events)
+
     async def events(self) -> AsyncIterator[LinkEvent]:
         """``BoardAppeared`` when a port opens, ``BoardGone("unplugged")`` when it drops."""
         async for event in iterate_queue(self._events):
