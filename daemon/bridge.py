@@ -237,7 +237,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="DEVICE",
-        help="a serial port or glob pattern (repeatable; default: the configuration's serial.devices)",
+        help=(
+            "a serial port or glob pattern "
+            "(repeatable; default: the configuration's serial.devices)"
+        ),
     )
     p.add_argument(
         "--mqtt",

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pairs", nargs="+", help="model:dataset, e.g. mlp:digits")
     args = parser.parse_args(argv)
     print(
-        "| model | data set | blob | P | weights+buffer+copy+staging (7P) | arena | region | with agent |"
+        "| model | data set | blob | P | weights+buffer+copy+staging (7P) "
+        "| arena | region | with agent |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for pair in args.pairs:
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         b = memory_budget(Workload.from_spec(JobSpec(model=model, dataset=dataset or "digits")))
         kib = lambda n: f"{n / 1024:.1f} KiB"  # noqa: E731
         print(
-            f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} | {kib(b.arena)} | "
-            f"{kib(b.region)} | {kib(b.total)} |"
+            f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} "
+            f"| {kib(b.arena)} | {kib(b.region)} | {kib(b.total)} |"
         )
     return 0
 

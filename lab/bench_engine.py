@@ -63,7 +63,8 @@ _SIDE_BUDGET_S = 20.0
 
 @dataclass(frozen=True)
 class BenchResult:
-    """One model's measurement; rates are perturbed forward passes (of ``batch`` samples) per second."""
+    """One model's measurement; rates are perturbed forward passes (of ``batch`` samples)
+    per second."""
 
     model: str
     trainable: str

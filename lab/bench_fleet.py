@@ -1,7 +1,7 @@
 """``qsched bench fleet``: how step throughput scales with the number of boards.
 
-    qsched bench fleet                               # 1, 2, 4, 8 boards; MQTT and serial; batch 4, then 1
-    qsched bench fleet --batch 1                     # only the worst case: one sample per forward pass
+    qsched bench fleet               # 1, 2, 4, 8 boards; MQTT and serial; batch 4, then 1
+    qsched bench fleet --batch 1     # only the worst case: one sample per forward pass
     qsched bench fleet --boards 1,8 --links mqtt --q 64 --check
 
 For each link (a private Mosquitto on loopback, started here; serial pseudo-terminals)
@@ -487,13 +487,16 @@ def _si(value: float, unit: str) -> str:
 
 def _header(config: BenchConfig, facts: ModelFacts) -> list[str]:
     return [
-        f"qsched bench fleet: q = {config.q} perturbations per step, two-sided, batch {config.batch}, "
-        f"shard audit {'on' if config.audit else 'off'}",
-        f"boards model the STM32N6 NPU running {facts.modelled} ({_si(facts.modelled_macs, 'MACs')}, "
-        f"{facts.modelled_seconds * 1e3:.2f} ms per inference, {_si(facts.modelled_params, 'parameters')}); "
-        f"batch {config.batch}: {facts.modelled_seconds * config.batch * 1e3:.2f} ms of NPU time per forward pass",
-        f"and compute {facts.computed} ({_si(facts.computed_macs, 'MACs')}) instead, sleeping the rest, "
-        "so the host CPU is not the bottleneck",
+        f"qsched bench fleet: q = {config.q} perturbations per step, two-sided, "
+        f"batch {config.batch}, shard audit {'on' if config.audit else 'off'}",
+        f"boards model the STM32N6 NPU running {facts.modelled} "
+        f"({_si(facts.modelled_macs, 'MACs')}, "
+        f"{facts.modelled_seconds * 1e3:.2f} ms per inference, "
+        f"{_si(facts.modelled_params, 'parameters')}); "
+        f"batch {config.batch}: {facts.modelled_seconds * config.batch * 1e3:.2f} ms "
+        "of NPU time per forward pass",
+        f"and compute {facts.computed} ({_si(facts.computed_macs, 'MACs')}) instead, "
+        "sleeping the rest, so the host CPU is not the bottleneck",
     ]
 
 
@@ -502,14 +505,16 @@ def format_row(row: BenchRow, facts: ModelFacts) -> str:
     gradient = 2 * row.boards * facts.modelled_params
     efficiency = "" if row.efficiency is None else f"{row.efficiency:.3f}"
     return (
-        f"{row.link:<7}{row.boards:>6}{row.steps:>6}{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
+        f"{row.link:<7}{row.boards:>6}{row.steps:>6}"
+        f"{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
         f"{row.overhead_s * 1e3:>10.1f}{row.forward_passes_per_s:>10.1f}{efficiency:>8}"
         f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}{gradient:>14,}"
     )
 
 
 _COLUMNS: Final = (
-    f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}{'overhead':>10}{'fwd/s':>10}{'eff.':>8}"
+    f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}"
+    f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}"
     f"{'payload B':>12}{'grad fp32 B':>15}{'grad int8 B':>14}"
 )
 
@@ -517,18 +522,23 @@ _COLUMNS: Final = (
 def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
     """The lines under the table: what the columns mean and the efficiency floor."""
     lines = [
-        "step ms: mean measured step; ideal: modelled NPU time of the largest shard; overhead: the difference",
+        "step ms: mean measured step; ideal: modelled NPU time of the largest shard; "
+        "overhead: the difference",
         "eff.: forward passes per second over N x the one-board rate of the same link "
         "(without a one-board row: the modelled one-board rate)",
-        "batch: samples per forward pass (--batch; 1 is the worst case, every pass pays its fixed costs alone)",
-        "payload B: codec bytes of eval requests and results, updates and acks per step (all boards, both ways)",
-        f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters x 4 (fp32) or 1 (int8)",
+        "batch: samples per forward pass "
+        "(--batch; 1 is the worst case, every pass pays its fixed costs alone)",
+        "payload B: codec bytes of eval requests and results, updates and acks per step "
+        "(all boards, both ways)",
+        f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters "
+        "x 4 (fp32) or 1 (int8)",
     ]
     floor = _floor(rows)
     if floor is not None:
         verdict = "met" if floor >= EFFICIENCY_FLOOR else "NOT met"
         lines.append(
-            f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: {verdict} ({floor:.3f})"
+            f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: "
+            f"{verdict} ({floor:.3f})"
         )
     return lines
 

@@ -373,7 +373,8 @@ def _transfer_model(prepared: _Prepared, seed: int) -> Any:
 
 
 def _transfer_workload(spec: JobSpec, prepared: _Prepared) -> Any:
-    """The target task's workload: the backbone with a seeded new head, quantised as from_spec does."""
+    """The target task's workload: the backbone with a seeded new head, quantised as
+    from_spec does."""
     from qsched.zo.quantize import quantize_model
     from qsched.zo.workload import Workload, calibration_indices, resolve_trainable, widen_logits
 
@@ -543,7 +544,8 @@ class ExperimentResult:
 
 
 def _paired(policy: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any] | None:
-    """Per-seed accuracy differences (same seed: same initial weights and minibatches), in points."""
+    """Per-seed accuracy differences (same seed: same initial weights and minibatches), in
+    points."""
     mine = {r["seed"]: r["final_accuracy"] for r in policy.get("runs", [])}
     theirs = {r["seed"]: r["final_accuracy"] for r in fixed.get("runs", [])}
     seeds = sorted(set(mine) & set(theirs))
@@ -871,15 +873,18 @@ def results_markdown(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`",
         "",
-        f"{spec['steps']} steps, batch {spec['batch_size']}, validation every {spec['eval_every']} steps, "
-        f"trainable `{spec['trainable']}`, seeds {setting['seeds']}. Accuracy in % (mean ± sample std over seeds).",
+        f"{spec['steps']} steps, batch {spec['batch_size']}, "
+        f"validation every {spec['eval_every']} steps, "
+        f"trainable `{spec['trainable']}`, seeds {setting['seeds']}. "
+        "Accuracy in % (mean ± sample std over seeds).",
         "",
         "| policy | numerics | final acc | best acc | forward passes | mean q | wall s (per run) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in doc["configs"]:
         lines.append(
-            f"| {c['label']} | {c['numerics_token']} | {_pct(c['final_accuracy'])} | {_pct(c['best_accuracy'])} | "
+            f"| {c['label']} | {c['numerics_token']} | "
+            f"{_pct(c['final_accuracy'])} | {_pct(c['best_accuracy'])} | "
             f"{c['forward_passes']['mean']:,.0f} | {c['mean_q']:.2f} | {c['wall_s']['mean']:.1f} |"
         )
     if doc["comparisons"]:
@@ -906,15 +911,17 @@ def results_markdown(doc: dict[str, Any]) -> str:
         b = doc["baseline"]
         lines += [
             "",
-            f"First-order baseline (FP32 backprop, Adam lr {b['lr']}, {b['steps']} steps, trainable "
-            f"`{b['trainable']}`): final {_pct(b['final_accuracy'])}, best {_pct(b['best_accuracy'])}.",
+            f"First-order baseline (FP32 backprop, Adam lr {b['lr']}, {b['steps']} steps, "
+            f"trainable `{b['trainable']}`): "
+            f"final {_pct(b['final_accuracy'])}, best {_pct(b['best_accuracy'])}.",
         ]
     if setting.get("transfer"):
         p = setting["transfer"]["pretrain"]
         lines += [
             "",
             f"Backbone: {p['steps']} Adam steps on {p['source']} "
-            f"(source validation accuracy {100 * p['source_val_accuracy']:.2f}%); target {p['target']} "
+            f"(source validation accuracy {100 * p['source_val_accuracy']:.2f}%); "
+            f"target {p['target']} "
             f"({p['target_train']} train / {p['target_val']} val).",
         ]
     lines += ["", *_environment_lines(doc["environment"])]
@@ -924,12 +931,13 @@ def results_markdown(doc: dict[str, Any]) -> str:
 def _environment_lines(env: dict[str, Any]) -> list[str]:
     if "merged_from" not in env:
         return [
-            f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) on {env['cpus']} CPUs "
+            f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) "
+            f"on {env['cpus']} CPUs "
             f"(load average at the end {env['load_average_at_end']})."
         ]
     lines = [
-        f"Merged from {len(env['merged_from'])} result folders (grid wall time {env['grid_wall_s']} s "
-        "in all):",
+        f"Merged from {len(env['merged_from'])} result folders "
+        f"(grid wall time {env['grid_wall_s']} s in all):",
         "",
     ]
     lines += [f"- `{part['folder']}`: `{part['command']}`" for part in env["merged_from"]]

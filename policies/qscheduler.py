@@ -81,7 +81,8 @@ class QSchedulerConfig(LadderConfig):
     )
     threshold_mode: Literal["auto", "abs", "rel"] = Field(
         default="auto",
-        description="min_delta absolute or relative to |best|; auto: abs for accuracy, rel for losses",
+        description="min_delta absolute or relative to |best|; "
+        "auto: abs for accuracy, rel for losses",
     )
     cooldown: int = Field(
         default=1, ge=0, description="validations after a raise that do not count as stalled"
@@ -97,7 +98,8 @@ class QSchedulerConfig(LadderConfig):
     payoff_window: int = Field(
         default=5,
         ge=0,
-        description="validations after a raise an unpaid rung is held before payoff=stop ends the climb",
+        description="validations after a raise an unpaid rung is held "
+        "before payoff=stop ends the climb",
     )
     payoff: Payoff = Field(
         default="off",
@@ -209,7 +211,8 @@ class QSchedulerPolicy(QPolicy):
             self._since_raise = 0
 
     def state_dict(self) -> JSONDict:
-        """Return q, the best metric, the stall and cooldown counts, the smoothed loss and the payoff flags."""
+        """Return q, the best metric, the stall and cooldown counts, the smoothed loss and
+        the payoff flags."""
         state = super().state_dict()
         state.update(
             best=self._best,

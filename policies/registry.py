@@ -1,4 +1,5 @@
-"""Finding policies by name: the built-in ones and plugins from the ``qsched.policies`` entry points.
+"""Finding policies by name: the built-in ones and plugins from the ``qsched.policies``
+entry points.
 
 ``create_policy`` is the one way the rest of qsched builds a policy, so a plugin that
 registers an entry point, e.g. in its ``pyproject.toml``::

@@ -51,7 +51,8 @@ class JobSpec(_Frozen):
     lr: float = Field(
         default=3000.0,
         gt=0,
-        description="learning rate; INT8: in int8 steps per unit gradient (default 3000; FP32 default 0.02)",
+        description="learning rate; INT8: in int8 steps per unit gradient "
+        "(default 3000; FP32 default 0.02)",
     )
     eps: float = Field(
         default=1.0,

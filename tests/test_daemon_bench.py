@@ -25,7 +25,8 @@ def _size(msg: object) -> int:
 def test_bench_fleet_tiny_run_prints_and_counts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """1 and 2 boards over a private Mosquitto and over ptys: a table, notes, and exact byte counts."""
+    """1 and 2 boards over a private Mosquitto and over ptys: a table, notes, and exact byte
+    counts."""
     out = tmp_path / "bench.json"
     status = main(
         [

@@ -33,7 +33,8 @@ def _spec(**over: object) -> JobSpec:
 
 
 class _ReassignLiar(BoardAgent):
-    """Answers its first request of each step honestly and lies in every later one (reassigned keys)."""
+    """Answers its first request of each step honestly and lies in every later one
+    (reassigned keys)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -71,7 +72,8 @@ async def _run(
 
 
 async def test_engine_audit_lie_in_reassigned_shard_caught() -> None:
-    """A board lying only in a shard reassigned to it (after another's was late) is caught; weights match."""
+    """A board lying only in a shard reassigned to it (after another's was late) is caught;
+    weights match."""
     spec = _spec()
     off = LatencyProfile.off()
     late = FaultPlan.parse(["delay:step=2:1.0"], seed=spec.seed).for_board("vb-00")
@@ -89,7 +91,8 @@ async def test_engine_audit_lie_in_reassigned_shard_caught() -> None:
 
 
 async def test_engine_audit_combined_faults_match_reference() -> None:
-    """Two clean boards and three with lies, corrupted payloads, drops, delays and bad checksums end at the reference."""
+    """Two clean boards and three with lies, corrupted payloads, drops, delays and bad
+    checksums end at the reference."""
     spec = _spec(steps=30, eval_every=10, checkpoint_every=10)
     faults = ["lie:0.05", "corrupt:0.02", "drop:0.05", "delay:0.05:0.6", "bad-checksum:0.05"]
     config = EngineConfig(
@@ -146,7 +149,8 @@ async def test_engine_lost_resync_reply_does_not_stall_others() -> None:
 
 
 class _HangsAt(BoardAgent):
-    """Stops answering anything (heartbeats included) from the first message about step ``at`` on."""
+    """Stops answering anything (heartbeats included) from the first message about step
+    ``at`` on."""
 
     def __init__(self, *args: object, at: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -165,7 +169,8 @@ class _HangsAt(BoardAgent):
 
 
 async def test_engine_hung_board_costs_a_step_deadline() -> None:
-    """A board that hangs (link open, no answers) during a validation costs a step deadline, not a reply timeout."""
+    """A board that hangs (link open, no answers) during a validation costs a step deadline,
+    not a reply timeout."""
     spec = _spec(steps=8, eval_every=4, checkpoint_every=8)
     off = LatencyProfile.off()
     hung = _HangsAt("vb-02", latency=off, at=4)  # ValidateRequest(step 4) after step 3

@@ -105,7 +105,8 @@ async def test_fleet_asks_a_silent_board_for_hello() -> None:
 
 
 async def test_fleet_lost_board_unawaited_waiter_is_quiet() -> None:
-    """A waiter nobody awaits any more fails silently when its board is given up (no 'never retrieved')."""
+    """A waiter nobody awaits any more fails silently when its board is given up
+    (no 'never retrieved')."""
     reported: list[dict[str, object]] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _, context: reported.append(context))

@@ -77,7 +77,8 @@ def _cpu_s() -> float:
 
 
 async def test_engine_links_failing_at_once_no_spin_and_stop() -> None:
-    """Sends that fail at once: loop responsive, CPU idle, work resumes with the links, a stop ends the run."""
+    """Sends that fail at once: loop responsive, CPU idle, work resumes with the links, a stop
+    ends the run."""
     switch = _Switch()
     transport = WrappedInProcTransport(lambda link, _board: _BrokenLink(link, switch))
     config = EngineConfig(step_deadline_s=0.5, reply_timeout_s=1.0, resync_backoff_s=0.05)

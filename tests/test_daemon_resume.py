@@ -67,7 +67,8 @@ class Procs:
 
 
 def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a child's whole process group (also after the child itself has exited) and reap it."""
+    """SIGKILL a child's whole process group (also after the child itself has exited) and
+    reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -265,7 +266,8 @@ def test_resume_broker_restart_mid_job(
 def test_service_sigterm_checkpoints_and_resumes(
     mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
 ) -> None:
-    """SIGTERM: a checkpoint, exit status 0, the job still 'running'; a restart finishes it exactly."""
+    """SIGTERM: a checkpoint, exit status 0, the job still 'running'; a restart finishes it
+    exactly."""
     state, fleet = tmp_path / "state", "term"
     spec = {**SPEC, "checkpoint_every": 1000}
     _boards(procs, mqtt_broker, fleet, 1, "tb")

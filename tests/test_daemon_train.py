@@ -52,7 +52,8 @@ def test_train_writes_a_job_folder(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_train_resume_ends_with_the_same_bits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A run stopped after step 15 whose last checkpoint was lost resumes from step 10 to the same weights."""
+    """A run stopped after step 15 whose last checkpoint was lost resumes from step 10 to the
+    same weights."""
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert main([*SETTINGS, "--out", str(whole)]) == 0
     expected = _summary(capsys)["checksum"]

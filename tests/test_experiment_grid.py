@@ -56,7 +56,8 @@ def test_grid_custom_tokens() -> None:
 def test_grid_bad_requests(
     grid: str, policies: list[str], numerics: list[str], message: str
 ) -> None:
-    """An empty grid, unknown numerics or grid name, or a non-object config is an ExperimentError."""
+    """An empty grid, unknown numerics or grid name, or a non-object config is an
+    ExperimentError."""
     with pytest.raises(ExperimentError, match=message):
         build_grid(grid, policies, numerics)
 

@@ -58,7 +58,8 @@ def test_run_writes_every_file(tiny: tuple[Path, dict[str, Any], str]) -> None:
 
 
 def test_run_json_schema(tiny: tuple[Path, dict[str, Any], str]) -> None:
-    """Per configuration: accuracy stats over seeds, passes, steps, wall time, q trajectory, curve."""
+    """Per configuration: accuracy stats over seeds, passes, steps, wall time, q trajectory,
+    curve."""
     _, doc, _ = tiny
     assert doc["schema"] == experiment.SCHEMA
     assert doc["setting"]["mode"] == "scratch" and doc["setting"]["seeds"] == [0, 1]
@@ -115,7 +116,8 @@ def test_run_two_workers_same_results(
 
 
 def test_run_transfer_setting(tmp_path: Path) -> None:
-    """Transfer: a backbone pretrained on source classes, ZO on the last layer of the target task."""
+    """Transfer: a backbone pretrained on source classes, ZO on the last layer of the target
+    task."""
     stream = io.StringIO()
     argv = [
         "--grid",
@@ -198,7 +200,8 @@ def test_run_through_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_run_fleet_matches_trainer(tmp_path: Path, tiny: tuple[Path, dict[str, Any], str]) -> None:
-    """--fleet 2 trains every run on in-process virtual boards: the same accuracies and q as the trainer."""
+    """--fleet 2 trains every run on in-process virtual boards: the same accuracies and q as
+    the trainer."""
     _, one, _ = tiny
     fleet, _ = _run(
         tmp_path, "--workers", "1", "--fleet", "2", "--no-plots", "--no-baseline", "--quiet"

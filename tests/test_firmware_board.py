@@ -1,4 +1,5 @@
-"""The C board executable on a pseudo-terminal: protocol session and bit-exact training vs Python."""
+"""The C board executable on a pseudo-terminal: protocol session and bit-exact training vs
+Python."""
 
 from __future__ import annotations
 

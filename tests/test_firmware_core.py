@@ -198,7 +198,8 @@ def test_core_apply_int8_fp16_matches_python(tool: ToolProcess) -> None:
         ]
         want_w, want_b = apply_int8_fp16(weights, buffer, 42, step, pairs)
         got = tool.ask(
-            f"apply_i8 42 {step} 0 {_pairs_args(pairs)} {weights.tobytes().hex()} {buffer.tobytes().hex()}"
+            f"apply_i8 42 {step} 0 {_pairs_args(pairs)} "
+            f"{weights.tobytes().hex()} {buffer.tobytes().hex()}"
         )
         assert got == f"{want_w.tobytes().hex()} {want_b.tobytes().hex()}", f"step {step}"
         weights, buffer = want_w, want_b
@@ -240,7 +241,8 @@ def test_core_int8_accumulator_matches_python(tool: ToolProcess) -> None:
         pairs = [(k, float(np.float32(c * scale))) for k, c in enumerate(rng.standard_normal(5))]
         want_w, want_s = accum_int8.apply(weights, state, sizes, 77, step, pairs)
         got = tool.ask(
-            f"apply_acc8 77 {step} {size_args} {_pairs_args(pairs)} {weights.tobytes().hex()} {state.tobytes().hex()}"
+            f"apply_acc8 77 {step} {size_args} {_pairs_args(pairs)} "
+            f"{weights.tobytes().hex()} {state.tobytes().hex()}"
         )
         assert got == f"{want_w.tobytes().hex()} {want_s.tobytes().hex()}", f"step {step}"
         weights, state = want_w, want_s

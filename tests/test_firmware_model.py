@@ -31,7 +31,8 @@ def _weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 
 def _every_op_model() -> Model:
-    """A graph with the ops the zoo does not use: pools with padding, grouped conv, ReLU(6) nodes."""
+    """A graph with the ops the zoo does not use: pools with padding, grouped conv, ReLU(6)
+    nodes."""
     rng = np.random.default_rng(5)
     nodes = [
         Conv2D(

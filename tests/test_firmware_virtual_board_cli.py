@@ -75,7 +75,8 @@ async def next_message(inbox: AsyncIterator[bytes], kind: type) -> object:
 async def test_board_cli_serial_pty_hello_and_eval(
     pty_board: tuple[int, subprocess.Popen[bytes]],
 ) -> None:
-    """Over a real pty, with a quarter of its frames corrupted, the board loads and evaluates exactly."""
+    """Over a real pty, with a quarter of its frames corrupted, the board loads and evaluates
+    exactly."""
     master, proc = pty_board
     workload = Workload.from_spec(JobSpec(numerics="int8", batch_size=16, seed=2))
     async with SerialLink("serial:pty", FdStream(master), ack_timeout=0.2) as link:
@@ -110,7 +111,8 @@ async def test_board_cli_crash_exits_the_process(
 
 
 async def test_board_cli_mqtt_count_four_births(mqtt_broker: MosquittoBroker) -> None:
-    """--count 4 over MQTT: four births with ids board-00..03, four Hellos, four offlines on SIGTERM."""
+    """--count 4 over MQTT: four births with ids board-00..03, four Hellos, four offlines on
+    SIGTERM."""
     cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
     async with MqttTransport(cfg, TopicMap(fleet="vbtest")) as transport:
         await transport.wait_connected(TIMEOUT_S)

@@ -174,7 +174,8 @@ def run_interval(policy: QPolicy, intervals: list[list[float]]) -> list[int]:
 
 
 def test_qscheduler_interval_average_judges_the_steps_since_the_last_validation() -> None:
-    """average=interval judges the mean step loss since the previous validation, then restarts it."""
+    """average=interval judges the mean step loss since the previous validation, then
+    restarts it."""
     policy = make(metric="train_loss", average="interval", patience=2, cooldown=0)
     # best 1.0; 3.0 stalls once; 0.5 improves. Had the mean not restarted, the third
     # value would be mean(1, 1, 3, 3, 0.5) = 1.7, a second stall and a raise.

@@ -1,4 +1,5 @@
-"""Policy state: JSON round trips, and a resumed policy decides exactly like an uninterrupted one."""
+"""Policy state: JSON round trips, and a resumed policy decides exactly like an
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def feed(policy: QPolicy, events: list[tuple[int, float, float]], start: int) ->
 def test_state_resume_matches_uninterrupted(
     spec: PolicySpec, events: list[tuple[int, float, float]], cut: float
 ) -> None:
-    """Stop anywhere, save through JSON, load into a fresh policy: the q sequence continues unchanged."""
+    """Stop anywhere, save through JSON, load into a fresh policy: the q sequence continues
+    unchanged."""
     split = int(cut * len(events))
     whole = create_policy(spec, CONTEXT)
     expected = feed(whole, events, 0)

@@ -12,7 +12,8 @@ _STEPS, _BATCH = 200, 32
 
 
 def test_baseline_backprop_beats_zo_on_digits() -> None:
-    """Backprop reaches a clearly higher accuracy than FP32 SPSA (q = 4) from the same MLP and budget of steps."""
+    """Backprop reaches a clearly higher accuracy than FP32 SPSA (q = 4) from the same MLP and
+    budget of steps."""
     spec = JobSpec.model_validate(
         {
             "model": "mlp",

@@ -131,7 +131,8 @@ def test_resnet18_imagenet_stem_for_large_inputs():
 
 
 def test_mobilenetv2_inverted_residuals():
-    """MobileNetV2 blocks: 1x1 expand relu6, depthwise 3x3 relu6, linear project, Add at stride 1."""
+    """MobileNetV2 blocks: 1x1 expand relu6, depthwise 3x3 relu6, linear project, Add at
+    stride 1."""
     model = build_model("mobilenetv2", (32, 32, 3), 10, seed=0, width=0.35)
     expand, dw, project = (
         model.node(f"stage2.block2.{p}") for p in ("expand", "depthwise", "project")

@@ -207,7 +207,8 @@ def encode_blob(
         raise BlobError("tensor names must be unique")
     if len(tensor_names) > MAX_TENSORS or len(src.model.nodes) > MAX_OPS:
         raise BlobError(
-            f"model has {len(tensor_names)} tensors / {len(src.model.nodes)} ops; limits {MAX_TENSORS}/{MAX_OPS}"
+            f"model has {len(tensor_names)} tensors / {len(src.model.nodes)} ops; "
+            f"limits {MAX_TENSORS}/{MAX_OPS}"
         )
     index = {name: i for i, name in enumerate(tensor_names)}
     tensors = b"".join(_tensor_record(name, shapes[name], src.qmodel) for name in tensor_names)
@@ -643,7 +644,8 @@ def encode_dataset_blob(dataset: Dataset, qmodel: QuantModel) -> bytes:
     shape = dataset.input_shape
     if not 1 <= len(shape) <= MAX_RANK or dataset.num_classes > 256:
         raise BlobError(
-            f"data set {dataset.name!r}: shape {shape} / {dataset.num_classes} classes outside the limits"
+            f"data set {dataset.name!r}: shape {shape} / {dataset.num_classes} classes "
+            "outside the limits"
         )
     tq = qmodel.tensors[qmodel.model.input_name]
     dims = (*shape, *([0] * (MAX_RANK - len(shape))))

@@ -134,7 +134,8 @@ def _conv_shape(node: Conv2D, shape: tuple[int, ...]) -> tuple[int, ...]:
         if c % node.groups or o % node.groups or ig * node.groups != c:
             raise GraphError(
                 node.name,
-                f"weight {node.weight.shape} with groups={node.groups} does not fit {c} input channels",
+                f"weight {node.weight.shape} with groups={node.groups} "
+                f"does not fit {c} input channels",
             )
     if node.bias.shape != (o,):
         raise GraphError(node.name, f"bias shape {node.bias.shape} != ({o},)")

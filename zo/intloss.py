@@ -285,7 +285,8 @@ def format_vectors(seed: int = 2024, per_scale: int = 12) -> str:
         "# Integer softmax cross-entropy test vectors (protocol/SPEC.md, 'Integer loss').",
         "# table <scale f32 bits hex> <S = scale_q24 decimal> <E[0..255] as 256 hex words>",
         "# log2 <value hex> <ilog2_q24 decimal>",
-        "# loss <scale f32 bits hex> <logits: int8 bytes as hex, two digits each> <label> <loss_q16 decimal>",
+        "# loss <scale f32 bits hex> <logits: int8 bytes as hex, two digits each> "
+        "<label> <loss_q16 decimal>",
     ]
     probes = [1 << 24, (1 << 24) + 1, 0x2FFFFFF, 10 << 24, 0xFFFFFFFFFF, 0x7FFFFFFF, 3, 1]
     for value, result in zip(probes, ilog2_q24(np.asarray(probes, dtype=np.uint64)), strict=True):

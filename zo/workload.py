@@ -284,7 +284,8 @@ class Workload:
         """
         if (qmodel is not None) != (spec.numerics == "int8"):
             raise WorkloadError(
-                f"numerics {spec.numerics!r} needs {'a' if spec.numerics == 'int8' else 'no'} QuantModel"
+                f"numerics {spec.numerics!r} needs "
+                f"{'a' if spec.numerics == 'int8' else 'no'} QuantModel"
             )
         self.spec = spec
         self.model = model
@@ -379,7 +380,8 @@ class Workload:
 
     @property
     def tensor_sizes(self) -> list[int]:
-        """Sizes of the flat vector's tensors, in order (the INT8 accumulator's per-tensor scales)."""
+        """Sizes of the flat vector's tensors, in order (the INT8 accumulator's per-tensor
+        scales)."""
         return [s.size for s in self.segments]
 
     # ------------------------------------------------------------------ state
@@ -404,7 +406,8 @@ class Workload:
         dtype = np.int8 if self.int8 else np.float32
         if state.params.dtype != dtype or state.params.shape != (self.num_params,):
             raise StateError(
-                f"state params are {state.params.dtype}{state.params.shape}, expected {np.dtype(dtype)}({self.num_params},)"
+                f"state params are {state.params.dtype}{state.params.shape}, "
+                f"expected {np.dtype(dtype)}({self.num_params},)"
             )
         expected = self.initial_state().buffer
         if (expected is None) != (state.buffer is None) or (

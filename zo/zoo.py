@@ -414,7 +414,8 @@ def _mobilenetv2(
     stem_stride: int = 0,
     last_channels: int = 0,
 ) -> None:
-    """MobileNetV2 with a width multiplier; ``stages`` and ``max_repeats`` cut depth for small inputs.
+    """MobileNetV2 with a width multiplier; ``stages`` and ``max_repeats`` cut depth for small
+    inputs.
 
     ``stem_stride`` 0 picks 2 for inputs of 64 pixels or more, else 1; ``last_channels``
     0 keeps the paper's 1280 (scaled up, never down, with ``width``).

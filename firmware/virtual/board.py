@@ -11,8 +11,9 @@ would take (``LatencyProfile``), so a fleet of virtual boards has a real fleet's
 Session, as the board sees it (SPEC section 9 has the daemon's side):
 
 - ``LoadModel`` chunks are reassembled (a chunk at offset 0 starts over, duplicates are
-  ignored, overlaps refused), CRC-checked and decoded; ``Loaded(model)`` answers the last one. ``SelectDataset`` is checked against
-  the board's own copy (name, hash, sizes): ``Loaded(dataset)`` or ``dataset_missing``.
+  ignored, overlaps refused), CRC-checked and decoded; ``Loaded(model)`` answers the last
+  one. ``SelectDataset`` is checked against the board's own copy (name, hash, sizes):
+  ``Loaded(dataset)`` or ``dataset_missing``.
   ``JobConfig``: ``Loaded(job_config)``.
 - Once model, data set and job config are all there the board is ``ready``, its weights
   those of the blob at step 0 with a zero buffer; ``SetWeights`` (reassembled, CRC-checked)
@@ -185,7 +186,8 @@ class LatencyProfile:
             return cls(**options)
         if name not in MODEL_LATENCIES:
             raise ValueError(
-                f"unknown latency model {name!r}; known: computed, off, {', '.join(MODEL_LATENCIES)}"
+                f"unknown latency model {name!r}; "
+                f"known: computed, off, {', '.join(MODEL_LATENCIES)}"
             )
         return cls(macs_per_forward=MODEL_LATENCIES[name], **options)
 
@@ -744,7 +746,8 @@ class BoardAgent:
             or graph.num_classes != dataset.num_classes
         ):
             raise WorkloadError(
-                f"model {tuple(graph.input_shape)}->{graph.num_classes} vs data {dataset.input_shape}"
+                f"model {tuple(graph.input_shape)}->{graph.num_classes} "
+                f"vs data {dataset.input_shape}"
             )
         spec = JobSpec(
             name="board",

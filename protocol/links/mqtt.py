@@ -13,7 +13,8 @@ a reconnect up to ``send_timeout_s``, so a broker restart delays messages but lo
 link. MQTT delivers to the subscribers present when a message is published: what the
 daemon sends while a board is still reconnecting is lost (the step engine re-asks
 after its deadline), which is why a repeated birth message keeps the link but the fleet
-should treat the board's next Hello as a fresh session. Other daemon parts (the control API) subscribe through ``MqttTransport.connection``.
+should treat the board's next Hello as a fresh session. Other daemon parts (the control
+API) subscribe through ``MqttTransport.connection``.
 
     async with MqttTransport(cfg.mqtt, TopicMap(fleet=cfg.fleet)) as transport:   # daemon
         async for event in transport.events(): ...

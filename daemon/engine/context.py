@@ -1,0 +1,373 @@
+"""What every part of a job's step engine shares: the job's facts, its flags and its tasks.
+
+The engine is split by concern (``sync``, ``collect``, ``update``, ``validate``, and the
+job lifecycle in ``job``); each collaborator holds the one ``JobContext`` of its job and
+nothing of the others. ``JobTasks`` is the job's ``TaskGroup``: every background task of
+the job (board loads, shard requests, pipelined updates) is its child, so none outlives
+the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, Generic, Literal, Self, TypeVar
+
+import structlog
+
+from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
+from qsched.daemon.planner import plan_shards
+from qsched.protocol.control import Event, EventKind
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest
+from qsched.protocol.states import JobState
+from qsched.zo.trainer import TrainResult
+from qsched.zo.workload import TrainState, Workload
+
+__all__ = [
+    "EngineConfig",
+    "Interrupted",
+    "JobContext",
+    "JobError",
+    "JobResult",
+    "JobTasks",
+    "Outcome",
+    "fault_text",
+    "planning_rates",
+    "refused",
+]
+
+log = structlog.get_logger("qsched.engine")
+
+T = TypeVar("T")
+
+
+class Interrupted(Exception):
+    """A stop arrived while the step waited for boards; nothing of the step was applied."""
+
+
+class JobError(Exception):
+    """The job cannot go on (``reason``: ``numeric``, ``no_workload``, ``internal`` ...)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Timing and checking knobs of the step engine (limits on everything).
+
+    Args:
+        step_deadline_s: the shortest time a board gets for its shard before the shard
+            is reassigned.
+        deadline_factor: a shard's deadline is this many times its expected time (from
+            the board's throughput), when that is longer.
+        reply_timeout_s: how long update acks, loads and validations may take.
+        load_timeout_s: how long loading a model onto one board may take.
+        resync_timeout_s: how long loading weights (``SetWeights``) onto one board may take.
+        resync_backoff_s: wait this long before retrying a board whose resync failed.
+        audit_every: every this many steps (0: never) one key of every shard is also
+            evaluated by a second board (needs two boards). An audited step costs about
+            one key per board more; between audits a lying board goes unnoticed.
+        validate_on: ``boards`` (data-parallel slices) or ``daemon`` (local).
+        checkpoint_every: steps between checkpoints (default: the spec's).
+        pipeline: send step t's update and step t+1's eval requests together, and check
+            the update acks alongside the results (off: wait for every ack first).
+    """
+
+    step_deadline_s: float = 5.0
+    deadline_factor: float = 4.0
+    reply_timeout_s: float = 10.0
+    load_timeout_s: float = 60.0
+    resync_timeout_s: float = 15.0
+    resync_backoff_s: float = 2.0
+    audit_every: int = 1
+    validate_on: Literal["boards", "daemon"] = "boards"
+    checkpoint_every: int | None = None
+    pipeline: bool = True
+
+
+@dataclass
+class JobResult:
+    """How a job ended: its status and the training result (state, policy, history)."""
+
+    status: JobState
+    train: TrainResult
+    faults: int = 0
+    reassigned: int = 0
+    policy: PolicySpec | None = None
+    work: dict[str, int] = field(default_factory=dict)  # keys evaluated per board id
+
+    @property
+    def state(self) -> TrainState:
+        """The final weights."""
+        return self.train.state
+
+    @property
+    def steps(self) -> list[Any]:
+        """Per-step history (``StepRecord``)."""
+        return self.train.steps
+
+    @property
+    def evals(self) -> list[Any]:
+        """Per-validation history (``EvalRecord``)."""
+        return self.train.evals
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """What a child task of ``JobTasks`` ended with: its value, or the exception it raised."""
+
+    value: T | None = None
+    error: BaseException | None = None
+
+    def get(self) -> T:
+        """The value; the task's exception is raised here, in whoever awaited it."""
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+class JobTasks:
+    """The job's ``TaskGroup``: every background task of one job, ended with the job.
+
+    A child's exception must not cancel its siblings (a board's failed request is that
+    board's fault, not the job's), so each child hands what it raised to whoever reads
+    its ``Outcome``; only cancellation ends a child early. On exit every child still
+    running is cancelled and awaited.
+    """
+
+    def __init__(self, job: str) -> None:
+        self._job = job
+        self._group: asyncio.TaskGroup | None = None
+        self._children: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> Self:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel_all()
+        assert self._group is not None
+        group, self._group = self._group, None
+        # The group hears of no exception of the body: it would wrap the job's own error
+        # in an ExceptionGroup. It waits for the cancelled children; the error goes on.
+        await group.__aexit__(None, None, None)
+
+    def spawn(self, work: Awaitable[T], name: str) -> asyncio.Task[Outcome[T]]:
+        """Start ``work`` as a child of the job.
+
+        Args:
+            work: the coroutine.
+            name: the task's name (``fleet[board-07].eval[12]``).
+
+        Returns:
+            The task; its result is the ``Outcome`` of ``work``.
+
+        Raises:
+            RuntimeError: the job is not running (no task may outlive it).
+        """
+        if self._group is None:
+            _close(work)
+            raise RuntimeError(f"job {self._job!r} is not running: no task can start")
+        task = self._group.create_task(_outcome(work), name=name)
+        self._children.add(task)
+        task.add_done_callback(self._children.discard)
+        # A child cancelled before it ran never awaited its work: close it, quietly.
+        task.add_done_callback(lambda done: _close(work) if done.cancelled() else None)
+        return task
+
+    def cancel_all(self) -> None:
+        """Cancel every child still running."""
+        for task in list(self._children):
+            task.cancel()
+
+
+def _close(work: Awaitable[Any]) -> None:
+    if inspect.iscoroutine(work) and inspect.getcoroutinestate(work) == inspect.CORO_CREATED:
+        work.close()
+
+
+async def _outcome(work: Awaitable[T]) -> Outcome[T]:
+    try:
+        return Outcome(value=await work)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # handed to the reader: see JobTasks
+        return Outcome(error=exc)
+
+
+class JobContext:
+    """The facts and flags of one running job that every engine part reads or sets.
+
+    Args:
+        spec: the job.
+        fleet: the boards.
+        config: timing and checking knobs.
+        workload: the job's workload (the daemon's own copy of the model and data).
+        job_id: the job's wire id.
+        result: where the run stands (the daemon's weights, history, forward passes).
+        tasks: the job's task group.
+        on_event: called with every control-plane event.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        fleet: Fleet,
+        config: EngineConfig,
+        workload: Workload,
+        job_id: int,
+        result: TrainResult,
+        tasks: JobTasks,
+        on_event: Callable[[Event], None] | None,
+    ) -> None:
+        self.spec, self.fleet, self.config, self.workload = spec, fleet, config, workload
+        self.job_id, self.result, self.tasks = job_id, result, tasks
+        self.on_event = on_event
+        self.status_line = "pending"
+        self.faults = 0
+        self.reassigned = 0
+        self.work: dict[str, int] = {}
+        self.stopping = asyncio.Event()
+        self.shutdown = False
+        self.safe_point = False  # True while no step is half done (checkpoints may run)
+        # Boards whose update ack is not checked yet get no work meanwhile.
+        self.unverified: dict[str, asyncio.Task[Outcome[None]]] = {}
+        self.going_down: asyncio.Future[None] | None = None  # done on a shutdown stop
+
+    @property
+    def state(self) -> TrainState:
+        """The daemon's copy of the weights (at the next step to run)."""
+        return self.result.state
+
+    @property
+    def step(self) -> int:
+        """The next step to run."""
+        return self.result.state.step
+
+    @contextlib.contextmanager
+    def at_safe_point(self) -> Iterator[None]:
+        """While inside, nothing of the current step is applied: a checkpoint is whole."""
+        self.safe_point = True
+        try:
+            yield
+        finally:
+            self.safe_point = False
+
+    def workers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[BoardSession]:
+        """Boards that may get work now: ready at this step, not draining, not excluded."""
+        return [
+            s
+            for s in self.fleet.boards()
+            if s.alive
+            and s.state == "ready"
+            and s.job_id == self.job_id
+            and s.step == self.step
+            and not s.draining
+            and s.address not in exclude
+            and s.address not in self.unverified
+        ]
+
+    def fault(self, session: BoardSession, reason: str) -> None:
+        """Mark a board faulty (it is resynchronised before it gets work again)."""
+        self.faults += 1
+        self.fleet.mark_faulty(session, reason)
+
+    def audit_step(self, t: int) -> bool:
+        """Whether step ``t`` is audited (``audit_every``)."""
+        every = self.config.audit_every
+        return every > 0 and t % every == 0
+
+    def plan(
+        self,
+        missing: Sequence[int],
+        workers: list[BoardSession],
+        audit: bool,
+        step: int | None = None,
+    ) -> dict[str, list[int]]:
+        """Keys to boards by throughput; at an audit step, shards overlap by one key."""
+        plan = plan_shards(list(missing), planning_rates(workers))
+        step = self.step if step is None else step
+        if audit and self.audit_step(step) and len(plan) >= 2:
+            order = sorted(plan)
+            extra = {b: plan[order[(i - 1) % len(order)]][0] for i, b in enumerate(order)}
+            plan = {b: sorted({*plan[b], extra[b]}) for b in order}
+        return plan
+
+    def eval_request(self, t: int, ks: Sequence[int]) -> EvalRequest:
+        """The request for keys ``ks`` of step ``t``."""
+        spec = self.spec
+        return EvalRequest(
+            job_id=self.job_id,
+            step=t,
+            batch_size=spec.batch_size,
+            eps=spec.eps,
+            estimator=spec.estimator,
+            ks=tuple(sorted(ks)),
+        )
+
+    def deadline(self, session: BoardSession, count: int, now: float) -> float:
+        """When a shard of ``count`` keys sent now is late."""
+        expected = count / max(session.throughput.rate, 1e-6)
+        return now + max(self.config.step_deadline_s, self.config.deadline_factor * expected)
+
+    def emit(
+        self,
+        kind: EventKind,
+        *,
+        step: int | None = None,
+        message: str = "",
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Publish a control-plane event of this job."""
+        if self.on_event is None:
+            return
+        event = Event(
+            kind=kind,
+            time=time.time(),
+            job=self.spec.name,
+            step=step,
+            message=message,
+            metrics=metrics or {},
+        )
+        try:
+            self.on_event(event)
+        except Exception:  # a consumer's bug must not stop training
+            log.exception("event handler failed", kind=kind)
+
+
+def planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:
+    """Each worker's throughput; a board never measured counts as the mean of the measured
+    ones (its prior of 1 key/s would starve it of work for good next to measured boards)."""
+    measured = [s.throughput.rate for s in workers if s.throughput.observations]
+    prior = sum(measured) / len(measured) if measured else 1.0
+    return {s.address: s.throughput.rate if s.throughput.observations else prior for s in workers}
+
+
+def fault_text(exc: BoardFaultError, where: str) -> str:
+    """A fault's reason for the event log (an update mismatch names its own step)."""
+    if exc.reason == "checksum":
+        return exc.detail
+    return f"{where}: {exc.reason} {exc.detail}".strip()
+
+
+def refused(session: BoardSession) -> bool:
+    """Whether the board speaks an older protocol than ours (it gets no job)."""
+    return session.hello is not None and session.hello.protocol_version < PROTOCOL_VERSION
+
+
+WAIT_POLL_S: Final = 1.0

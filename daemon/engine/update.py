@@ -1,0 +1,268 @@
+"""The update of a step: ``ApplyUpdate`` to every board, acks checked, and pipelining.
+
+The daemon applies the update to its own copy and sends ``ApplyUpdate`` to every board
+at step ``t``; a board whose checksum differs is resynchronised (full weights) before it
+gets work again. Pipelined (the default): once the policy has heard about step ``t``, q
+of ``t+1`` is known, so each board gets step ``t+1``'s ``EvalRequest`` right behind the
+update (boards take messages in order) and the acks are checked with the results — a
+result counts only after its board's ack matched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from qsched.daemon.engine.collect import Flight, Flights
+from qsched.daemon.engine.context import JobContext, fault_text
+from qsched.daemon.fleet import BoardFaultError, BoardSession
+from qsched.protocol.messages import ApplyUpdate, EvalRequest, EvalResult, UpdateAck
+
+__all__ = ["UpdateSender"]
+
+
+class UpdateSender:
+    """Sends each step's update and, pipelined, the next step's requests behind it.
+
+    Args:
+        ctx: the job's shared context.
+    """
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        # Eval requests of the next step sent with the update: (step, flights).
+        self._prefetch: tuple[int, Flights] | None = None
+
+    async def broadcast(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
+        """``ApplyUpdate(t)`` to every board at step t; wait for and check every ack."""
+        ctx = self.ctx
+        await self._settle_unverified()
+        message = _update_message(ctx.job_id, t, pairs)
+        targets = self._targets(t)
+        answers = await asyncio.gather(
+            *(s.request(message, ctx.config.reply_timeout_s) for s in targets),
+            return_exceptions=True,
+        )
+        for session, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, UpdateAck) and answer.checksum == expected and answer.step == t:
+                session.step = t + 1
+                if session.state == "busy":
+                    session.set_state("ready", "updated")
+            elif isinstance(answer, UpdateAck):
+                ctx.fault(
+                    session, f"step {t}: checksum {answer.checksum:08x}, expected {expected:08x}"
+                )
+            elif isinstance(answer, BoardFaultError):
+                ctx.fault(session, f"step {t} update: {answer.reason} {answer.detail}".strip())
+            elif isinstance(answer, BaseException):
+                raise answer
+
+    async def send_with_next(
+        self, t: int, pairs: list[tuple[int, float]], next_q: int, expected: asyncio.Future[int]
+    ) -> None:
+        """ApplyUpdate(t) to every board at step t and, right behind it on the same link,
+        EvalRequests of step t+1 (keys ``0..next_q-1``) to those that may work; returns
+        when every board's messages are sent (or failed to be)."""
+        ctx = self.ctx
+        await self._settle_unverified()
+        message = _update_message(ctx.job_id, t, pairs)
+        targets = self._targets(t)
+        sent: list[asyncio.Future[None]] = []
+        workers = [s for s in targets if s.state == "ready" and not s.draining]
+        plan = ctx.plan(range(next_q), workers, audit=True, step=t + 1) if workers else {}
+        flights: Flights = {}
+        now = asyncio.get_running_loop().time()
+        for session in targets:
+            session.step = t + 1  # as far as the daemon knows: a wrong ack takes it back
+            ks = plan.get(session.address)
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            sent.append(done)
+            if ks is None:
+                ctx.unverified[session.address] = ctx.tasks.spawn(
+                    self._update_only(session, message, expected, done),
+                    f"fleet[{session.address}].update[{t}]",
+                )
+                continue
+            request = ctx.eval_request(t + 1, ks)
+            flight = Flight(session, request.ks, now, ctx.deadline(session, len(ks), now))
+            timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
+            task = ctx.tasks.spawn(
+                self._update_then_eval(session, message, request, expected, timeout, done),
+                f"fleet[{session.address}].eval[{t + 1}]",
+            )
+            flights[task] = flight
+            session.set_state("busy", "eval")
+        self._prefetch = (t + 1, flights)
+        if sent:
+            await asyncio.wait(sent)
+
+    def take_prefetch(self, t: int) -> Flights:
+        """The requests of step ``t`` already out with the last update (none: empty)."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            return {}
+        step, flights = prefetch
+        if step == t:
+            return flights
+        self._prefetch = prefetch  # not this step's: dropped as on a stop
+        self.drop()
+        return {}
+
+    async def finish(self) -> None:
+        """The job ends with the next step's requests out: wait for them (bounded) so the
+        last update's acks are checked and no board is left computing, then forget them."""
+        ctx = self.ctx
+        prefetch, self._prefetch = self._prefetch, None
+        if ctx.shutdown or prefetch is None:
+            self._prefetch = prefetch
+            self.drop()
+            return
+        flights = prefetch[1]
+        if flights:
+            loop = asyncio.get_running_loop()
+            limit = max(f.deadline for f in flights.values()) - loop.time()
+            done, _ = await asyncio.wait(flights, timeout=max(limit, ctx.config.reply_timeout_s))
+            for task in done:
+                session = flights.pop(task).session
+                error = None if task.cancelled() else task.result().error
+                if session.state == "busy":
+                    session.set_state("ready", "answered")
+                if isinstance(error, BoardFaultError):
+                    ctx.fault(session, fault_text(error, f"step {ctx.step}"))
+            self._prefetch = (prefetch[0], flights)  # the unanswered ones: dropped below
+        if ctx.unverified:
+            await asyncio.wait(list(ctx.unverified.values()), timeout=ctx.config.reply_timeout_s)
+        self.drop()
+
+    def drop(self) -> None:
+        """The job leaves with requests of a step it will not run: cancel them; their
+        boards hold updates nobody checked, so they are resynchronised before new work."""
+        ctx = self.ctx
+        if self._prefetch is not None:
+            _, flights = self._prefetch
+            self._prefetch = None
+            for task, flight in flights.items():
+                task.cancel()
+                if flight.session.state == "busy":
+                    ctx.fault(flight.session, "request of a step that did not run")
+        for address, ack in list(ctx.unverified.items()):
+            if not ack.done():
+                ack.cancel()
+                session = ctx.fleet.sessions.get(address)
+                if session is not None:
+                    ctx.fault(session, "update ack not checked")
+        ctx.unverified.clear()
+
+    def _targets(self, t: int) -> list[BoardSession]:
+        return [
+            s
+            for s in self.ctx.fleet.boards()
+            if s.alive
+            and s.state in ("ready", "busy")
+            and s.job_id == self.ctx.job_id
+            and s.step == t
+        ]
+
+    async def _update_then_eval(
+        self,
+        session: BoardSession,
+        update: ApplyUpdate,
+        request: EvalRequest,
+        expected: asyncio.Future[int],
+        timeout: float,
+        sent: asyncio.Future[None],
+    ) -> EvalResult:
+        """Send the update and the next step's request; the result counts only after the
+        update's ack matched the daemon's checksum (else ``BoardFaultError``)."""
+        ack = session.expect(update)
+        try:
+            answer = session.expect(request)
+        except BaseException:
+            session.forget(("update", update.step), ack)
+            _settle_none(sent)
+            raise
+        try:
+            await _send_in_order(session, update, request)
+        except BaseException:
+            session.forget(("update", update.step), ack)
+            session.forget(("eval", request.step, request.ks), answer)
+            raise
+        finally:
+            _settle_none(sent)
+        try:
+            reply = await session.reply(update, ack, self.ctx.config.reply_timeout_s)
+            await _check_ack(session, update.step, reply, expected)
+            result = await session.reply(request, answer, timeout)
+            return result  # type: ignore[return-value]  # keyed by step and ks: an EvalResult
+        finally:
+            session.forget(("update", update.step), ack)
+            session.forget(("eval", request.step, request.ks), answer)
+
+    async def _update_only(
+        self,
+        session: BoardSession,
+        update: ApplyUpdate,
+        expected: asyncio.Future[int],
+        sent: asyncio.Future[None],
+    ) -> None:
+        """A board without work in the next step: its ack is checked in the background."""
+        ctx = self.ctx
+        try:
+            try:
+                ack = await session.send_expecting(update)
+            finally:
+                _settle_none(sent)
+            try:
+                reply = await session.reply(update, ack, ctx.config.reply_timeout_s)
+            finally:
+                session.forget(("update", update.step), ack)
+            await _check_ack(session, update.step, reply, expected)
+        except BoardFaultError as exc:
+            ctx.fault(session, fault_text(exc, f"step {update.step} update"))
+        finally:
+            ctx.unverified.pop(session.address, None)
+        await ctx.fleet.notify_changed()  # it may take work now
+
+    async def _settle_unverified(self) -> None:
+        """Wait for the update acks still being checked (normally all in already)."""
+        if self.ctx.unverified:
+            await asyncio.gather(*self.ctx.unverified.values(), return_exceptions=True)
+
+
+def _update_message(job_id: int, t: int, pairs: list[tuple[int, float]]) -> ApplyUpdate:
+    ks = tuple(k for k, _ in pairs)
+    return ApplyUpdate(job_id=job_id, step=t, ks=ks, coefficients=tuple(c for _, c in pairs))
+
+
+async def _check_ack(
+    session: BoardSession, t: int, reply: Any, expected: asyncio.Future[int]
+) -> None:
+    checksum = await expected
+    if not isinstance(reply, UpdateAck) or reply.step != t:
+        raise BoardFaultError(session.board_id, "wrong_answer", f"step {t}: not its update ack")
+    if reply.checksum != checksum:
+        raise BoardFaultError(
+            session.board_id,
+            "checksum",
+            f"step {t}: checksum {reply.checksum:08x}, expected {checksum:08x}",
+        )
+
+
+async def _send_in_order(session: BoardSession, *messages: Any) -> None:
+    """Send messages back to back without waiting for each send's confirmation (an MQTT
+    QoS 1 acknowledgement costs a broker round trip). Sends start in call order, which
+    links keep; a board that still got them out of order refuses the stale step and is
+    resynchronised, so the order is a matter of speed, not of correctness."""
+    sends = [asyncio.ensure_future(session.send(m)) for m in messages]
+    try:
+        await asyncio.gather(*sends)
+    finally:
+        for send in sends:
+            send.cancel()
+            if send.done() and not send.cancelled():
+                send.exception()  # retrieved: gather raised the first one
+
+
+def _settle_none(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
