@@ -21,12 +21,14 @@ firmware:
 
 test: install firmware
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python .ci/typecheck
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # mypy cannot follow the folder -> qsched.<folder> mapping: .ci/typecheck links the tree.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python .ci/typecheck
 
 clean:
