@@ -40,13 +40,13 @@ import numpy as np
 
 from qsched.daemon.specfile import parse_value
 from qsched.lab.progress import ProgressLine
+from qsched.lab.results import SCHEMA, write_results_json
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 
 __all__ = [
     "GRIDS",
     "NUMERICS",
-    "SCHEMA",
     "ConfigSummary",
     "ExperimentError",
     "ExperimentResult",
@@ -60,7 +60,6 @@ __all__ = [
     "write_results",
 ]
 
-SCHEMA: Final = "qsched.experiment/1"
 PAPER_FIXED_Q: Final = (1, 2, 4, 8, 16, 32)
 PAPER_QMAX: Final = 32
 # Numerics tokens of the command line: (JobSpec.numerics, JobSpec.accumulator).
@@ -801,7 +800,7 @@ def write_results(result: ExperimentResult, out: Path, plots: bool = True) -> li
     out.mkdir(parents=True, exist_ok=True)
     doc = result.to_json()
     files = [out / "results.json", out / "results.csv", out / "results.md"]
-    files[0].write_text(json.dumps(doc, indent=1) + "\n")
+    write_results_json(doc, files[0])
     _write_csv(doc, files[1])
     files[2].write_text(results_markdown(doc))
     if plots:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -24,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .experiment import SCHEMA, ExperimentError, ExperimentResult, _stats, write_results
+from qsched.lab.experiment import ExperimentError, ExperimentResult, _stats, write_results
+from qsched.lab.results import ResultsDocument, ResultsError, read_results
 
 __all__ = ["main", "merge_documents"]
 
@@ -46,10 +46,6 @@ def _comparable_setting(setting: dict[str, Any]) -> dict[str, Any]:
 def _check_parts(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> None:
     if len(docs) < 2:
         raise ExperimentError("merging needs at least two result folders")
-    for doc, name in zip(docs, names, strict=True):
-        schema = doc.get("schema") if isinstance(doc, dict) else None
-        if schema != SCHEMA:
-            raise ExperimentError(f"{name}: not a {SCHEMA} results.json (schema {schema!r})")
     reference = _comparable_setting(docs[0]["setting"])
     for doc, name in zip(docs[1:], names[1:], strict=True):
         if _comparable_setting(doc["setting"]) != reference:
@@ -124,12 +120,12 @@ def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def merge_documents(
-    docs: Sequence[dict[str, Any]], names: Sequence[str], command: str = ""
+    docs: Sequence[ResultsDocument], names: Sequence[str], command: str = ""
 ) -> ExperimentResult:
     """Pool ``results.json`` documents of one setting run on disjoint seeds.
 
     Args:
-        docs: the parts' documents.
+        docs: the parts' documents (``read_results``).
         names: where each came from, for messages and the record.
         command: the command line, recorded in the result.
 
@@ -137,16 +133,12 @@ def merge_documents(
         The merged result, with the configurations every part has.
 
     Raises:
-        ExperimentError: fewer than two parts, another schema, settings that differ in
-            more than the seeds, a seed in two parts, no configuration in common, or a
-            document that lacks a field its schema has.
+        ExperimentError: fewer than two parts, settings that differ in more than the
+            seeds, a seed in two parts, or no configuration in common.
     """
-    _check_parts(docs, names)
-    try:
-        return _merge(docs, names, command)
-    except (KeyError, TypeError, AttributeError) as exc:
-        # The schema tag matched but the body did not: a truncated or hand-edited file.
-        raise ExperimentError(f"a results.json lacks or mistypes a field ({exc!r})") from exc
+    data = [doc.as_dict() for doc in docs]
+    _check_parts(data, names)
+    return _merge(data, names, command)
 
 
 def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -> ExperimentResult:
@@ -201,10 +193,10 @@ def main(argv: list[str], *, stream: Any = None) -> int:
     args = _parser().parse_args(argv)
     out = stream or sys.stderr
     try:
-        docs = [json.loads((folder / "results.json").read_text()) for folder in args.folders]
+        docs = [read_results(folder / "results.json") for folder in args.folders]
         command = shlex.join(["qsched", "experiment-merge", *argv])
         result = merge_documents(docs, [str(f) for f in args.folders], command=command)
-    except (OSError, ValueError) as exc:  # ExperimentError is a ValueError, as is bad JSON
+    except (ResultsError, ExperimentError) as exc:
         print(f"qsched experiment-merge: {exc}", file=out)
         return 2
     files = write_results(result, args.out, plots=not args.no_plots)
