@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from qsched.daemon.config import ConfigError, load_config
+from qsched.daemon.errors import NotBuiltError
 from qsched.daemon.logging import LEVELS, configure_logging
 
 __all__ = ["COMMANDS", "Command", "NotBuiltError", "main", "resolve"]
@@ -55,10 +56,6 @@ COMMANDS: dict[str, Command] = {
     "schema": Command("qsched.protocol.schema:main", "write the control-plane JSON Schema"),
     "config": Command("qsched.daemon.cli:config_main", "print the effective daemon configuration"),
 }
-
-
-class NotBuiltError(RuntimeError):
-    """The module or function a command names does not exist (yet)."""
 
 
 def resolve(target: str) -> Callable[[list[str]], int | None]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from qsched.daemon.errors import ConfigError
 from qsched.protocol.links.config import ConfigSection, MqttConfig, SerialConfig, TlsConfig
 
 __all__ = [
@@ -32,15 +33,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "QSCHED_"
-
-
-class ConfigError(ValueError):
-    """The configuration file or an environment override is invalid."""
-
-    def __init__(self, source: str, detail: str) -> None:
-        super().__init__(f"{source}: {detail}")
-        self.source = source
-        self.detail = detail
 
 
 class DaemonConfig(ConfigSection):

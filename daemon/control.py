@@ -16,12 +16,12 @@ from typing import Any, Final, Protocol
 import structlog
 from pydantic import ValidationError
 
+from qsched.daemon.errors import ControlError
 from qsched.policies import PolicyError
 from qsched.protocol.control import (
     ChangePolicy,
     CheckpointNow,
     Command,
-    ControlErrorCode,
     DrainBoard,
     ErrorReply,
     ExportModel,
@@ -45,15 +45,6 @@ _log = structlog.get_logger("qsched.control")
 
 # A checkpoint waits for the step in progress; longer than this is a "timeout" reply.
 CHECKPOINT_TIMEOUT_S: Final = 60.0
-
-
-class ControlError(Exception):
-    """A command refused with a control-plane error code and a sentence."""
-
-    def __init__(self, code: ControlErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code: ControlErrorCode = code
-        self.message = message
 
 
 class JobHost(Protocol):

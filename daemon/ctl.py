@@ -33,6 +33,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from qsched.daemon.config import load_config
+from qsched.daemon.errors import CtlError
 from qsched.daemon.specfile import load_spec_data
 from qsched.protocol.control import ErrorReply, Reply, parse_command, parse_control
 from qsched.protocol.errors import ProtocolError
@@ -44,10 +45,6 @@ __all__ = ["EXIT_NO_REPLY", "CtlError", "build_command", "main", "send_command"]
 
 EXIT_NO_REPLY: Final = 3
 DEFAULT_TIMEOUT_S: Final = 30.0
-
-
-class CtlError(Exception):
-    """The command could not be sent or got no reply."""
 
 
 async def send_command(

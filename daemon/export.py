@@ -10,15 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from qsched.daemon.errors import ExportError
 from qsched.zo.workload import TrainState, Workload
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "default_format", "export_model"]
 
 EXPORT_FORMATS = ("tflite", "npz")
-
-
-class ExportError(ValueError):
-    """The model cannot be written in the format asked for."""
 
 
 def default_format(workload: Workload) -> str:

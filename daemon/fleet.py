@@ -26,6 +26,7 @@ from typing import Any, Final, Self
 
 import structlog
 
+from qsched.daemon.errors import BoardErrorReply, BoardFaultError, BoardLostError
 from qsched.daemon.planner import ThroughputEstimate
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardInfo
@@ -82,28 +83,6 @@ _LOADED_RESOURCE: Final[dict[type, str]] = {
     JobConfig: "job_config",
 }
 _CODE_TYPES: Final[dict[int, type]] = {code: cls for cls, code in TYPE_CODES.items()}
-
-
-class BoardFaultError(Exception):
-    """A board misbehaved (timeout, wrong answer, typed refusal); ``reason`` is a short word."""
-
-    def __init__(self, board_id: str, reason: str, detail: str = "") -> None:
-        super().__init__(f"board {board_id}: {reason}" + (f" ({detail})" if detail else ""))
-        self.board_id = board_id
-        self.reason = reason
-        self.detail = detail
-
-
-class BoardLostError(BoardFaultError):
-    """The board's link went away while a request waited."""
-
-
-class BoardErrorReply(BoardFaultError):
-    """The board answered a request with a typed ``Error``."""
-
-    def __init__(self, board_id: str, error: Error) -> None:
-        super().__init__(board_id, error.code, error.detail)
-        self.error = error
 
 
 @dataclass(frozen=True)

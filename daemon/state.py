@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from qsched.daemon.errors import StateDirError
+
 __all__ = [
     "JOB_STATUSES",
     "Checkpoint",
@@ -52,15 +54,6 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _CKPT_MAGIC = b"QSCKPT1\n"
 _CKPT_NAME = re.compile(r"^ckpt-(\d{10})\.qsckpt$")
 KEEP_CHECKPOINTS = 3  # older ones are removed; more than one survives a damaged latest
-
-
-class StateDirError(Exception):
-    """The state directory holds something unreadable, or a request is invalid."""
-
-    def __init__(self, path: Path | str, detail: str) -> None:
-        super().__init__(f"{path}: {detail}")
-        self.path = Path(path)
-        self.detail = detail
 
 
 def default_state_dir() -> Path:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+from qsched.firmware.errors import FirmwareBuildError
+
 __all__ = [
     "BUILD_DIR",
     "FIRMWARE_DIR",
@@ -39,10 +41,6 @@ BUILD_TIMEOUT_S: Final = 300.0
 
 Flavour = Literal["host", "asan", "m55"]
 _built: set[str] = set()
-
-
-class FirmwareBuildError(RuntimeError):
-    """``make`` failed or is missing; the message carries the tail of its output."""
 
 
 def m55_unavailable_reason() -> str | None:

@@ -26,14 +26,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from qsched.lab.errors import BrokerError
+
 __all__ = ["BrokerError", "MosquittoBroker", "free_port"]
 
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
-
-
-class BrokerError(RuntimeError):
-    """The private broker could not be started (missing binary, port not accepting)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

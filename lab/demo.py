@@ -36,6 +36,7 @@ from typing import IO, Any, Final, Self, TextIO
 
 import structlog
 
+from qsched.lab.errors import DemoError
 from qsched.lab.progress import ProgressLine, format_duration
 from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
@@ -72,10 +73,6 @@ DEFAULT_BOARDS: Final = 4
 PLOT_FILE: Final = "training.png"
 SUMMARY_FILE: Final = "summary.json"
 METRICS_FILE: Final = "metrics.jsonl"
-
-
-class DemoError(RuntimeError):
-    """The demo cannot run (boards did not start, broker unreachable, bad options)."""
 
 
 # --------------------------------------------------------------------------- pseudo-terminals

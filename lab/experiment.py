@@ -39,6 +39,7 @@ from typing import Any, Final
 import numpy as np
 
 from qsched.daemon.specfile import parse_value
+from qsched.lab.errors import ExperimentError
 from qsched.lab.progress import ProgressLine
 from qsched.lab.results import SCHEMA, write_results_json
 from qsched.policies import create_policy
@@ -72,10 +73,6 @@ GRIDS: Final = ("paper", "all-policies", "custom")
 _EXTRA_POLICIES: Final = ("linear", "power", "variance")
 _FLOOR_PP: Final = 1.0  # QScheduler within this many points of the best fixed q ...
 _FLOOR_PASSES: Final = 0.60  # ... with at most this share of its forward passes
-
-
-class ExperimentError(ValueError):
-    """A grid or setting that cannot be run (unknown policy, bad option)."""
 
 
 # --------------------------------------------------------------------------- the grid

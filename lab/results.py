@@ -16,6 +16,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qsched.lab.errors import ResultsError
+
 __all__ = [
     "SCHEMA",
     "ConfigResult",
@@ -30,10 +32,6 @@ __all__ = [
 ]
 
 SCHEMA: Final = "qsched.experiment/1"
-
-
-class ResultsError(ValueError):
-    """A ``results.json`` that cannot be read: missing, not JSON, or not of this schema."""
 
 
 class _Model(BaseModel):

@@ -10,6 +10,7 @@ from typing import Any
 
 from ai_edge_litert import schema_py_generated as _schema
 
+from qsched.zo.errors import TFLiteError, TFLiteFormatError
 from qsched.zo.graph import Activation
 
 __all__ = [
@@ -42,14 +43,6 @@ _ACT_CODES: dict[Activation, int] = {
     "relu": _schema.ActivationFunctionType.RELU,
     "relu6": _schema.ActivationFunctionType.RELU6,
 }
-
-
-class TFLiteError(ValueError):
-    """A model that cannot be written as, or read from, a ``.tflite`` file we support."""
-
-
-class TFLiteFormatError(TFLiteError):
-    """The bytes are not a well-formed ``.tflite`` flatbuffer."""
 
 
 def op_name(code: int) -> str:

@@ -24,6 +24,7 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
 from qsched.zo.datasets import Dataset
+from qsched.zo.errors import BackpropError
 from qsched.zo.graph import (
     Activation,
     Add,
@@ -54,10 +55,6 @@ __all__ = [
 Array: TypeAlias = npt.NDArray[np.floating[Any]]
 Grads: TypeAlias = dict[str, tuple[Array, Array]]
 Optimizer: TypeAlias = Literal["adam", "sgd"]
-
-
-class BackpropError(ValueError):
-    """A training request the trainer cannot honour (bad layer names, sizes, options)."""
 
 
 # --------------------------------------------------------------------------- geometry

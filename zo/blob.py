@@ -28,6 +28,7 @@ from qsched.zo import intloss
 from qsched.zo import kernels_int8 as ki
 from qsched.zo.datasets import Dataset
 from qsched.zo.engine import SINGLE_ROUNDING, infer_shapes
+from qsched.zo.errors import BlobError
 from qsched.zo.graph import (
     Activation,
     Add,
@@ -105,10 +106,6 @@ OPCODES: Final[dict[type, int]] = {
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
 PADDINGS: Final[dict[str, int]] = {"same": 0, "valid": 1}
-
-
-class BlobError(ValueError):
-    """Bytes that are not a valid blob, or a model the format cannot carry."""
 
 
 # --------------------------------------------------------------------------- encoding

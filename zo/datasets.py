@@ -24,6 +24,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo.errors import DatasetError
+
 __all__ = [
     "INPUT_SCALE",
     "INPUT_ZERO_POINT",
@@ -49,10 +51,6 @@ INPUT_SCALE: Final = 1.0 / 255.0
 INPUT_ZERO_POINT: Final = -128
 _IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 _STL10_SIDE: Final = 96
-
-
-class DatasetError(ValueError):
-    """A data set that cannot be found, read or split as asked."""
 
 
 def content_hash(*arrays: npt.NDArray[Any]) -> str:

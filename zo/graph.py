@@ -19,6 +19,8 @@ from typing import Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo.errors import GraphError
+
 __all__ = [
     "Activation",
     "Add",
@@ -43,14 +45,6 @@ __all__ = [
 Activation: TypeAlias = Literal["none", "relu", "relu6"]
 Padding: TypeAlias = Literal["same", "valid"]
 F32 = npt.NDArray[np.float32]
-
-
-class GraphError(ValueError):
-    """A malformed graph: the message names the node (layer) at fault."""
-
-    def __init__(self, node: str, message: str) -> None:
-        super().__init__(f"layer {node!r}: {message}")
-        self.node = node
 
 
 @dataclass(eq=False)

@@ -27,6 +27,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo.errors import IntLossError
+
 __all__ = [
     "LN2_Q32",
     "LOSS_FRAC_BITS",
@@ -54,10 +56,6 @@ LN2_Q32: Final = 0xB17217F8
 MAX_SCALE: Final = 16.0
 # Exact fixed point for the table generator: far more bits than the 24 kept.
 _GEN_BITS: Final = 128
-
-
-class IntLossError(ValueError):
-    """Inputs the integer loss cannot represent (bad scale, label, shape)."""
 
 
 def _float32_rational(value: float) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo.errors import NativeError
 from qsched.zo.graph import Padding
 from qsched.zo.kernels_fp32 import out_size, pad_amounts
 from qsched.zo.kernels_int8 import AddParams, OutputStage
@@ -74,10 +75,6 @@ _P8 = ctypes.POINTER(ctypes.c_int8)
 _P32 = ctypes.POINTER(ctypes.c_int32)
 _P64 = ctypes.POINTER(ctypes.c_int64)
 _I = ctypes.c_int64
-
-
-class NativeError(RuntimeError):
-    """A native kernel failed (out of memory) or was called while unavailable."""
 
 
 def _cache_dir() -> Path:

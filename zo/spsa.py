@@ -21,6 +21,8 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
+from qsched.zo.errors import LossError
+
 __all__ = [
     "Estimator",
     "LossError",
@@ -31,14 +33,6 @@ __all__ = [
 ]
 
 Estimator: TypeAlias = Literal["two_sided", "one_sided"]
-
-
-class LossError(ValueError):
-    """A loss that cannot enter the estimate (NaN, infinite, or missing)."""
-
-    def __init__(self, message: str, k: int | None = None) -> None:
-        super().__init__(message)
-        self.k = k
 
 
 @dataclass(frozen=True)

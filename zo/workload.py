@@ -26,6 +26,7 @@ import numpy.typing as npt
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
+from qsched.zo.errors import StateError, WorkloadError
 from qsched.zo.graph import Model, QuantizedLayer, QuantModel
 from qsched.zo.quantize import asymmetric_params, dequantize_weights, quantize_input, quantize_model
 from qsched.zo.spsa import LossPairs
@@ -70,14 +71,6 @@ _BUFFER_CODES: Final[dict[np.dtype[Any] | None, int]] = {
     np.dtype(np.float16): 1,
     np.dtype(np.int8): 2,
 }
-
-
-class WorkloadError(ValueError):
-    """A job spec the workload cannot build (unknown layer, backbone mismatch, ...)."""
-
-
-class StateError(ValueError):
-    """A train state that does not fit the workload, or bytes that are not a state."""
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo.errors import ZooError
 from qsched.zo.graph import (
     Activation,
     Add,
@@ -65,10 +66,6 @@ DEFAULT_INPUT_SHAPES: dict[str, Shape] = {
     "resnet18": (32, 32, 3),
     "mobilenetv2": (32, 32, 3),
 }
-
-
-class ZooError(ValueError):
-    """An unknown model name or an option the model cannot honour."""
 
 
 # --------------------------------------------------------------------------- shapes

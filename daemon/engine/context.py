@@ -20,6 +20,7 @@ from typing import Any, Final, Generic, Literal, Self, TypeVar
 
 import structlog
 
+from qsched.daemon.errors import Interrupted, JobError
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
 from qsched.daemon.planner import plan_shards
 from qsched.protocol.control import Event, EventKind
@@ -45,19 +46,6 @@ __all__ = [
 log = structlog.get_logger("qsched.engine")
 
 T = TypeVar("T")
-
-
-class Interrupted(Exception):
-    """A stop arrived while the step waited for boards; nothing of the step was applied."""
-
-
-class JobError(Exception):
-    """The job cannot go on (``reason``: ``numeric``, ``no_workload``, ``internal`` ...)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

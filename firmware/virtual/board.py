@@ -46,6 +46,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import structlog
 
+from qsched.firmware.errors import BoardCrash
 from qsched.firmware.virtual.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
 from qsched.firmware.virtual.latency import (
     MOBILENETV2_035_128_MACS,
@@ -119,15 +120,6 @@ MODEL_LATENCIES: Final[dict[str, int]] = {"mobilenetv2-0.35-128": MOBILENETV2_03
 
 _log = structlog.get_logger("qsched.firmware.virtual.board")
 _T = TypeVar("_T")
-
-
-class BoardCrash(Exception):
-    """The board died on purpose (fault ``crash-at-step``): stop serving, say nothing."""
-
-    def __init__(self, board_id: str, step: int) -> None:
-        super().__init__(f"board {board_id} crashed at step {step}")
-        self.board_id = board_id
-        self.step = step
 
 
 class _Refusal(Exception):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol, get_args
 
+from qsched.firmware.errors import FaultError
 from qsched.protocol.messages import EvalResult
 
 __all__ = [
@@ -54,10 +55,6 @@ LIE_OFFSET: Final = 0.25
 # XOR mask of a wrong checksum: never 0, so the reported value always differs.
 BAD_CHECKSUM_MASK: Final = 0x5A5A5A5A
 _STEP: Final = re.compile(r"^step=([0-9]+)$")
-
-
-class FaultError(ValueError):
-    """A fault description that cannot be parsed."""
 
 
 @dataclass(frozen=True)
