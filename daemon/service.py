@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 import structlog
+from aiomqtt import MqttError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -38,6 +39,7 @@ from qsched.daemon.export import ExportError, default_format, export_model
 from qsched.daemon.fleet import Fleet, FleetEvent
 from qsched.daemon.notify import Notifier
 from qsched.daemon.state import JobDir, StateDirError, StateStore
+from qsched.policies import PolicyError, validate_policy_config
 from qsched.protocol.control import (
     ChangePolicy,
     ControlErrorCode,
@@ -54,7 +56,7 @@ from qsched.protocol.errors import ProtocolError
 from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.links.base import MultiTransport, Transport
 from qsched.protocol.links.config import parse_host_port
-from qsched.protocol.topics import TopicMap
+from qsched.protocol.topics import TopicMap, publish_topic_problem
 from qsched.zo.workload import Workload
 
 __all__ = ["EVENT_QUEUE_SIZE", "STATUS_INTERVAL_S", "ActiveJob", "Daemon", "main", "status_topic"]
@@ -147,6 +149,7 @@ class Daemon:
                 self.topics.control_request(),
                 self.topics.rule("control_request").qos,
                 self._on_control,
+                retain_as_published=True,  # a retained command is refused, live or not
             )
             transports.append(self._mqtt)
         if cfg.serial.devices:
@@ -265,9 +268,9 @@ class Daemon:
                 _log.info(
                     "job resumed", job=spec.name, step=self.job.engine.step if self.job else None
                 )
-            except (StateDirError, ValueError) as exc:
+            except Exception as exc:  # whatever it is, it must not keep the daemon from starting
                 _log.error("job cannot be resumed", job=folder.job_id, error=str(exc))
-                folder.set_status("failed", f"cannot resume: {exc}")
+                folder.set_status("failed", f"cannot resume: {type(exc).__name__}: {exc}")
 
     def _launch(
         self,
@@ -343,13 +346,20 @@ class Daemon:
         )
 
     async def start_job(self, command: StartJob) -> JobStatus:
-        """Start a job from its spec (one at a time)."""
+        """Start a job from its spec (one at a time).
+
+        The workload is built before the job's folder is made, so a spec that cannot run
+        (a missing backbone file, an unknown model) leaves nothing behind and its name
+        stays free.
+        """
         spec = command.spec
-        if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
-            raise ControlError(
-                "conflict",
-                f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first",
-            )
+        self._refuse_if_busy()
+        try:
+            validate_policy_config(spec.policy.name, spec.policy.config)
+            workload = await asyncio.to_thread(Workload.from_spec, spec)  # CPU-bound: off the loop
+        except (ValueError, OSError, PolicyError) as exc:
+            raise ControlError("invalid_command", f"job {spec.name!r} cannot run: {exc}") from exc
+        self._refuse_if_busy()  # another start may have won while the workload was built
         try:
             folder = self.store.create_job(
                 spec.name, spec.model_dump(mode="json"), status="running"
@@ -360,19 +370,18 @@ class Daemon:
                 code, f"job {spec.name!r}: {exc.detail}; choose another name"
             ) from exc
         try:
-            workload = await asyncio.to_thread(Workload.from_spec, spec)  # CPU-bound: off the loop
-            if self.job is not None and self.job.engine.job_state in (
-                "pending",
-                "running",
-                "paused",
-            ):
-                folder.set_status("stopped", "another job started first")
-                raise ControlError("conflict", f"job {self.job.spec.name!r} started meanwhile")
             self._launch(spec, folder, workload=workload)
-        except ValueError as exc:
-            folder.set_status("failed", str(exc))
-            raise ControlError("invalid_command", f"job {spec.name!r} cannot run: {exc}") from exc
+        except Exception as exc:
+            folder.set_status("failed", f"{type(exc).__name__}: {exc}")
+            raise
         return self.job_status()
+
+    def _refuse_if_busy(self) -> None:
+        if self.job is not None and self.job.engine.job_state in ("pending", "running", "paused"):
+            raise ControlError(
+                "conflict",
+                f"job {self.job.spec.name!r} is {self.job.engine.job_state}; stop it first",
+            )
 
     def pause_job(self, name: str | None) -> JobStatus:
         """Pause the current job after its step."""
@@ -540,11 +549,18 @@ class Daemon:
         props = getattr(message, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        payload = bytes(payload) if not isinstance(payload, str) else payload
+        if getattr(message, "retain", False):
+            # A retained command would run again on every reconnect and restart.
+            reply = _refusal(payload, RETAINED_REFUSAL)
+            assert self._tasks is not None
+            self._tasks.create_task(
+                self._send_reply(reply, response_topic, correlation), name="control.refusal"
+            )
+            return
         # Commands run as tasks: a slow one (checkpoint) must not hold up the others or
         # the data plane, which share this MQTT message loop.
-        self._spawn_control(
-            bytes(payload) if not isinstance(payload, str) else payload, response_topic, correlation
-        )
+        self._spawn_control(payload, response_topic, correlation)
 
     def _spawn_control(
         self, payload: bytes | str, response_topic: str | None, correlation: bytes | None
@@ -557,20 +573,29 @@ class Daemon:
     async def _answer(
         self, payload: bytes | str, response_topic: str | None, correlation: bytes | None
     ) -> None:
-        if self._control_backlog >= _CONTROL_BACKLOG:
-            reply: Reply | ErrorReply = _busy_reply(payload)
-        else:
-            self._control_backlog += 1
-            try:
-                async with self._control_slots:
-                    reply = await handle_payload(self, payload)
-            finally:
-                self._control_backlog -= 1
+        try:
+            if self._control_backlog >= _CONTROL_BACKLOG:
+                reply: Reply | ErrorReply = _busy_reply(payload)
+            else:
+                self._control_backlog += 1
+                try:
+                    async with self._control_slots:
+                        reply = await handle_payload(self, payload)
+                finally:
+                    self._control_backlog -= 1
+        except Exception as exc:  # the last resort: a document must never stop the daemon
+            _log.exception("control document raised", error=f"{type(exc).__name__}: {exc}")
+            reply = ErrorReply(code="internal", message=f"{type(exc).__name__} (see the log)")
         await self._send_reply(reply, response_topic, correlation)
 
     async def _send_reply(
         self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None
     ) -> None:
+        problem = publish_topic_problem(response_topic) if response_topic is not None else None
+        if problem is not None:  # answered where every client can hear it, and logged
+            _log.warning("control reply topic refused", problem=problem)
+            reply = _refusal_of(reply, f"{problem}: the reply went to the default reply topic")
+            response_topic = None
         topic = response_topic or self.topics.control_reply()
         properties = None
         if self.config.mqtt.protocol == "5" and correlation is not None:
@@ -582,6 +607,33 @@ class Daemon:
             )
         except TimeoutError:
             _log.warning("control reply not delivered (broker away)", request_id=reply.request_id)
+        except (ValueError, MqttError) as exc:  # the client refused the topic or the packet
+            _log.warning("control reply not delivered", error=str(exc), topic=topic)
+
+
+RETAINED_REFUSAL: Final = (
+    "retained commands are refused: the broker would deliver this one again on every "
+    "reconnect and restart; publish it without the retain flag (and clear the retained "
+    "message with an empty retained publish)"
+)
+
+
+def _refusal(payload: bytes | str, message: str) -> ErrorReply:
+    """An ``invalid_command`` answer to ``payload``, echoing its request_id if it has one."""
+    try:
+        command = parse_command(payload)
+    except ProtocolError as exc:
+        return ErrorReply(code="invalid_command", message=message, request_id=exc.request_id)
+    return ErrorReply(
+        command=command.type, request_id=command.request_id, code="invalid_command", message=message
+    )
+
+
+def _refusal_of(reply: Reply | ErrorReply, message: str) -> ErrorReply:
+    """The reply turned into a refusal (the command was not run or its answer is lost)."""
+    return ErrorReply(
+        command=reply.command, request_id=reply.request_id, code="invalid_command", message=message
+    )
 
 
 def _busy_reply(payload: bytes | str) -> ErrorReply:

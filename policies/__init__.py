@@ -4,7 +4,7 @@ Build policies with :func:`create_policy`; plugins register under the entry-poin
 group ``qsched.policies``. See ``README.md`` in this folder for the rules.
 """
 
-from .base import EvalReport, PolicyConfig, PolicyContext, QPolicy, StepReport
+from .base import MAX_Q, EvalReport, PolicyConfig, PolicyContext, QPolicy, StepReport, checked_q
 from .errors import PolicyError
 from .fixed import FixedConfig, FixedPolicy
 from .linear import LinearConfig, LinearPolicy
@@ -19,6 +19,7 @@ from .registry import (
 from .variance import VarianceConfig, VariancePolicy
 
 __all__ = [
+    "MAX_Q",
     "EvalReport",
     "FixedConfig",
     "FixedPolicy",
@@ -36,6 +37,7 @@ __all__ = [
     "VarianceConfig",
     "VariancePolicy",
     "available_policies",
+    "checked_q",
     "create_policy",
     "policy_config_schema",
     "validate_policy_config",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, ValidationInfo, field_validator
 
 from ._math import default_allowed, validate_allowed
-from .base import PolicyConfig
+from .base import MAX_Q, PolicyConfig
 
 __all__ = ["LadderConfig"]
 
@@ -13,8 +13,8 @@ __all__ = ["LadderConfig"]
 class LadderConfig(PolicyConfig):
     """q starts at q0 and only climbs the allowed values, never above qmax."""
 
-    q0: int = Field(default=1, ge=1, description="q of the first step")
-    qmax: int = Field(default=32, ge=1, description="q is never raised above this")
+    q0: int = Field(default=1, ge=1, le=MAX_Q, description="q of the first step")
+    qmax: int = Field(default=32, ge=1, le=MAX_Q, description="q is never raised above this")
     allowed: tuple[int, ...] | None = Field(
         default=None,
         description="allowed q values, sorted and unique, containing q0, all <= qmax; "

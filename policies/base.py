@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
+
+from qsched.protocol.messages import MAX_KS
 
 from .errors import PolicyError
 
@@ -71,10 +73,32 @@ class EvalReport:
     val_accuracy: float  # 0..1
 
 
+# The most perturbations one step may have. One EvalRequest carries at most MAX_KS keys
+# (the wire's bound) and the daemon holds a step's losses and projected gradients; 1024
+# pairs of forward passes a step is far past where more q pays (see docs/results/).
+MAX_Q: Final = MAX_KS
+
+
+def checked_q(policy: QPolicy) -> int:
+    """The policy's q for the next step, refused unless it is an integer in 1..MAX_Q.
+
+    A plugin policy is code the daemon did not write: its q is checked where it is used.
+
+    Raises:
+        PolicyError: q is not an int, or outside 1..MAX_Q.
+    """
+    q = policy.q
+    if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= MAX_Q:
+        raise PolicyError(
+            f"policy {policy.name!r} chose q={q!r}; q must be an integer in 1..{MAX_Q}"
+        )
+    return q
+
+
 class PolicyConfig(BaseModel):
     """Base of every policy's configuration: unknown fields are an error, values frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class QPolicy(abc.ABC):

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .base import PolicyConfig, QPolicy
+from .base import MAX_Q, PolicyConfig, QPolicy
 
 __all__ = ["FixedConfig", "FixedPolicy"]
 
@@ -14,7 +14,7 @@ __all__ = ["FixedConfig", "FixedPolicy"]
 class FixedConfig(PolicyConfig):
     """Config of ``fixed``."""
 
-    q: int = Field(default=8, ge=1, description="q of every step")
+    q: int = Field(default=8, ge=1, le=MAX_Q, description="q of every step")
 
 
 class FixedPolicy(QPolicy):

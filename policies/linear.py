@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import Field, ValidationInfo, field_validator
 
 from ._math import floor_allowed, validate_allowed
-from .base import PolicyConfig, QPolicy, StepReport
+from .base import MAX_Q, PolicyConfig, QPolicy, StepReport
 
 __all__ = ["LinearConfig", "LinearPolicy"]
 
@@ -22,7 +22,7 @@ __all__ = ["LinearConfig", "LinearPolicy"]
 class LinearConfig(PolicyConfig):
     """Config of ``linear``."""
 
-    qmax: int = Field(default=32, ge=1, description="final q, reached at the last step")
+    qmax: int = Field(default=32, ge=1, le=MAX_Q, description="final q, reached at the last step")
     allowed: tuple[int, ...] | None = Field(
         default=None, description="if set, q is rounded down onto these sorted, unique values"
     )

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .base import PolicyConfig, QPolicy, StepReport
+from .base import MAX_Q, PolicyConfig, QPolicy, StepReport
 
 __all__ = ["PowerConfig", "PowerPolicy"]
 
@@ -24,7 +24,7 @@ class PowerConfig(PolicyConfig):
 
     alpha: float = Field(default=2.0, gt=0, description="scale of the power law")
     beta: float = Field(default=1.0, ge=0, description="exponent of the power law")
-    qmax: int = Field(default=32, ge=1, description="q is never above this")
+    qmax: int = Field(default=32, ge=1, le=MAX_Q, description="q is never above this")
     whole_epochs: bool = Field(
         default=False, description="use completed epochs, floor(t / steps_per_epoch)"
     )

@@ -12,6 +12,7 @@ can be named in a job spec like any built-in policy.
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -120,7 +121,13 @@ def validate_policy_config(name: str, config: dict[str, Any]) -> PolicyConfig:
     """
     cls = policy_class(name)
     try:
-        return cls.Config.model_validate(config)
+        # As JSON: a config arrives as JSON (a job spec, a control command), and strict
+        # JSON validation takes an array for a tuple but no "8" for an 8.
+        document = json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"bad config for policy {name!r}: not JSON data ({exc})") from exc
+    try:
+        return cls.Config.model_validate_json(document)
     except ValidationError as exc:
         allowed = ", ".join(cls.Config.model_fields)
         raise PolicyError(

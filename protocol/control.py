@@ -71,7 +71,7 @@ BoardId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 class ControlModel(BaseModel):
     """Wire conventions of the control plane: no extra fields, immutable, finite floats."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class _Command(ControlModel):
@@ -324,9 +324,19 @@ def _recover_request_id(data: bytes) -> str | None:
     if not isinstance(document, dict):
         return None
     value = document.get("request_id")
-    if isinstance(value, str) and 1 <= len(value) <= 128:
+    if isinstance(value, str) and 1 <= len(value) <= 128 and _encodable(value):
         return value
     return None
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` can go into a reply: JSON allows a lone surrogate (``"\\ud800"``)
+    that no UTF-8 document can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_bytes(data: bytes | bytearray | memoryview | str) -> bytes:

@@ -20,7 +20,9 @@ _LAST_N = re.compile(r"^last:([1-9][0-9]*)$")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: "200" is not a step count nor "yes" a boolean; 1e400 and Infinity are no
+    # learning rate. A document that says something else than it means is refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class PolicySpec(_Frozen):

@@ -19,12 +19,45 @@ __all__ = [
     "TopicKind",
     "TopicMap",
     "TopicRule",
+    "publish_topic_problem",
 ]
 
 DEFAULT_PREFIX: Final = "qsched/v1"
 DEFAULT_FLEET: Final = "default"
 # One topic level: no wildcards, no separators, nothing MQTT would treat specially.
 _LEVEL: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+# MQTT's own limit on a topic name (a 16-bit length prefix).
+MAX_TOPIC_BYTES: Final = 65535
+
+
+def publish_topic_problem(topic: str) -> str | None:
+    """Why a client-given topic (an MQTT 5 response topic) cannot be published to.
+
+    Args:
+        topic: the topic name.
+
+    Returns:
+        None when it can be published to, else a sentence: MQTT refuses an empty topic,
+        the wildcards ``+`` and ``#``, NUL, text that is not UTF-8 and more than 65,535
+        bytes; topics starting with ``$`` belong to the broker.
+    """
+    try:
+        size = len(topic.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "the response topic is not valid UTF-8"
+    if size == 0:
+        return "the response topic is empty"
+    if size > MAX_TOPIC_BYTES:
+        return f"the response topic has {size} bytes, more than MQTT's {MAX_TOPIC_BYTES}"
+    if "+" in topic or "#" in topic:
+        return "the response topic contains a wildcard (+ or #); one cannot publish to it"
+    if "\0" in topic:
+        return "the response topic contains NUL"
+    if topic.startswith("$"):
+        return "topics starting with $ belong to the broker"
+    return None
+
 
 TopicKind = Literal[
     "board_in",

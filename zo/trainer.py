@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsched.policies import PolicyContext, QPolicy, create_policy
+from qsched.policies import PolicyContext, QPolicy, checked_q, create_policy
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo.step import EvalRecord, StepRecord, eval_record, settle_step, validates_after
 from qsched.zo.workload import TrainState, Workload
@@ -111,7 +111,7 @@ def train_zo(
 def _one_step(
     wl: Workload, policy: QPolicy, result: TrainResult
 ) -> tuple[StepRecord, EvalRecord | None]:
-    spec, step, q = wl.spec, result.state.step, policy.q
+    spec, step, q = wl.spec, result.state.step, checked_q(policy)
     losses = wl.perturbed_losses(result.state, step, range(q))
     settled = settle_step(spec, step, q, losses, result.forward_passes)
     result.state = wl.apply_update(result.state, step, settled.pairs)

@@ -42,7 +42,7 @@ from qsched.daemon.engine.update import UpdateSender
 from qsched.daemon.engine.validate import Validator
 from qsched.daemon.fleet import BoardSession, Fleet, FleetEvent
 from qsched.daemon.state import Checkpoint, JobDir
-from qsched.policies import create_policy
+from qsched.policies import PolicyError, checked_q, create_policy
 from qsched.protocol.control import Event
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import job_id_of
@@ -332,7 +332,7 @@ class StepEngine:
     # ------------------------------------------------------------------ one step
 
     async def _step(self) -> None:
-        t, q = self.step, self.policy.q
+        t, q = self.step, self._policy_q()
         self.ctx.status_line = f"step {t}/{self.spec.steps} q={q}"
         await self._sync.sync_boards()
         losses = await self._collector.collect(t, q, self._updates.take_prefetch(t))
@@ -364,7 +364,7 @@ class StepEngine:
         # the update (boards take messages in order) and the acks are checked with them.
         expected: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
-            await self._updates.send_with_next(t, pairs, self.policy.q, expected)
+            await self._updates.send_with_next(t, pairs, self._policy_q(), expected)
             # Only now: a computing thread holds the GIL and would delay the sends.
             new_state = await asyncio.to_thread(self.workload.apply_update, self.state, t, pairs)
             expected.set_result(new_state.checksum())
@@ -372,6 +372,13 @@ class StepEngine:
             if not expected.done():
                 expected.cancel()
         return new_state
+
+    def _policy_q(self) -> int:
+        """The policy's q, checked (a plugin's q of 10^12 would exhaust the daemon)."""
+        try:
+            return checked_q(self.policy)
+        except PolicyError as exc:
+            raise JobError("policy", str(exc)) from exc
 
     def _may_pipeline(self, validate: bool) -> bool:
         """Whether step t+1's requests may go out with step t's update: not before a

@@ -37,6 +37,7 @@ from typing import Any, Self
 import aiomqtt
 import structlog
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from qsched.protocol.control import BoardPresence, DaemonPresence
@@ -150,6 +151,7 @@ class _Subscription:
     topic_filter: str
     qos: int
     handler: MessageHandler
+    retain_as_published: bool = False
 
 
 class MqttConnection:
@@ -182,7 +184,14 @@ class MqttConnection:
         self._tls = tls_context(cfg)
         self.connects = 0  # successful connections so far (a reconnect makes it > 1)
 
-    def subscribe(self, topic_filter: str, qos: int, handler: MessageHandler) -> None:
+    def subscribe(
+        self,
+        topic_filter: str,
+        qos: int,
+        handler: MessageHandler,
+        *,
+        retain_as_published: bool = False,
+    ) -> None:
         """Register a subscription, (re)made on every connect; call before ``run``.
 
         Args:
@@ -190,8 +199,11 @@ class MqttConnection:
             qos: the subscription QoS.
             handler: awaited for each matching message, in arrival order; its
                 exceptions are logged and the loop goes on.
+            retain_as_published: MQTT 5 only: a message keeps the retain flag its
+                publisher set even when it is delivered live (so a handler can tell a
+                retained publish); on 3.1.1 the flag is seen only on (re)subscribing.
         """
-        self._subscriptions.append(_Subscription(topic_filter, qos, handler))
+        self._subscriptions.append(_Subscription(topic_filter, qos, handler, retain_as_published))
 
     def _make_client(self) -> aiomqtt.Client:
         return build_client(self.cfg, self.identifier, will=self._will, tls=self._tls)
@@ -234,7 +246,11 @@ class MqttConnection:
         if self._on_connect is not None:
             await self._on_connect(client)
         for sub in self._subscriptions:
-            await client.subscribe(sub.topic_filter, qos=sub.qos)
+            if sub.retain_as_published and self.cfg.protocol == "5":
+                options = SubscribeOptions(qos=sub.qos, retainAsPublished=True)
+                await client.subscribe(sub.topic_filter, options=options)
+            else:
+                await client.subscribe(sub.topic_filter, qos=sub.qos)
         self._client = client
         self.connects += 1
         self._connected.set()

@@ -1,0 +1,129 @@
+"""Documents that used to stop or wedge the daemon: each gets one typed reply, and the
+daemon keeps serving (real Mosquitto, MQTT 5 and 3.1.1 clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from test_daemon_control import SPEC, _daemon, _exchange
+
+from qsched.daemon.ctl import send_command
+from qsched.lab.broker import MosquittoBroker
+from qsched.policies import MAX_Q
+
+REQUEST = "qsched/v1/ctl/control/request"
+REPLY = "qsched/v1/ctl/control/reply"
+
+
+async def _alive(daemon: object, broker: MosquittoBroker) -> None:
+    """The daemon still answers a status command."""
+    status = await send_command(daemon.config.mqtt, daemon.topics, {"type": "status"}, 10)  # type: ignore[attr-defined]
+    assert status.ok
+
+
+async def test_hardening_lone_surrogate_request_id(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """A request_id that JSON allows but UTF-8 cannot carry: one reply, daemon alive."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        replies = await _exchange(mqtt_broker, ['{"type": "status", "request_id": "\\ud800"}'])
+        assert len(replies) == 1 and replies[0]["code"] == "invalid_command"
+        assert replies[0].get("request_id") is None
+        await _alive(daemon, mqtt_broker)
+
+
+async def test_hardening_wildcard_response_topic(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """An MQTT 5 response topic with + or #: the refusal goes to the default reply topic."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        async with aiomqtt.Client(
+            mqtt_broker.host, mqtt_broker.port, protocol=aiomqtt.ProtocolVersion.V5
+        ) as client:
+            await client.subscribe(REPLY, qos=1)
+            for topic in ("replies/#", "a/+/b"):
+                props = Properties(PacketTypes.PUBLISH)
+                props.ResponseTopic = topic
+                props.CorrelationData = b"c1"
+                document = json.dumps({"type": "status", "request_id": topic})
+                await client.publish(REQUEST, document, qos=1, properties=props)
+                message = await asyncio.wait_for(anext(aiter(client.messages)), 10)
+                reply = json.loads(message.payload)  # type: ignore[arg-type]
+                assert reply["code"] == "invalid_command" and "wildcard" in reply["message"]
+                assert reply["request_id"] == topic
+        await _alive(daemon, mqtt_broker)
+
+
+async def test_hardening_retained_command_is_refused(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """A retained stop is refused with the reason, and not run."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        cfg = daemon.config.mqtt
+        started = await send_command(
+            cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 4000}}, 10
+        )
+        assert started.ok
+        async with aiomqtt.Client(
+            mqtt_broker.host, mqtt_broker.port, protocol=aiomqtt.ProtocolVersion.V311
+        ) as client:
+            await client.subscribe(REPLY, qos=1)
+            await client.publish(
+                REQUEST, '{"type": "stop", "request_id": "r1"}', qos=1, retain=True
+            )
+            message = await asyncio.wait_for(anext(aiter(client.messages)), 10)
+            reply = json.loads(message.payload)  # type: ignore[arg-type]
+            await client.publish(REQUEST, b"", qos=1, retain=True)  # clear it
+        assert reply["request_id"] == "r1" and reply["code"] == "invalid_command"
+        assert "retained" in reply["message"]
+        assert daemon.job is not None and daemon.job.engine.job_state == "running"
+        stopped = await send_command(cfg, daemon.topics, {"type": "stop"}, 10)
+        assert stopped.ok
+
+
+async def test_hardening_lax_types_and_unbounded_q_are_refused(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """steps "200", lr 1e400 and Infinity, drain "yes", q above MAX_Q: typed refusals."""
+    documents = [
+        json.dumps({"type": "start_job", "request_id": "s", "spec": {**SPEC, "steps": "200"}}),
+        '{"type": "start_job", "request_id": "l", "spec": {"name": "x", "lr": 1e400}}',
+        '{"type": "start_job", "request_id": "i", "spec": {"name": "y", "lr": Infinity}}',
+        '{"type": "drain", "request_id": "d", "board_id": "b0", "drain": "yes"}',
+        json.dumps(
+            {
+                "type": "start_job",
+                "request_id": "q",
+                "spec": {"name": "z", "policy": {"name": "fixed", "config": {"q": MAX_Q + 1}}},
+            }
+        ),
+    ]
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        replies = await _exchange(mqtt_broker, documents)
+        by_id = {r["request_id"]: r for r in replies}
+        assert sorted(by_id) == ["d", "i", "l", "q", "s"] and len(replies) == 5
+        assert all(r["code"] == "invalid_command" for r in replies), replies
+        assert daemon.job is None and not any((tmp_path / "jobs").iterdir())
+        await _alive(daemon, mqtt_broker)
+
+
+async def test_hardening_failed_start_leaves_nothing_and_frees_its_name(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """A missing backbone: invalid_command, no job folder, and the name can be used again."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        cfg = daemon.config.mqtt
+        broken = {**SPEC, "steps": 5, "backbone": str(tmp_path / "missing.tflite")}
+        refused = await send_command(cfg, daemon.topics, {"type": "start_job", "spec": broken}, 10)
+        assert not refused.ok and refused.code == "invalid_command"  # type: ignore[union-attr]
+        assert "missing.tflite" in refused.message  # type: ignore[union-attr]
+        assert not (tmp_path / "jobs" / SPEC["name"]).exists()
+        again = await send_command(
+            cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 5}}, 10
+        )
+        assert again.ok
