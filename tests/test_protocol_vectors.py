@@ -13,6 +13,7 @@ import pytest
 from qsched.lab.make_vectors import (
     SETS,
     VECTOR_DIR,
+    json_vector_sets,
     main,
     render_json,
     render_txt,
@@ -51,6 +52,10 @@ def test_vectors_committed_files_are_current() -> None:
         assert (VECTOR_DIR / f"{name}.txt").read_text(encoding="utf-8") == render_txt(
             name, vectors
         ), name
+        assert (VECTOR_DIR / f"{name}.json").read_text(encoding="utf-8") == render_json(vectors), (
+            name
+        )
+    for name, vectors in json_vector_sets().items():  # numeric, wire: JSON only
         assert (VECTOR_DIR / f"{name}.json").read_text(encoding="utf-8") == render_json(vectors), (
             name
         )
