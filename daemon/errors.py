@@ -21,6 +21,7 @@ __all__ = [
     "ControlError",
     "CtlError",
     "ExportError",
+    "InstanceError",
     "Interrupted",
     "JobError",
     "NotBuiltError",
@@ -100,3 +101,7 @@ class CtlError(Exception):
 
 class NotBuiltError(RuntimeError):
     """The module or function a command names does not exist (yet)."""
+
+
+class InstanceError(RuntimeError):
+    """Another daemon already runs on this state directory."""

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from paho.mqtt.properties import Properties
 from qsched.daemon.config import DaemonConfig, load_config
 from qsched.daemon.control import ControlError, handle_payload
 from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
+from qsched.daemon.errors import InstanceError
 from qsched.daemon.export import ExportError, default_format, export_model
 from qsched.daemon.fleet import Fleet, FleetEvent
+from qsched.daemon.instance import EXIT_ANOTHER_INSTANCE, InstanceLock
 from qsched.daemon.notify import Notifier
 from qsched.daemon.state import JobDir, StateDirError, StateStore
 from qsched.policies import PolicyError, validate_policy_config
@@ -116,6 +119,7 @@ class Daemon:
         self.config = config
         self.version = _version()
         self.store = StateStore(config.state_dir)
+        self._lock = InstanceLock(self.store.root)
         self.topics = TopicMap(prefix=config.mqtt.prefix, fleet=config.fleet)
         self.engine_config = engine_config or EngineConfig(
             step_deadline_s=config.step_deadline_s, checkpoint_every=None
@@ -165,8 +169,10 @@ class Daemon:
         return transports
 
     async def __aenter__(self) -> Self:
+        self._lock.acquire()  # before anything of the state directory is read
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
+        stack.callback(self._lock.release)
         self._stack = stack
         try:
             multi = MultiTransport(self._transports())
@@ -184,9 +190,12 @@ class Daemon:
             self._spawn(self._status_loop(), "daemon.status")
             self._spawn(self.notifier.watchdog_loop(), "daemon.watchdog")
             self._resume_jobs()
+            broker_up = await self._wait_for_broker()
         except BaseException:
             await stack.__aexit__(None, None, None)
             raise
+        if not broker_up:  # asked to stop before the broker answered: never ready
+            return self
         self.notifier.ready(self._status_text())
         _log.info(
             "daemon ready",
@@ -195,6 +204,25 @@ class Daemon:
             mqtt=self.config.mqtt.enabled,
         )
         return self
+
+    async def _wait_for_broker(self) -> bool:
+        """Wait for the MQTT connection, so that READY=1 means commands can arrive.
+
+        Returns:
+            True once connected (or without MQTT); False when a stop came first.
+        """
+        if self._mqtt is None:
+            return True
+        mqtt = self.config.mqtt
+        self.notifier.status(f"waiting for the MQTT broker {mqtt.host}:{mqtt.port}")
+        connected = asyncio.ensure_future(self._mqtt.wait_connected())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({connected, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (connected, stopping):
+                waiter.cancel()
+        return connected.done() and not connected.cancelled()
 
     async def __aexit__(
         self,
@@ -726,4 +754,8 @@ def main(argv: list[str]) -> int:
         daemon = Daemon(cfg)
     except OSError as exc:  # the state directory cannot be created or written
         parser.error(f"state directory {cfg.state_dir}: {exc.strerror or exc}")
-    return asyncio.run(daemon.run())
+    try:
+        return asyncio.run(daemon.run())
+    except InstanceError as exc:
+        print(f"qsched daemon: {exc}", file=sys.stderr)
+        return EXIT_ANOTHER_INSTANCE

@@ -32,6 +32,10 @@ def test_systemd_unit_has_notify_watchdog_state_and_serial_access() -> None:
     assert "PrivateDevices" not in settings  # it would hide the boards' serial ports
     assert "dialout" in settings["SupplementaryGroups"][0]
     assert " daemon " in settings["ExecStart"][0]
+    # another daemon on the state directory (exit 3) is not restarted into the same refusal
+    assert settings["RestartPreventExitStatus"] == ["3"]
+    # the dynamic user reads the root-owned configuration directory as "other"
+    assert int(settings["ConfigurationDirectoryMode"][0], 8) & 0o005 == 0o005
 
 
 def test_systemd_unit_verifies(tmp_path: Path) -> None:
@@ -67,4 +71,6 @@ def test_systemd_udev_rule_matches_stlink_positively() -> None:
     ]
     match = [line for line in rules if 'ATTRS{idVendor}=="0483"' in line]
     assert len(match) == 1 and 'ATTRS{idProduct}=="' in match[0] and "374e" in match[0]
-    assert any('SYMLINK+="qsched/stlink-' in line for line in rules)
+    links = [line for line in rules if 'SYMLINK+="qsched/stlink-' in line]
+    # the interface number tells the two ports of a dual-VCP probe apart
+    assert len(links) == 1 and "$env{ID_USB_INTERFACE_NUM}" in links[0]
