@@ -50,7 +50,7 @@ __all__ = [
 JobStatus = Literal["pending", "running", "paused", "stopped", "completed", "failed"]
 JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _CKPT_MAGIC = b"QSCKPT1\n"
 _CKPT_NAME = re.compile(r"^ckpt-(\d{10})\.qsckpt$")
 KEEP_CHECKPOINTS = 3  # older ones are removed; more than one survives a damaged latest
@@ -334,7 +334,7 @@ class StateStore:
         (self.root / "jobs").mkdir(parents=True, exist_ok=True)
 
     def _job_path(self, job_id: str) -> Path:
-        if not _JOB_ID.match(job_id):
+        if not _JOB_ID.fullmatch(job_id):
             raise StateDirError(
                 self.root, f"invalid job id {job_id!r} (letters, digits, '_', '.', '-')"
             )

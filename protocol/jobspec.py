@@ -16,7 +16,7 @@ __all__ = ["FP32_DEFAULTS", "JobSpec", "PolicySpec"]
 # Defaults of an FP32 job for the fields whose unit depends on the numerics.
 FP32_DEFAULTS: dict[str, float] = {"lr": 0.02, "eps": 0.001}
 
-_LAST_N = re.compile(r"^last:([1-9][0-9]*)$")
+_LAST_N = re.compile(r"last:([1-9][0-9]*)")
 
 
 class _Frozen(BaseModel):
@@ -79,7 +79,7 @@ class JobSpec(_Frozen):
             if not value:
                 raise ValueError("trainable layer list is empty")
             return value
-        if value != "all" and not _LAST_N.match(value):
+        if value != "all" and not _LAST_N.fullmatch(value):
             raise ValueError(
                 f"trainable must be 'all', 'last:N' or a list of layer names, got {value!r}"
             )

@@ -25,7 +25,7 @@ __all__ = [
 DEFAULT_PREFIX: Final = "qsched/v1"
 DEFAULT_FLEET: Final = "default"
 # One topic level: no wildcards, no separators, nothing MQTT would treat specially.
-_LEVEL: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_LEVEL: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # MQTT's own limit on a topic name (a 16-bit length prefix).
 MAX_TOPIC_BYTES: Final = 65535
@@ -109,7 +109,7 @@ RULES: Final[dict[TopicKind, TopicRule]] = {
 
 
 def _level(name: str, value: str) -> str:
-    if not _LEVEL.match(value):
+    if not _LEVEL.fullmatch(value):
         raise ValueError(f"{name} {value!r} is not a valid topic level ([A-Za-z0-9_.-]{{1,64}})")
     return value
 
@@ -182,7 +182,7 @@ class TopicMap:
         if not topic.startswith(head):
             return None
         parts = topic[len(head) :].split("/")
-        if len(parts) != 2 or not _LEVEL.match(parts[0]):
+        if len(parts) != 2 or not _LEVEL.fullmatch(parts[0]):
             return None
         board_id, kind = parts
         if kind == "in":

@@ -65,7 +65,7 @@ def test_state_rejects_bad_ids_and_duplicates(tmp_path: Path) -> None:
     """Path-like job ids and an existing id are refused with StateDirError."""
     store = StateStore(tmp_path)
     store.create_job("a", {})
-    for bad in ["../x", "..", "a/b", "", ".hidden"]:
+    for bad in ["../x", "..", "a/b", "", ".hidden", "job\n"]:
         with pytest.raises(StateDirError):
             store.create_job(bad, {})
     with pytest.raises(StateDirError, match="exists"):

@@ -242,6 +242,21 @@ def test_board_refuses_bad_requests_with_typed_errors(board: Board, job: Job) ->
     assert board.client.recv().code == "unsupported_version"  # type: ignore[union-attr]
 
 
+def test_board_answers_a_frame_longer_than_any_message(
+    board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A well-formed frame whose payload exceeds MAX_PAYLOAD: too_large, and nothing overrun."""
+    from qsched.protocol import framing
+
+    monkeypatch.setattr(framing, "MAX_PAYLOAD", 1 << 16)  # our side would refuse to send it
+    # Zero bytes keep COBS at one byte of overhead each, so the frame fits the board's reader.
+    board.client.send_payload(b"QS\x01\x45" + bytes(12300))
+    answer = board.client.recv()
+    assert isinstance(answer, Error) and answer.code == "too_large" and answer.ref_type == 0
+    assert isinstance(board.client.request(Ping(nonce=7)), Heartbeat)  # still serving
+    assert board.proc.poll() is None
+
+
 def test_board_reset_answers_hello_with_model_hash(board: Board, job: Job) -> None:
     """After loading, a soft Reset drops the job and the Hello reports no model again."""
     _load(board, job)

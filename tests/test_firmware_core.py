@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import zlib
@@ -48,6 +49,21 @@ def test_core_protocol_vectors(tool: ToolProcess) -> None:
         answer = tool.ask(f"vectors {path}")
         assert answer.startswith("ok "), f"{path.name}: {answer}"
         assert "skipped=0" in answer, f"{path.name} has kinds the C runner does not know: {answer}"
+
+
+def test_core_fp16_zero_remainder_is_positive(tool: ToolProcess, tmp_path: Path) -> None:
+    """numeric.json's int8_fp16_zero updates (sums that round to -0.0) pass in C too."""
+    numeric = json.loads((VECTORS / "numeric.json").read_text())
+    lines = [
+        f"int8_fp16.{key.removeprefix('int8_fp16_zero.')} {value}"
+        for key, value in numeric.items()
+        if key.startswith("int8_fp16_zero.")
+    ]
+    assert lines
+    path = tmp_path / "zero.txt"
+    path.write_text("\n".join(lines) + "\n")
+    answer = tool.ask(f"vectors {path}")
+    assert answer.startswith("ok ") and "skipped=0" in answer and "int8_fp16=1/0" in answer, answer
 
 
 def test_core_philox_matches_python(tool: ToolProcess) -> None:

@@ -57,3 +57,12 @@ def test_topics_rules_presence_and_state_are_retained_wills() -> None:
         rule = topics.rule(kind)
         assert (rule.qos, rule.retain, rule.payload) == (1, False, "binary")
     assert not any(rule.retain for kind, rule in RULES.items() if kind.startswith("control"))
+
+
+def test_topics_refuse_a_trailing_newline() -> None:
+    """A board id or fleet ending in a newline is no topic level (``$`` alone would pass it)."""
+    with pytest.raises(ValueError):
+        TopicMap().board_in("abc\n")
+    with pytest.raises(ValueError):
+        TopicMap(fleet="f\n")
+    assert TopicMap().parse_board_topic("qsched/v1/default/boards/abc\n/out") is None

@@ -33,7 +33,10 @@ static void on_data_frame(qs_agent *a, const qs_frame *fr)
         return; /* no ACK: the peer sends it again later */
     }
     qs_rx_slot *slot = &a->queue[(a->queue_head + a->queue_count) % QS_RX_QUEUE];
-    memcpy(slot->payload, fr->payload, fr->len);
+    /* A well-formed frame may carry up to QS_MAX_RAW_FRAME - overhead bytes, more than a
+     * message may have (SPEC 7.3): keep the true length, so the decoder answers
+     * too_large, but copy no more than the slot holds. */
+    memcpy(slot->payload, fr->payload, fr->len < QS_MAX_PAYLOAD ? fr->len : QS_MAX_PAYLOAD);
     slot->len = fr->len;
     ++a->queue_count;
     a->have_last_rx = 1;
@@ -679,7 +682,9 @@ static void handle_payload(qs_agent *a, const uint8_t *payload, size_t len)
     qs_decode_error err;
     const char *detail = NULL;
     if (qs_decode(payload, len, &a->rx, &err, &detail) != QS_OK) {
-        const uint8_t ref = (len >= QS_HEADER_SIZE && err != QS_DEC_BAD_MAGIC) ? payload[3] : 0u;
+        /* Oversized: no byte of it is read, as in every implementation (SPEC 6.4). */
+        const int typed = len >= QS_HEADER_SIZE && err != QS_DEC_BAD_MAGIC && err != QS_DEC_OVERSIZED;
+        const uint8_t ref = typed ? payload[3] : 0u;
         reply_error(a, decode_error_code(err), ref, 0, 0, detail != NULL ? detail : qs_decode_error_name(err));
         return;
     }

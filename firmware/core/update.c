@@ -160,8 +160,10 @@ qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
              * truncating conversion is defined and m fits int32. */
             const int32_t m = (b != b) ? 0 : (int32_t)b;
             w[j] = (int8_t)clamp_weight((int32_t)w[j] + m);
-            /* b - m drops the integer bits of b: exact in float32 and in binary16. */
-            buf[j] = qs_f16_from_f32(b - (float)m);
+            /* b - m drops the integer bits of b: exact in float32 and in binary16. A zero
+             * remainder is +0 (SPEC 4.2: b - trunc(b)); b - 0 would keep b = -0.0. */
+            const float rest = b - (float)m;
+            buf[j] = qs_f16_from_f32(rest == 0.0f ? 0.0f : rest);
         }
     });
     return QS_OK;
