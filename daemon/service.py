@@ -138,6 +138,7 @@ class Daemon:
         self._tasks: asyncio.TaskGroup | None = None
         self._background: list[asyncio.Task[Any]] = []
         self._last_status = ""
+        self._state_job: str | None = None  # the job daemon/state last named
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -565,6 +566,11 @@ class Daemon:
                 retain=True,
                 timeout=2.0,
             )
+        job = self.job.spec.name if self.job is not None else None
+        if job != self._state_job:  # daemon/state names the loaded job (births keep it)
+            with contextlib.suppress(TimeoutError):
+                await self._mqtt.publish_state(job)
+                self._state_job = job
 
     # ------------------------------------------------------------------ control over MQTT
 

@@ -127,3 +127,20 @@ async def test_hardening_failed_start_leaves_nothing_and_frees_its_name(
             cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 5}}, 10
         )
         assert again.ok
+
+
+async def test_hardening_daemon_state_names_the_current_job(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """The retained daemon/state says which job is loaded, once one is."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        started = await send_command(
+            daemon.config.mqtt, daemon.topics, {"type": "start_job", "spec": SPEC}, 10
+        )
+        assert started.ok
+        await asyncio.sleep(1.5)  # the status loop runs at least once a second
+        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port) as client:
+            await client.subscribe(daemon.topics.daemon_state(), qos=1)
+            message = await asyncio.wait_for(anext(aiter(client.messages)), 10)
+        state = json.loads(message.payload)  # type: ignore[arg-type]
+        assert message.retain and state["online"] and state["job"] == SPEC["name"]
