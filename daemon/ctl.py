@@ -130,7 +130,7 @@ def build_command(args: argparse.Namespace) -> dict[str, Any]:
     if name in ("pause", "resume", "stop", "checkpoint"):
         return {"type": name, **job}
     if name == "status":
-        return {"type": "status"}
+        return {"type": "status", **job}
     if name == "boards":
         return {"type": "list_boards"}
     if name == "drain":
@@ -176,7 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     for name in ("pause", "resume", "stop", "checkpoint"):
         sub.add_parser(name, help=f"{name} the job").add_argument("job", nargs="?")
-    sub.add_parser("status", help="the daemon's status")
+    status = sub.add_parser("status", help="the daemon's status (with JOB: that job's)")
+    status.add_argument("job", nargs="?", help="any job the daemon keeps (default: the loaded one)")
     sub.add_parser("boards", help="list the fleet")
     drain = sub.add_parser("drain", help="stop giving a board work")
     drain.add_argument("board")

@@ -59,8 +59,9 @@ from qsched.protocol.errors import ProtocolError
 from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.links.base import MultiTransport, Transport
 from qsched.protocol.links.config import parse_host_port
+from qsched.protocol.messages import job_id_of
 from qsched.protocol.topics import TopicMap, publish_topic_problem
-from qsched.zo.workload import Workload
+from qsched.zo.workload import TrainState, Workload
 
 __all__ = ["EVENT_QUEUE_SIZE", "STATUS_INTERVAL_S", "ActiveJob", "Daemon", "main", "status_topic"]
 
@@ -356,7 +357,13 @@ class Daemon:
         return self.job
 
     def job_status(self, name: str | None = None) -> JobStatus:
-        """The current job's progress (ControlError when there is none)."""
+        """A job's progress: the loaded one's, or that of any job in the state directory.
+
+        Raises:
+            ControlError: no job is loaded (and none named), or no job has that name.
+        """
+        if self._stored_name(name):
+            return _stored_status(self._stored(name))
         job = self._current(name)
         engine = job.engine
         last = engine.result.steps[-1] if engine.result.steps else None
@@ -481,9 +488,22 @@ class Daemon:
         return f"board {session.board_id} {'drained' if drain else 'back in work'}"
 
     async def export_job(self, name: str | None, fmt: str) -> str:
-        """Export the current job's model now; returns the file's path."""
+        """Export a job's model now (the loaded job's weights, or a finished job's newest
+        checkpoint); returns the file's path."""
+        if self._stored_name(name):
+            return str(await asyncio.to_thread(_export_stored, self._stored(name), fmt))
         job = self._current(name)
         return str(await self._export(job, fmt))
+
+    def _stored_name(self, name: str | None) -> bool:
+        """Whether ``name`` names a job other than the loaded one."""
+        return name is not None and (self.job is None or name != self.job.spec.name)
+
+    def _stored(self, name: str | None) -> JobDir:
+        try:
+            return self.store.job(str(name))
+        except StateDirError as exc:
+            raise ControlError("unknown_job", f"no job named {name!r}") from exc
 
     async def _export(self, job: ActiveJob, fmt: str) -> Path:
         workload, state = job.engine.workload, job.engine.state.copy()
@@ -495,11 +515,11 @@ class Daemon:
 
     # ------------------------------------------------------------------ status and events
 
-    def status(self) -> StatusReport:
-        """The daemon's status: its job and its boards."""
+    def status(self, name: str | None = None) -> StatusReport:
+        """The daemon's status: a job (the loaded one, or ``name``) and its boards."""
         job = None
-        if self.job is not None:
-            job = self.job_status()
+        if self.job is not None or name is not None:
+            job = self.job_status(name)
         boards = self.fleet.infos() if self.fleet is not None else ()
         return StatusReport(daemon_version=self.version, time=time.time(), job=job, boards=boards)
 
@@ -643,6 +663,56 @@ class Daemon:
             _log.warning("control reply not delivered (broker away)", request_id=reply.request_id)
         except (ValueError, MqttError) as exc:  # the client refused the topic or the packet
             _log.warning("control reply not delivered", error=str(exc), topic=topic)
+
+
+def _stored_spec(folder: JobDir) -> JobSpec:
+    try:
+        return JobSpec.model_validate(folder.spec())
+    except (StateDirError, ValueError) as exc:
+        raise ControlError("internal", f"job {folder.job_id!r}: unreadable spec: {exc}") from exc
+
+
+def _stored_status(folder: JobDir) -> JobStatus:
+    """A job's progress as its folder records it (status, metrics log)."""
+    spec = _stored_spec(folder)
+    try:
+        records = folder.read_metrics()
+        state = folder.status().get("status", "failed")
+    except StateDirError as exc:
+        raise ControlError("internal", f"job {folder.job_id!r}: {exc}") from exc
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "validation"]
+    last = steps[-1] if steps else {}
+    evaluation = evals[-1] if evals else {}
+    return JobStatus(
+        name=spec.name,
+        job_id=job_id_of(spec),
+        state=state,
+        step=int(last["step"]) + 1 if last else 0,
+        steps=spec.steps,
+        q=last.get("q"),
+        policy=spec.policy.name,
+        train_loss=last.get("train_loss"),
+        val_loss=evaluation.get("val_loss"),
+        val_accuracy=evaluation.get("val_accuracy"),
+    )
+
+
+def _export_stored(folder: JobDir, fmt: str) -> Path:
+    """A job that is not loaded, exported from its newest checkpoint."""
+    spec = _stored_spec(folder)
+    checkpoint = folder.load_checkpoint()
+    if checkpoint is None:
+        raise ControlError("conflict", f"job {spec.name!r} has no checkpoint to export")
+    try:
+        workload = Workload.from_spec(spec)
+        state = TrainState.from_bytes(checkpoint.train_state)
+        data = export_model(workload, state, fmt)
+    except ExportError as exc:
+        raise ControlError("unsupported", str(exc)) from exc
+    except (ValueError, OSError) as exc:
+        raise ControlError("conflict", f"job {spec.name!r} cannot be rebuilt: {exc}") from exc
+    return folder.write_export(data, f"{spec.name}.{fmt}")
 
 
 RETAINED_REFUSAL: Final = (

@@ -107,8 +107,9 @@ class StopJob(_JobCommand):
     type: Literal["stop"] = "stop"
 
 
-class GetStatus(_Command):
-    """Ask for a StatusReport (in the reply's ``status``)."""
+class GetStatus(_JobCommand):
+    """Ask for a StatusReport (in the reply's ``status``); ``job`` names any job the
+    daemon keeps, loaded or finished (default: the loaded one)."""
 
     type: Literal["status"] = "status"
 

@@ -144,3 +144,30 @@ async def test_hardening_daemon_state_names_the_current_job(
             message = await asyncio.wait_for(anext(aiter(client.messages)), 10)
         state = json.loads(message.payload)  # type: ignore[arg-type]
         assert message.retain and state["online"] and state["job"] == SPEC["name"]
+
+
+async def test_hardening_finished_jobs_are_reachable_by_name(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """After another job is loaded, an earlier one still answers status and export by name."""
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        cfg, topics = daemon.config.mqtt, daemon.topics
+        first = {**SPEC, "name": "first", "steps": 20, "eval_every": 10}
+        assert (await send_command(cfg, topics, {"type": "start_job", "spec": first}, 10)).ok
+        while daemon.job is None or daemon.job.engine.job_state != "completed":
+            await asyncio.sleep(0.05)
+        second = {**SPEC, "name": "second", "steps": 4000}
+        assert (await send_command(cfg, topics, {"type": "start_job", "spec": second}, 10)).ok
+        status = await send_command(cfg, topics, {"type": "status", "job": "first"}, 10)
+        assert status.ok and status.status is not None and status.status.job is not None  # type: ignore[union-attr]
+        job = status.status.job  # type: ignore[union-attr]
+        assert (job.name, job.state, job.step, job.steps) == ("first", "completed", 20, 20)
+        assert job.val_accuracy is not None
+        exported = await send_command(
+            cfg, topics, {"type": "export", "job": "first", "format": "npz"}, 30
+        )
+        assert exported.ok and exported.path.endswith("first.npz")  # type: ignore[union-attr]
+        assert Path(exported.path).stat().st_size > 0  # type: ignore[union-attr]
+        missing = await send_command(cfg, topics, {"type": "status", "job": "nosuch"}, 10)
+        assert not missing.ok and missing.code == "unknown_job"  # type: ignore[union-attr]
+        assert (await send_command(cfg, topics, {"type": "stop"}, 10)).ok
