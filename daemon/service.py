@@ -642,10 +642,23 @@ class Daemon:
             reply = ErrorReply(code="internal", message=f"{type(exc).__name__} (see the log)")
         await self._send_reply(reply, response_topic, correlation)
 
+    def _response_topic_problem(self, topic: str | None) -> str | None:
+        """Why the daemon will not reply on ``topic`` (None: it will, or there is none).
+
+        Replies go only under ``<prefix>/<fleet>/control/reply/``: the daemon may publish
+        anywhere, so a client-chosen topic must not reach a board's input or the status.
+        """
+        if topic is None:
+            return None
+        problem = publish_topic_problem(topic)
+        if problem is None and not topic.startswith(self.topics.control_reply() + "/"):
+            problem = f"the response topic must lie under {self.topics.control_reply()}/"
+        return problem
+
     async def _send_reply(
         self, reply: Reply | ErrorReply, response_topic: str | None, correlation: bytes | None
     ) -> None:
-        problem = publish_topic_problem(response_topic) if response_topic is not None else None
+        problem = self._response_topic_problem(response_topic)
         if problem is not None:  # answered where every client can hear it, and logged
             _log.warning("control reply topic refused", problem=problem)
             reply = _refusal_of(reply, f"{problem}: the reply went to the default reply topic")

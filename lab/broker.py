@@ -66,6 +66,7 @@ class MosquittoBroker:
         users: optional ``{username: password}``; when given, anonymous access is off
             and a password file is generated with ``mosquitto_passwd``.
         tls: optional ``(certfile, keyfile)``: the listener speaks TLS only.
+        acl_file: optional Mosquitto ACL file (with ``users``: who may publish what).
     """
 
     def __init__(
@@ -76,12 +77,14 @@ class MosquittoBroker:
         executable: str = "mosquitto",
         users: dict[str, str] | None = None,
         tls: tuple[str | Path, str | Path] | None = None,
+        acl_file: str | Path | None = None,
     ) -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self._executable = executable
         self._users = dict(users or {})
         self._tls = tls
+        self._acl_file = acl_file
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -143,6 +146,8 @@ class MosquittoBroker:
             for user, password in self._users.items():
                 subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, password], check=True)
             lines += ["allow_anonymous false", f"password_file {passwd}"]
+            if self._acl_file is not None:
+                lines.append(f"acl_file {self._acl_file}")
         else:
             lines.append("allow_anonymous true")
         conf = folder / "mosquitto.conf"

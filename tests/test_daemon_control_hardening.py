@@ -40,13 +40,18 @@ async def test_hardening_lone_surrogate_request_id(
 async def test_hardening_wildcard_response_topic(
     mqtt_broker: MosquittoBroker, tmp_path: Path
 ) -> None:
-    """An MQTT 5 response topic with + or #: the refusal goes to the default reply topic."""
+    """A response topic with + or #, or outside control/reply/: refused on the default topic."""
     async with _daemon(mqtt_broker, tmp_path) as daemon:
         async with aiomqtt.Client(
             mqtt_broker.host, mqtt_broker.port, protocol=aiomqtt.ProtocolVersion.V5
         ) as client:
             await client.subscribe(REPLY, qos=1)
-            for topic in ("replies/#", "a/+/b"):
+            cases = {
+                "replies/#": "wildcard",
+                "a/+/b": "wildcard",
+                "qsched/v1/ctl/boards/b0/in": "must lie under",  # a board's input
+            }
+            for topic, phrase in cases.items():
                 props = Properties(PacketTypes.PUBLISH)
                 props.ResponseTopic = topic
                 props.CorrelationData = b"c1"
@@ -54,7 +59,7 @@ async def test_hardening_wildcard_response_topic(
                 await client.publish(REQUEST, document, qos=1, properties=props)
                 message = await asyncio.wait_for(anext(aiter(client.messages)), 10)
                 reply = json.loads(message.payload)  # type: ignore[arg-type]
-                assert reply["code"] == "invalid_command" and "wildcard" in reply["message"]
+                assert reply["code"] == "invalid_command" and phrase in reply["message"]
                 assert reply["request_id"] == topic
         await _alive(daemon, mqtt_broker)
 
