@@ -8,7 +8,7 @@ Schema published for clients is generated from these models (``schema.py``).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -312,8 +312,20 @@ ControlMessageAdapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 
 
 def _describe(exc: ValidationError) -> str:
-    parts = [f"{'.'.join(map(str, e['loc'])) or 'document'}: {e['msg']}" for e in exc.errors()[:5]]
+    parts = [
+        f"{'.'.join(map(str, e['loc'])) or 'document'}: {_sentence(e)}" for e in exc.errors()[:5]
+    ]
     return "; ".join(parts)
+
+
+def _sentence(error: Any) -> str:
+    """pydantic's message, in the words of a control document where it names internals."""
+    kinds = ", ".join(get_args(CommandType))
+    if error["type"] == "union_tag_not_found":
+        return f'a command is a JSON object with a "type": one of {kinds}'
+    if error["type"] == "union_tag_invalid":
+        return f"unknown type {error['ctx'].get('tag')!r}; the types are {kinds}"
+    return str(error["msg"])
 
 
 def _recover_request_id(data: bytes) -> str | None:

@@ -220,3 +220,18 @@ def test_states_board_session() -> None:
     with pytest.raises(ValueError):
         check_board_transition("faulty", "busy")
     assert all("hello" in targets for state, targets in BOARD_TRANSITIONS.items())
+
+
+@pytest.mark.parametrize(
+    ("document", "words"),
+    [
+        ('{"foo": 1}', 'a JSON object with a "type"'),
+        ('{"type": "nosuch"}', "unknown type 'nosuch'"),
+    ],
+)
+def test_control_refusals_speak_of_commands_not_parsers(document: str, words: str) -> None:
+    """A document without a known type is told what a command is, not a parser's internals."""
+    with pytest.raises(ProtocolError) as refused:
+        parse_command(document)
+    assert words in refused.value.detail and "discriminator" not in refused.value.detail
+    assert "start_job" in refused.value.detail
