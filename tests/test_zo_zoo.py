@@ -225,3 +225,14 @@ def test_replace_classifier_new_head_same_backbone():
         assert kept.weight is not old.weight
     assert new.nodes[-1].name == "dense_1" and new.param_nodes()[-1].weight.shape == (4, 256)
     assert model.num_classes == 10 and model.param_nodes()[-1].weight.shape == (10, 256)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [(-5, "must not be negative"), (float("nan"), "must not be negative"), (0, "options")],
+)
+def test_zoo_bad_sizes_name_the_option(value: object, words: str) -> None:
+    """A negative, NaN or zero size is a ZooError naming the model's options."""
+    with pytest.raises(ZooError, match=words) as refused:
+        build_model("mlp", hidden=value)
+    assert "hidden" in str(refused.value) and "'mlp'" in str(refused.value)

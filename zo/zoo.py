@@ -490,12 +490,26 @@ def build_model(
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ZooError(f"model {name!r} has no option(s) {unknown}; options: {known}")
+    for key, value in options.items():
+        _check_option(name, key, value)
     builder = _Builder(name, shape, num_classes, seed)
     try:
         build(builder, **options)
     except GraphError as exc:
         raise ZooError(f"model {name!r} does not fit input {shape}: {exc}") from exc
+    except (ValueError, ZeroDivisionError) as exc:  # a zero size, say: name the options
+        raise ZooError(f"model {name!r} cannot be built with options {options}: {exc}") from exc
     return builder.model
+
+
+def _check_option(model: str, key: str, value: Any) -> None:
+    """No size, width or stride a model option gives (one number or several) is negative
+    or non-finite (0 may mean "automatic", as mobilenetv2's ``stem_stride``)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    for item in values:
+        number = isinstance(item, int | float) and not isinstance(item, bool)
+        if number and not (math.isfinite(item) and item >= 0):
+            raise ZooError(f"model {model!r}: option {key}={value!r} must not be negative")
 
 
 def replace_classifier(model: Model, num_classes: int, seed: int = 0) -> Model:
