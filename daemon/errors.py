@@ -105,3 +105,7 @@ class NotBuiltError(RuntimeError):
 
 class InstanceError(RuntimeError):
     """Another daemon already runs on this state directory."""
+
+
+class FleetTakenError(RuntimeError):
+    """Another daemon is online on this fleet at this broker."""

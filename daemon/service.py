@@ -22,6 +22,7 @@ import contextlib
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,15 @@ from paho.mqtt.properties import Properties
 from qsched.daemon.config import DaemonConfig, load_config
 from qsched.daemon.control import ControlError, handle_payload
 from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
-from qsched.daemon.errors import InstanceError
+from qsched.daemon.errors import FleetTakenError, InstanceError
 from qsched.daemon.export import ExportError, default_format, export_model
 from qsched.daemon.fleet import Fleet, FleetEvent
-from qsched.daemon.instance import EXIT_ANOTHER_INSTANCE, InstanceLock
+from qsched.daemon.instance import (
+    EXIT_ANOTHER_INSTANCE,
+    EXIT_FLEET_TAKEN,
+    InstanceLock,
+    check_fleet_free,
+)
 from qsched.daemon.notify import Notifier
 from qsched.daemon.state import JobDir, StateDirError, StateStore
 from qsched.policies import PolicyError, validate_policy_config
@@ -121,6 +127,7 @@ class Daemon:
         self.version = _version()
         self.store = StateStore(config.state_dir)
         self._lock = InstanceLock(self.store.root)
+        self.instance = uuid.uuid4().hex  # this process, in the fleet's daemon state
         self.topics = TopicMap(prefix=config.mqtt.prefix, fleet=config.fleet)
         self.engine_config = engine_config or EngineConfig(
             step_deadline_s=config.step_deadline_s, checkpoint_every=None
@@ -149,7 +156,9 @@ class Daemon:
         if cfg.mqtt.enabled:
             from qsched.protocol.links.mqtt import MqttTransport
 
-            self._mqtt = MqttTransport(cfg.mqtt, self.topics, version=self.version)
+            self._mqtt = MqttTransport(
+                cfg.mqtt, self.topics, version=self.version, instance=self.instance
+            )
             conn = self._mqtt.connection
             conn.subscribe(
                 self.topics.control_request(),
@@ -172,6 +181,12 @@ class Daemon:
 
     async def __aenter__(self) -> Self:
         self._lock.acquire()  # before anything of the state directory is read
+        if self.config.mqtt.enabled:
+            try:
+                await check_fleet_free(self.config.mqtt, self.topics, self.instance)
+            except BaseException:
+                self._lock.release()
+                raise
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         stack.callback(self._lock.release)
@@ -848,3 +863,6 @@ def main(argv: list[str]) -> int:
     except InstanceError as exc:
         print(f"qsched daemon: {exc}", file=sys.stderr)
         return EXIT_ANOTHER_INSTANCE
+    except FleetTakenError as exc:
+        print(f"qsched daemon: {exc}", file=sys.stderr)
+        return EXIT_FLEET_TAKEN

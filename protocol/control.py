@@ -287,6 +287,11 @@ class DaemonPresence(ControlModel):
     online: bool
     version: str | None = None
     job: JobName | None = None
+    instance: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="a random id of this daemon process: a second daemon on the fleet sees it",
+    )
 
 
 ControlMessage = Annotated[

@@ -395,9 +395,11 @@ class MqttTransport:
         identifier: str | None = None,
         version: str | None = None,
         queue_size: int = INCOMING_QUEUE_SIZE,
+        instance: str | None = None,
     ) -> None:
         self.topics = topics
         self._version = version
+        self._instance = instance
         self._job: str | None = None
         self._queue_size = queue_size
         self._events: asyncio.Queue[object] = asyncio.Queue(EVENT_QUEUE_SIZE)
@@ -418,7 +420,9 @@ class MqttTransport:
         self._tasks: asyncio.TaskGroup | None = None
 
     def _presence(self, online: bool) -> bytes:
-        presence = DaemonPresence(online=online, version=self._version, job=self._job)
+        presence = DaemonPresence(
+            online=online, version=self._version, job=self._job, instance=self._instance
+        )
         text: str = presence.model_dump_json()
         return text.encode()
 
