@@ -723,9 +723,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         options = _options(args)
-        _make_spec(options)  # a bad --set fails here, before any board starts
+        spec = _make_spec(options)  # a bad --set fails here, before any board starts
     except (ValueError, ValidationError) as exc:
         print(f"qsched demo: {exc}", file=sys.stderr)
+        return 2
+    problem = _unrunnable(spec)
+    if problem is not None:
+        print(f"qsched demo: the job cannot run: {problem}", file=sys.stderr)
         return 2
     options.out = options.out or _default_out()
     options.out.mkdir(parents=True, exist_ok=True)
@@ -747,6 +751,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
     print(_format_summary(summary))
     return 0 if summary.status == "completed" else 1
+
+
+def _unrunnable(spec: Any) -> str | None:
+    """Why the job's model, data or policy cannot be built (None: they can), before any
+    board starts or any folder is made: a missing backbone file, an unknown option."""
+    from qsched.policies import PolicyError, validate_policy_config
+    from qsched.zo.workload import Workload
+
+    try:
+        validate_policy_config(spec.policy.name, spec.policy.config)
+        Workload.from_spec(spec)
+    except OSError as exc:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)
+    except (ValueError, PolicyError) as exc:
+        return str(exc)
+    return None
 
 
 @contextlib.contextmanager

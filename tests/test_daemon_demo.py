@@ -116,6 +116,19 @@ def test_demo_bad_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert not (tmp_path / "a").exists()
 
 
+def test_demo_unrunnable_job_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing backbone or a bad model option: one line, status 2, nothing started or made."""
+    missing = tmp_path / "missing.tflite"
+    assert main(["--out", str(tmp_path / "a"), "--set", f"backbone={missing}"]) == 2
+    assert main(["--out", str(tmp_path / "b"), "--set", 'model_options={"hidden": -3}']) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("qsched demo: the job cannot run") == 2
+    assert f"{missing}: No such file" in err and "hidden=-3" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_demo_q_trajectory_change_points() -> None:
     """Only the steps where q changes are kept, the first step always."""
     assert q_trajectory([(0, 1), (1, 1), (2, 2), (3, 2), (4, 8)]) == [(0, 1), (2, 2), (4, 8)]
