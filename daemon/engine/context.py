@@ -27,6 +27,7 @@ from qsched.protocol.control import Event, EventKind
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest
 from qsched.protocol.states import JobState
+from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import TrainResult
 from qsched.zo.workload import TrainState, Workload
 
@@ -99,13 +100,13 @@ class JobResult:
         return self.train.state
 
     @property
-    def steps(self) -> list[Any]:
-        """Per-step history (``StepRecord``)."""
+    def steps(self) -> list[StepRecord]:
+        """Per-step history."""
         return self.train.steps
 
     @property
-    def evals(self) -> list[Any]:
-        """Per-validation history (``EvalRecord``)."""
+    def evals(self) -> list[EvalRecord]:
+        """Per-validation history."""
         return self.train.evals
 
 
