@@ -52,6 +52,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
     "bench fleet": Command("qsched.lab.bench_fleet:main", "time steps on fleets of virtual boards"),
+    "chaos": Command("qsched.lab.chaos:main", "throw faults at a live daemon (the fuzz so far)"),
     "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),
     "schema": Command("qsched.protocol.schema:main", "write the control-plane JSON Schema"),
     "config": Command("qsched.daemon.cli:config_main", "print the effective daemon configuration"),
