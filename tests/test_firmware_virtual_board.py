@@ -226,6 +226,20 @@ async def test_agent_set_weights_resynchronises(int8_workload: Workload) -> None
     ]
 
 
+async def test_agent_set_weights_refuses_int8_shifts_out_of_range() -> None:
+    """An INT8-buffer state whose shifts lie outside 7..15 is malformed at once (as in C)."""
+    workload = Workload.from_spec(JobSpec(accumulator="int8", batch_size=16, seed=3))
+    state = workload.initial_state()
+    assert state.buffer is not None
+    buffer = state.buffer.copy()
+    buffer[-1] = 16  # the last tensor's shift
+    bad = TrainState(0, state.params, buffer)
+    agent = await loaded_agent(workload)
+    answers = await send_all(agent, weight_messages(workload, bad))
+    assert len(answers) == 1 and isinstance(answers[0], Error) and answers[0].code == "malformed"
+    assert "shifts" in answers[0].detail
+
+
 async def test_agent_validate_matches_workload(int8_workload: Workload) -> None:
     """ValidateRequest returns the workload's loss sum and accuracy on the slice."""
     agent = await loaded_agent(int8_workload)

@@ -409,6 +409,11 @@ class Workload:
             and (expected.dtype != state.buffer.dtype or expected.shape != state.buffer.shape)
         ):
             raise StateError("state buffer does not match the job's accumulator")
+        if self.int8 and self.spec.accumulator == "int8" and state.buffer is not None:
+            try:  # the shifts must be in range now, not fail the next update
+                accum_int8.split_state(state.buffer, self.tensor_sizes)
+            except ValueError as exc:
+                raise StateError(str(exc)) from exc
 
     # ------------------------------------------------------------------ one step
 
