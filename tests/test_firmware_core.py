@@ -66,6 +66,16 @@ def test_core_fp16_zero_remainder_is_positive(tool: ToolProcess, tmp_path: Path)
     assert answer.startswith("ok ") and "skipped=0" in answer and "int8_fp16=1/0" in answer, answer
 
 
+def test_core_decoder_verdicts_follow_the_spec(tool: ToolProcess) -> None:
+    """Every wire.json decode case gets the same kind from the C decoder as from Python's:
+    which check comes first when two faults compete (SPEC 6.4), text rules included."""
+    wire = json.loads((VECTORS / "wire.json").read_text())
+    cases = sorted({key.split(".")[1] for key in wire if key.startswith("decode.")})
+    assert len(cases) >= 50
+    verdicts = {case: tool.ask(f"decode {wire[f'decode.{case}.hex'] or '-'}") for case in cases}
+    assert verdicts == {case: wire[f"decode.{case}.result"] for case in cases}
+
+
 def test_core_philox_matches_python(tool: ToolProcess) -> None:
     """Philox4x32-10 gives the same words in C and numpy on random counters and keys."""
     rng = np.random.default_rng(1)

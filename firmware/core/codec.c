@@ -192,6 +192,16 @@ static int text_ok(const char *s, size_t n, text_class cls)
     return 1;
 }
 
+static int ascii_only(const uint8_t *s, size_t n)
+{
+    for (size_t i = 0; i < n; ++i) {
+        if (s[i] >= 0x80u) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* ---- decode ---- */
 
 typedef struct {
@@ -199,6 +209,7 @@ typedef struct {
     size_t len, pos;
     qs_decode_error err;
     const char *detail;
+    const char *deferred; /* the first value check that failed: reported after the walk */
 } reader;
 
 static const uint8_t *take(reader *r, size_t n)
@@ -224,6 +235,16 @@ static void invalid(reader *r, const char *detail)
     }
 }
 
+/* A value check (text pattern, float finiteness, k range and order) is reported only once
+ * the walk found the layout whole and nothing after it (SPEC 6.4): a truncated message is
+ * `truncated` even if a text in it is also wrong. */
+static void defer(reader *r, const char *detail)
+{
+    if (r->deferred == NULL) {
+        r->deferred = detail;
+    }
+}
+
 static void decode_scalar(reader *r, const field *f, qs_msg *m)
 {
     static const unsigned sizes[] = {1, 2, 4, 8, 4, 8};
@@ -241,14 +262,14 @@ static void decode_scalar(reader *r, const field *f, qs_msg *m)
     case F_U64: memcpy(dst, &v, 8); break;
     case F_F32: {
         if (!finite_f32((uint32_t)v)) {
-            invalid(r, "float field is not finite");
+            defer(r, "float field is not finite");
         }
         const float x = f32_of((uint32_t)v);
         memcpy(dst, &x, 4);
     } break;
     default: {
         if (((v >> 52) & 0x7FFu) == 0x7FFu) {
-            invalid(r, "float field is not finite");
+            defer(r, "float field is not finite");
         }
         double x;
         memcpy(&x, &v, 8);
@@ -277,8 +298,7 @@ static void decode_kset(reader *r, qs_msg *m)
         }
         const uint32_t start = (uint32_t)get_le(s, 2);
         if (start + count - 1u > 0xFFFFu) {
-            invalid(r, "k range runs past 65535");
-            return;
+            defer(r, "k range runs past 65535");
         }
         for (uint16_t i = 0; i < count; ++i) {
             m->ks[i] = (uint16_t)(start + i);
@@ -291,7 +311,7 @@ static void decode_kset(reader *r, qs_msg *m)
         for (uint16_t i = 0; i < count; ++i) {
             m->ks[i] = (uint16_t)get_le(s + 2u * i, 2);
             if (i > 0u && m->ks[i] <= m->ks[i - 1]) {
-                invalid(r, "sample keys not strictly ascending");
+                defer(r, "sample keys not strictly ascending");
             }
         }
     } else {
@@ -305,7 +325,7 @@ static void decode_seq(reader *r, float *dst, uint16_t n)
     for (uint16_t i = 0; p != NULL && i < n; ++i) {
         const uint32_t bits = (uint32_t)get_le(p + 4u * i, 4);
         if (!finite_f32(bits)) {
-            invalid(r, "float field is not finite");
+            defer(r, "float field is not finite");
         }
         dst[i] = f32_of(bits);
     }
@@ -335,8 +355,10 @@ static void decode_field(reader *r, const field *f, qs_msg *m)
             char *dst = (char *)m + f->offset;
             memcpy(dst, s, n);
             dst[n] = '\0';
-            if (!text_ok(dst, n, f->text)) {
-                invalid(r, "text field has characters outside its pattern");
+            if (!ascii_only(s, n)) {
+                invalid(r, "text field is not ASCII"); /* not text at all: at once */
+            } else if (!text_ok(dst, n, f->text)) {
+                defer(r, "text field has characters outside its pattern");
             }
         }
     } break;
@@ -380,7 +402,7 @@ static void check_message(reader *r, const qs_msg *m)
 
 qs_status qs_decode(const uint8_t *data, size_t len, qs_msg *msg, qs_decode_error *err, const char **detail)
 {
-    reader r = {data, len, QS_HEADER_SIZE, QS_DEC_OK, NULL};
+    reader r = {data, len, QS_HEADER_SIZE, QS_DEC_OK, NULL, NULL};
     const layout *l = NULL;
     if (len > QS_MAX_PAYLOAD) {
         r.err = QS_DEC_OVERSIZED;
@@ -406,6 +428,9 @@ qs_status qs_decode(const uint8_t *data, size_t len, qs_msg *msg, qs_decode_erro
         if (r.err == QS_DEC_OK && r.pos != len) {
             r.err = QS_DEC_TRAILING_BYTES;
             r.detail = "bytes after the message";
+        }
+        if (r.deferred != NULL) {
+            invalid(&r, r.deferred);
         }
         if (r.err == QS_DEC_OK) {
             check_message(&r, msg);

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "cobs.h"
+#include "codec.h"
 #include "crc32.h"
 #include "fp16.h"
 #include "loss.h"
@@ -328,6 +329,13 @@ static void dispatch(const char *cmd)
         printf("%04x\n", qs_f16_from_f32(f32_of((uint32_t)num(16))));
     } else if (strcmp(cmd, "f32") == 0) {
         printf("%08x\n", bits_of(qs_f16_to_f32((uint16_t)num(16))));
+    } else if (strcmp(cmd, "decode") == 0) {
+        /* decode HEX: the decoder's verdict on a message (SPEC 6.4), as its kind name */
+        const size_t n = hex_in(g_a, sizeof g_a);
+        static qs_msg msg;
+        qs_decode_error err = QS_DEC_OK;
+        (void)qs_decode(g_a, n, &msg, &err, NULL);
+        printf("%s\n", qs_decode_error_name(err));
     } else if (strcmp(cmd, "crc32") == 0) {
         const size_t n = hex_in(g_a, sizeof g_a);
         printf("%08x\n", qs_crc32_update(0, g_a, n));
