@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, Self, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
 import structlog
 
@@ -357,6 +357,3 @@ def fault_text(exc: BoardFaultError, where: str) -> str:
 def refused(session: BoardSession) -> bool:
     """Whether the board speaks an older protocol than ours (it gets no job)."""
     return session.hello is not None and session.hello.protocol_version < PROTOCOL_VERSION
-
-
-WAIT_POLL_S: Final = 1.0

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from qsched.daemon.engine.context import (
-    WAIT_POLL_S,
     Interrupted,
     JobContext,
     JobError,
@@ -29,6 +28,7 @@ from qsched.protocol.messages import MAX_CHUNK, LoadModel, SelectDataset, SetWei
 __all__ = ["BoardSync"]
 
 _MAX_BACKOFF_S: Final = 60.0
+_WAIT_POLL_S: Final = 1.0  # how often a step waiting for boards looks again
 
 
 class BoardSync:
@@ -96,7 +96,7 @@ class BoardSync:
                 announced = True
             ctx.status_line = f"waiting for boards (step {ctx.step}/{ctx.spec.steps})"
             with ctx.at_safe_point():  # nothing of this step is applied yet
-                await ctx.fleet.wait_changed(WAIT_POLL_S)
+                await ctx.fleet.wait_changed(_WAIT_POLL_S)
 
     async def cancel(self) -> None:
         """The job ends: stop loads still in flight (their boards are resynchronised later)."""
