@@ -35,11 +35,14 @@ from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import (
     FLAG_ACK,
+    FLAG_MORE,
     FLAG_SYN,
     MAX_ENCODED_FRAME,
     Frame,
     FrameReader,
+    delivered_messages,
     encode_frame,
+    segments,
 )
 from qsched.protocol.identity import model_hash64
 from qsched.protocol.jobspec import JobSpec
@@ -306,6 +309,8 @@ def frame_vectors() -> Vectors:
         ("zeros", 0xFFFF, bytes(10), 0),
         ("long_run", 300, bytes(range(1, 256)) * 2, 0),
         ("update_ack", 7, encode(UpdateAck(job_id=1, step=2, checksum=0)), 0),
+        ("more", 8, bytes(range(1, 33)), FLAG_MORE),
+        ("syn_more", 65535, b"\x00QS", FLAG_SYN | FLAG_MORE),
     ]
     for name, seq, payload, flags in cases:
         out[f"frame.{name}.seq"] = str(seq)
@@ -320,13 +325,28 @@ def frame_vectors() -> Vectors:
         "cut_then_frame": good[: len(good) // 2] + good,
         "bad_crc_then_frame": bytes(corrupt) + good,
         "two_frames": encode_frame(9, b"\x01", FLAG_SYN) + encode_frame(9, b"", FLAG_ACK),
+        "segments": _segmented_stream(),
     }
     for name, wire in streams.items():
+        items = FrameReader().feed(wire)
         out[f"stream.{name}.wire"] = wire.hex()
-        out[f"stream.{name}.frames"] = ",".join(
-            _frame_summary(item) for item in FrameReader().feed(wire)
-        )
+        out[f"stream.{name}.frames"] = ",".join(_frame_summary(item) for item in items)
+        out[f"stream.{name}.messages"] = ",".join(m.hex() for m in delivered_messages(items))
     return out
+
+
+def _segmented_stream() -> bytes:
+    """A message in 32-byte segments across the seq wrap, one resent (its ACK was lost),
+    then a message cut off by a SYN (its sender gave up) and the one sent after it."""
+    message = encode(Ping(nonce=7)) + bytes(range(80))
+    pieces = segments(message, 32)
+    wires = [
+        encode_frame((65534 + i) & 0xFFFF, p, FLAG_MORE if i < len(pieces) - 1 else 0)
+        for i, p in enumerate(pieces)
+    ]
+    given_up = encode_frame(2, b"lost", FLAG_MORE)
+    after = encode_frame(9, b"fresh", FLAG_SYN)
+    return wires[0] + wires[1] + wires[1] + b"".join(wires[2:]) + given_up + after
 
 
 def _frame_summary(item: Frame | ProtocolError) -> str:

@@ -2,15 +2,17 @@
 
 On the wire every frame is ``00 | COBS(raw) | 00`` where raw is
 
-    flags u8 | seq u16 | payload (0..MAX_PAYLOAD bytes) | crc32 u32
+    flags u8 | seq u16 | payload (one segment of a message) | crc32 u32
 
 all little-endian, the CRC (zlib's CRC-32) taken over flags, seq and payload. The
 leading 0x00 ends whatever partial frame a receiver holds (garbage, a frame cut off
 by a reset), so the next frame is never lost to resynchronisation; receivers ignore
-empty frames. The link is stop-and-wait per direction (SPEC section 7): a data frame
-is acknowledged by an ACK frame with the same ``seq``; unacknowledged frames are sent
-again, the same bytes, after ``ACK_TIMEOUT_S``, at most ``MAX_RETRIES`` times.
-Nothing here does I/O.
+empty frames. A message travels in segments of at most ``MAX_SEGMENT`` bytes, every
+one but the last flagged MORE: on a noisy line a short frame gets through where a long
+one never would, and only the damaged segment is sent again. The link is stop-and-wait
+per direction (SPEC section 7): a data frame is acknowledged by an ACK frame with the
+same ``seq``; unacknowledged frames are sent again, the same bytes, after
+``ACK_TIMEOUT_S``, at most ``MAX_RETRIES`` times. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -30,33 +32,47 @@ __all__ = [
     "ACK_TIMEOUT_S",
     "DELIMITER",
     "FLAG_ACK",
+    "FLAG_MORE",
     "FLAG_SYN",
     "FRAME_OVERHEAD",
     "MAX_ENCODED_FRAME",
     "MAX_RAW_FRAME",
     "MAX_RETRIES",
+    "MAX_SEGMENT",
+    "MIN_SEGMENT",
     "Frame",
     "FrameEncoder",
     "FrameReader",
+    "Reassembler",
     "ReceiveFilter",
+    "SegmentSizer",
     "StopAndWaitSender",
     "decode_frame",
+    "delivered_messages",
     "encode_frame",
+    "segments",
 ]
 
 DELIMITER: Final = 0x00
 FLAG_ACK: Final = 0x01  # an acknowledgement: empty payload, seq of the frame acked
 FLAG_SYN: Final = 0x02  # the sender (re)started: the receiver forgets the last seq seen
-_KNOWN_FLAGS: Final = FLAG_ACK | FLAG_SYN
+FLAG_MORE: Final = 0x04  # the message continues in the next data frame
+_KNOWN_FLAGS: Final = FLAG_ACK | FLAG_SYN | FLAG_MORE
 _HEAD: Final = struct.Struct("<BH")
 _CRC: Final = struct.Struct("<I")
 FRAME_OVERHEAD: Final = _HEAD.size + _CRC.size
 MAX_RAW_FRAME: Final = FRAME_OVERHEAD + MAX_PAYLOAD
 # COBS adds one byte per started run of 254 bytes, so at most len // 254 + 1.
 MAX_ENCODED_FRAME: Final = MAX_RAW_FRAME + MAX_RAW_FRAME // 254 + 1
-# The longest frame takes about 0.14 s at 921600 baud (10 bits a byte); USB adds ms.
-ACK_TIMEOUT_S: Final = 0.5
-MAX_RETRIES: Final = 4
+# Segments a sender makes: at most MAX_SEGMENT bytes (11 ms at 921600 baud, 10 bits a
+# byte); qsched's links shrink them to MIN_SEGMENT while frames need resending.
+MAX_SEGMENT: Final = 1024
+MIN_SEGMENT: Final = 32
+# Ten times the longest segment's time on the wire, and USB's few ms: a lost frame is
+# sent again soon, and 16 tries get a 32-byte segment through a line that garbles one
+# byte in a hundred (each try arrives with probability 0.6) all but surely.
+ACK_TIMEOUT_S: Final = 0.1
+MAX_RETRIES: Final = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,11 @@ class Frame:
         """True for the first data frame after the sender (re)started."""
         return bool(self.flags & FLAG_SYN)
 
+    @property
+    def more(self) -> bool:
+        """True when the message continues in the next data frame."""
+        return bool(self.flags & FLAG_MORE)
+
 
 def encode_frame(seq: int, payload: bytes, flags: int = 0) -> bytes:
     """Encode one frame, delimiters included.
@@ -84,7 +105,7 @@ def encode_frame(seq: int, payload: bytes, flags: int = 0) -> bytes:
     Args:
         seq: sequence number, 0..65535.
         payload: the message bytes (empty for an ACK).
-        flags: FLAG_ACK and/or FLAG_SYN.
+        flags: FLAG_ACK alone, or FLAG_SYN and/or FLAG_MORE.
 
     Returns:
         ``00 | COBS(flags, seq, payload, crc32) | 00``.
@@ -92,7 +113,8 @@ def encode_frame(seq: int, payload: bytes, flags: int = 0) -> bytes:
     Raises:
         ProtocolError: ``oversized`` payload; ValueError for a bad seq or flags.
     """
-    if not 0 <= seq <= 0xFFFF or flags & ~_KNOWN_FLAGS or not 0 <= flags <= 0xFF:
+    ack_with_more = flags & FLAG_ACK and flags & (FLAG_SYN | FLAG_MORE)
+    if not 0 <= seq <= 0xFFFF or flags & ~_KNOWN_FLAGS or flags < 0 or ack_with_more:
         raise ValueError(f"bad seq {seq} or flags 0x{flags:x}")
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError("oversized", f"payload of {len(payload)} bytes > {MAX_PAYLOAD}")
@@ -122,8 +144,8 @@ def decode_frame(encoded: bytes) -> Frame:
     payload = body[3:]
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError("bad_framing", f"undefined flag bits 0x{flags:02x}")
-    if flags & FLAG_ACK and payload:
-        raise ProtocolError("bad_framing", "an ACK frame carries a payload")
+    if flags & FLAG_ACK and (payload or flags & (FLAG_SYN | FLAG_MORE)):
+        raise ProtocolError("bad_framing", "an ACK frame carries a payload or other flags")
     return Frame(seq=seq, flags=flags, payload=payload)
 
 
@@ -183,10 +205,12 @@ class FrameEncoder:
         self._next = random.randrange(0x10000) if initial_seq is None else initial_seq & 0xFFFF
         self._syn = True
 
-    def data(self, payload: bytes) -> tuple[int, bytes]:
-        """Frame a new message. Returns (seq, wire bytes); resend the same bytes on timeout."""
+    def data(self, payload: bytes, more: bool = False) -> tuple[int, bytes]:
+        """Frame a new segment (``more``: not the message's last). Returns (seq, wire
+        bytes); resend the same bytes on timeout."""
         seq = self._next
-        wire = encode_frame(seq, payload, FLAG_SYN if self._syn else 0)
+        flags = (FLAG_SYN if self._syn else 0) | (FLAG_MORE if more else 0)
+        wire = encode_frame(seq, payload, flags)
         self._next = (seq + 1) & 0xFFFF
         self._syn = False
         return seq, wire
@@ -217,6 +241,77 @@ class ReceiveFilter:
             return False
         self._last = key
         return True
+
+
+class Reassembler:
+    """Joins the segments of delivered data frames into messages.
+
+    A frame without MORE ends a message. A SYN frame means the sender restarted or gave
+    up on a message: whatever was collected before it is dropped. A message can grow
+    past ``MAX_PAYLOAD`` only from a faulty peer; it is kept to ``MAX_PAYLOAD + 1``
+    bytes, so the message decoder still refuses it (``oversized``) and memory is bounded.
+    """
+
+    def __init__(self) -> None:
+        self._parts = bytearray()
+
+    def push(self, frame: Frame) -> bytes | None:
+        """Take a delivered (new, not duplicate) data frame; the message it completes."""
+        if frame.is_syn:
+            self._parts.clear()
+        room = MAX_PAYLOAD + 1 - len(self._parts)
+        self._parts += frame.payload[: max(room, 0)]
+        if frame.more:
+            return None
+        message = bytes(self._parts)
+        self._parts.clear()
+        return message
+
+
+def delivered_messages(items: list[Frame | ProtocolError]) -> list[bytes]:
+    """The messages a receiver delivers from what ``FrameReader.feed`` returned: bad
+    frames and ACKs skipped, duplicates filtered, segments joined (SPEC 7.4)."""
+    receive, joiner, out = ReceiveFilter(), Reassembler(), []
+    for item in items:
+        if isinstance(item, Frame) and not item.is_ack and receive.accept(item):
+            message = joiner.push(item)
+            if message is not None:
+                out.append(message)
+    return out
+
+
+def segments(payload: bytes, size: int) -> list[bytes]:
+    """``payload`` cut into pieces of at most ``size`` bytes (an empty message is one
+    empty segment)."""
+    return [payload[i : i + size] for i in range(0, len(payload), size)] or [b""]
+
+
+class SegmentSizer:
+    """How long a sender's next segments are: halved (to ``MIN_SEGMENT``) whenever a
+    frame had to be sent again, doubled (to ``largest``) after 8 clean frames in a row.
+
+    A local choice of the sender (SPEC section 7.4): receivers take any segmentation.
+    """
+
+    CLEAN_TO_GROW: Final = 8
+
+    def __init__(self, largest: int = MAX_SEGMENT) -> None:
+        if not MIN_SEGMENT <= largest <= MAX_SEGMENT:
+            raise ValueError(f"segment size {largest} outside [{MIN_SEGMENT}, {MAX_SEGMENT}]")
+        self.largest = largest
+        self.size = largest
+        self._clean = 0
+
+    def record(self, retransmits: int) -> None:
+        """Take how many times the last frame was sent again."""
+        if retransmits:
+            self.size = max(MIN_SEGMENT, self.size // 2)
+            self._clean = 0
+            return
+        self._clean += 1
+        if self._clean >= self.CLEAN_TO_GROW:
+            self.size = min(self.largest, self.size * 2)
+            self._clean = 0
 
 
 class StopAndWaitSender:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
+from cobs import cobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +24,15 @@ from qsched.protocol import (
     StopAndWaitSender,
     decode_frame,
     encode_frame,
+)
+from qsched.protocol.framing import (
+    FLAG_MORE,
+    MAX_SEGMENT,
+    MIN_SEGMENT,
+    Reassembler,
+    SegmentSizer,
+    delivered_messages,
+    segments,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -160,10 +172,12 @@ def test_framing_sender_retransmits_then_gives_up() -> None:
     sender = StopAndWaitSender(FrameEncoder(initial_seq=5))
     wire = sender.send(b"msg", now=0.0)
     assert sender.poll(ACK_TIMEOUT_S / 2) is None
-    resent = [sender.poll(ACK_TIMEOUT_S * (i + 1)) for i in range(MAX_RETRIES)]
+    # Polled just after each deadline (a resend's deadline is the poll's time + timeout).
+    late = ACK_TIMEOUT_S + 1e-6
+    resent = [sender.poll(late * (i + 1)) for i in range(MAX_RETRIES)]
     assert resent == [wire] * MAX_RETRIES
     with pytest.raises(TimeoutError):
-        sender.poll(ACK_TIMEOUT_S * (MAX_RETRIES + 1))
+        sender.poll(late * (MAX_RETRIES + 1))
     assert not sender.busy
     assert decode_frame(sender.send(b"next", now=10.0)[1:-1]).is_syn
 
@@ -204,3 +218,63 @@ def test_framing_lossy_link_delivers_each_message_once() -> None:
             now += ACK_TIMEOUT_S
             wire = sender.poll(now) or wire
     assert delivered == [b"a", b"b", b"c", b"d"]
+
+
+@SETTINGS
+@given(st.binary(max_size=3000), st.integers(MIN_SEGMENT, MAX_SEGMENT))
+def test_framing_segments_join_to_the_message(payload: bytes, size: int) -> None:
+    """A message cut into MORE-flagged segments (some resent) arrives whole, once."""
+    encoder = FrameEncoder(initial_seq=65530)
+    pieces = segments(payload, size)
+    frames = []
+    for i, piece in enumerate(pieces):
+        _, wire = encoder.data(piece, more=i < len(pieces) - 1)
+        frame = decode_frame(wire[1:-1])
+        frames += [frame, frame] if i % 3 == 1 else [frame]  # a lost ACK: sent twice
+    assert all(len(p) <= size for p in pieces)
+    assert delivered_messages(frames) == [payload]
+
+
+def test_framing_syn_drops_a_half_received_message() -> None:
+    """A sender that gave up mid-message starts over with SYN: the partial is dropped."""
+    encoder = FrameEncoder(initial_seq=1)
+    first = decode_frame(encoder.data(b"head-", more=True)[1][1:-1])
+    encoder.restart()
+    again = [
+        decode_frame(encoder.data(p, more=m)[1][1:-1]) for p, m in ((b"ne", True), (b"w", False))
+    ]
+    assert again[0].is_syn and delivered_messages([first, *again]) == [b"new"]
+
+
+def test_framing_reassembly_is_bounded() -> None:
+    """A peer that never ends its message cannot grow the buffer past MAX_PAYLOAD + 1."""
+    joiner = Reassembler()
+    chunk = Frame(seq=0, flags=FLAG_MORE, payload=bytes(MAX_SEGMENT))
+    for _ in range(MAX_PAYLOAD // MAX_SEGMENT + 5):
+        assert joiner.push(chunk) is None
+    message = joiner.push(Frame(seq=1, flags=0, payload=b"end"))
+    assert message is not None and len(message) == MAX_PAYLOAD + 1
+
+
+def test_framing_ack_with_more_or_syn_is_refused() -> None:
+    """An ACK carries no other flag: encoding refuses it, decoding calls it bad framing."""
+    with pytest.raises(ValueError):
+        encode_frame(1, b"", FLAG_ACK | FLAG_MORE)
+    raw = bytes([FLAG_ACK | FLAG_MORE, 1, 0])
+    wire = cobs.encode(raw + zlib.crc32(raw).to_bytes(4, "little"))
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(wire)
+    assert info.value.kind == "bad_framing"
+
+
+def test_framing_segment_size_adapts_to_the_line() -> None:
+    """Resends halve the next segments down to MIN_SEGMENT; clean runs double them back."""
+    sizer = SegmentSizer(256)
+    for _ in range(10):
+        sizer.record(1)
+    assert sizer.size == MIN_SEGMENT
+    for _ in range(SegmentSizer.CLEAN_TO_GROW * 3):
+        sizer.record(0)
+    assert sizer.size == 256
+    with pytest.raises(ValueError):
+        SegmentSizer(MAX_SEGMENT + 1)

@@ -20,6 +20,7 @@ from qsched.lab.make_vectors import (
     vector_sets,
 )
 from qsched.protocol import Frame, FrameReader, ProtocolError, decode, encode
+from qsched.protocol.framing import delivered_messages
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.update import apply_fp32, apply_int8_fp16
 
@@ -160,6 +161,8 @@ def test_vectors_frames() -> None:
     for name, fields in _groups(vectors, "stream").items():
         items = FrameReader().feed(bytes.fromhex(fields["wire"]))
         assert ",".join(_summary(item) for item in items) == fields["frames"], name
+        messages = ",".join(m.hex() for m in delivered_messages(items))
+        assert messages == fields["messages"], name
 
 
 def test_vectors_prng_matches_known_answers() -> None:

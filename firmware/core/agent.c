@@ -32,13 +32,24 @@ static void on_data_frame(qs_agent *a, const qs_frame *fr)
     if (a->queue_count == QS_RX_QUEUE) {
         return; /* no ACK: the peer sends it again later */
     }
+    /* Segments are joined in the next free slot; SYN drops a message the peer gave up. */
     qs_rx_slot *slot = &a->queue[(a->queue_head + a->queue_count) % QS_RX_QUEUE];
-    /* A well-formed frame may carry up to QS_MAX_RAW_FRAME - overhead bytes, more than a
-     * message may have (SPEC 7.3): keep the true length, so the decoder answers
-     * too_large, but copy no more than the slot holds. */
-    memcpy(slot->payload, fr->payload, fr->len < QS_MAX_PAYLOAD ? fr->len : QS_MAX_PAYLOAD);
-    slot->len = fr->len;
-    ++a->queue_count;
+    if (syn) {
+        a->rx_partial = 0;
+    }
+    /* A message may grow past what one may have (a faulty peer, SPEC 7.3): keep the true
+     * length, so the decoder answers too_large, but copy no more than the slot holds. */
+    const size_t at = a->rx_partial;
+    if (at < QS_MAX_PAYLOAD) {
+        const size_t room = QS_MAX_PAYLOAD - at;
+        memcpy(slot->payload + at, fr->payload, fr->len < room ? fr->len : room);
+    }
+    a->rx_partial = at + fr->len > QS_MAX_ENCODED_FRAME ? QS_MAX_ENCODED_FRAME : at + fr->len;
+    if ((fr->flags & QS_FLAG_MORE) == 0u) {
+        slot->len = a->rx_partial;
+        a->rx_partial = 0;
+        ++a->queue_count;
+    }
     a->have_last_rx = 1;
     a->last_rx_seq = fr->seq;
     a->last_rx_syn = syn;
@@ -69,14 +80,13 @@ static void poll_link(qs_agent *a, uint32_t timeout_us)
     }
 }
 
-/* Send one message and wait for its ACK, retransmitting (stop-and-wait). After the last
- * retry the message is dropped and the next frame carries SYN (the peer resyncs). */
-static int send_msg(qs_agent *a, const qs_msg *msg)
+/* Send one frame and wait for its ACK, retransmitting (stop-and-wait). After the last
+ * retry the frame is dropped and the next one carries SYN (the peer drops the message). */
+static int send_frame(qs_agent *a, const uint8_t *payload, size_t len, int more)
 {
-    size_t len = 0, n = 0;
-    if (qs_encode(msg, a->tx_payload, sizeof a->tx_payload, &len) != QS_OK ||
-        qs_frame_encode(a->tx_seq, a->tx_syn ? QS_FLAG_SYN : 0u, a->tx_payload, len, a->wire, sizeof a->wire,
-                        &n) != QS_OK) {
+    size_t n = 0;
+    const uint8_t flags = (uint8_t)((a->tx_syn ? QS_FLAG_SYN : 0u) | (more ? QS_FLAG_MORE : 0u));
+    if (qs_frame_encode(a->tx_seq, flags, payload, len, a->wire, sizeof a->wire, &n) != QS_OK) {
         return 0;
     }
     const uint16_t seq = a->tx_seq++;
@@ -99,6 +109,24 @@ static int send_msg(qs_agent *a, const qs_msg *msg)
     }
     a->tx_syn = 1;
     return 0;
+}
+
+/* Send one message in segments of QS_SEGMENT_BYTES; a segment given up loses it. */
+static int send_msg(qs_agent *a, const qs_msg *msg)
+{
+    size_t len = 0;
+    if (qs_encode(msg, a->tx_payload, sizeof a->tx_payload, &len) != QS_OK) {
+        return 0;
+    }
+    size_t at = 0;
+    do {
+        const size_t piece = len - at < QS_SEGMENT_BYTES ? len - at : QS_SEGMENT_BYTES;
+        if (!send_frame(a, a->tx_payload + at, piece, at + piece < len)) {
+            return 0;
+        }
+        at += piece;
+    } while (at < len);
+    return 1;
 }
 
 /* ------------------------------------------------------------------ replies */

@@ -27,8 +27,8 @@
 
 #define QS_MAX_BATCH 4096u
 #define QS_RX_QUEUE 4u                      /* data frames acknowledged but not yet handled */
-#define QS_ACK_TIMEOUT_US 500000u           /* protocol.framing.ACK_TIMEOUT_S */
-#define QS_MAX_RETRIES 4u                   /* protocol.framing.MAX_RETRIES */
+#define QS_ACK_TIMEOUT_US 100000u           /* protocol.framing.ACK_TIMEOUT_S */
+#define QS_MAX_RETRIES 16u                  /* protocol.framing.MAX_RETRIES */
 #define QS_HEARTBEAT_INTERVAL_US 5000000u   /* unsolicited Heartbeat period */
 #define QS_POLL_US 100000u                  /* idle wait for input */
 #define QS_VALIDATION_CHUNK 1024u           /* loss sums are added per chunk, as Workload.validate */
@@ -54,6 +54,7 @@ typedef struct {
     int have_last_rx;
     uint16_t last_rx_seq;
     int last_rx_syn;
+    size_t rx_partial; /* bytes of a segmented message joined so far (in the next free slot) */
     int ack_seen;
     uint16_t ack_seq;
     qs_rx_slot queue[QS_RX_QUEUE];

@@ -9,7 +9,8 @@ qs_status qs_frame_encode(uint16_t seq, uint8_t flags, const uint8_t *payload, s
      * form is never shorter, and encoding reads ahead of where it writes only if there
      * is room; keep it simple and safe with a separate static scratch buffer. */
     static uint8_t raw[QS_MAX_RAW_FRAME];
-    if (len > QS_MAX_PAYLOAD || (flags & (uint8_t)~(QS_FLAG_ACK | QS_FLAG_SYN)) != 0u) {
+    if (len > QS_MAX_PAYLOAD || (flags & (uint8_t)~(QS_FLAG_ACK | QS_FLAG_SYN | QS_FLAG_MORE)) != 0u ||
+        ((flags & QS_FLAG_ACK) != 0u && flags != QS_FLAG_ACK)) {
         return QS_ERR_ARG;
     }
     raw[0] = flags;
@@ -59,8 +60,9 @@ qs_status qs_frame_decode(uint8_t *encoded, size_t len, qs_frame *frame)
     frame->seq = (uint16_t)(encoded[1] | (encoded[2] << 8));
     frame->payload = encoded + 3;
     frame->len = body - 3u;
-    if ((frame->flags & (uint8_t)~(QS_FLAG_ACK | QS_FLAG_SYN)) != 0u ||
-        ((frame->flags & QS_FLAG_ACK) != 0u && frame->len != 0u)) {
+    /* Undefined bits, or an ACK with a payload or any other flag (SPEC 7.3). */
+    if ((frame->flags & (uint8_t)~(QS_FLAG_ACK | QS_FLAG_SYN | QS_FLAG_MORE)) != 0u ||
+        ((frame->flags & QS_FLAG_ACK) != 0u && (frame->len != 0u || frame->flags != QS_FLAG_ACK))) {
         return QS_ERR_FORMAT;
     }
     return QS_OK;

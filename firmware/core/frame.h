@@ -1,7 +1,8 @@
 /*
  * Serial framing (qsched.protocol.framing): on the wire 00 | COBS(raw) | 00, raw =
- * flags u8 | seq u16 | payload | crc32 u32 (CRC over flags, seq, payload). Stop-and-
- * wait per direction: a data frame is acknowledged by an ACK frame with its seq.
+ * flags u8 | seq u16 | payload | crc32 u32 (CRC over flags, seq, payload). A message
+ * travels in segments, all but the last flagged MORE. Stop-and-wait per direction: a
+ * data frame is acknowledged by an ACK frame with its seq.
  */
 #ifndef QS_FRAME_H
 #define QS_FRAME_H
@@ -15,6 +16,8 @@
 
 #define QS_FLAG_ACK 0x01u
 #define QS_FLAG_SYN 0x02u
+#define QS_FLAG_MORE 0x04u /* the message continues in the next data frame */
+#define QS_SEGMENT_BYTES 256u /* the longest segment this firmware sends (<= MAX_SEGMENT 1024) */
 #define QS_FRAME_OVERHEAD 7u /* flags, seq, crc32 */
 #define QS_MAX_RAW_FRAME (QS_FRAME_OVERHEAD + QS_MAX_PAYLOAD)
 #define QS_MAX_ENCODED_FRAME (QS_MAX_RAW_FRAME + QS_MAX_RAW_FRAME / 254u + 1u)

@@ -44,10 +44,13 @@ from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import (
     ACK_TIMEOUT_S,
     MAX_RETRIES,
+    MAX_SEGMENT,
     Frame,
     FrameEncoder,
     FrameReader,
+    Reassembler,
     ReceiveFilter,
+    SegmentSizer,
 )
 from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
@@ -231,6 +234,7 @@ class LinkStats:
     sent: int = 0
     received: int = 0
     retransmits: int = 0
+    segments: int = 0  # data frames sent (a message is one or more segments)
     duplicates: int = 0
     bad_frames: int = 0
     refused: int = 0  # frames not acknowledged because the incoming queue was full
@@ -245,8 +249,9 @@ class SerialLink:
         board_id: the link's address (``serial:<device>`` on the daemon side).
         stream: the byte stream (owned: closed with the link).
         ack_timeout: seconds to wait for an ACK before sending again.
-        max_retries: retransmissions before ``send`` gives up.
+        max_retries: retransmissions of a segment before ``send`` gives up.
         queue_size: bound of the incoming message queue.
+        max_segment: the longest segment sent; shorter ones while frames need resending.
     """
 
     def __init__(
@@ -257,6 +262,7 @@ class SerialLink:
         ack_timeout: float = ACK_TIMEOUT_S,
         max_retries: int = MAX_RETRIES,
         queue_size: int = INCOMING_QUEUE_SIZE,
+        max_segment: int = MAX_SEGMENT,
     ) -> None:
         self.board_id = board_id
         self.stats = LinkStats()
@@ -267,6 +273,8 @@ class SerialLink:
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._encoder = FrameEncoder()
         self._filter = ReceiveFilter()
+        self._reassembler = Reassembler()
+        self._sizer = SegmentSizer(max_segment)
         self._acks: dict[int, asyncio.Future[None]] = {}
         self._send_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
@@ -305,7 +313,7 @@ class SerialLink:
 
         Raises:
             MessageTooLargeError: the payload does not fit a frame.
-            SendTimeoutError: no ACK after ``max_retries`` retransmissions.
+            SendTimeoutError: a segment had no ACK after ``max_retries`` retransmissions.
             LinkClosedError: the link is gone.
         """
         if len(payload) > MAX_PAYLOAD:
@@ -314,17 +322,28 @@ class SerialLink:
             )
         async with self._send_lock:  # stop-and-wait: one data frame in flight
             self._check_open()
-            seq, wire = self._encoder.data(bytes(payload))
-            ack = asyncio.get_running_loop().create_future()
-            self._acks[seq] = ack  # registered before the first write: a fast ACK is not lost
-            try:
-                await self._send_until_acked(seq, wire, ack)
-            finally:
-                self._acks.pop(seq, None)
-                _settle(ack)
+            rest = bytes(payload)
+            while True:
+                # The size is chosen per segment: a noisy line shrinks the next ones.
+                piece, rest = rest[: self._sizer.size], rest[self._sizer.size :]
+                await self._send_segment(piece, more=bool(rest))
+                if not rest:
+                    break
             self.stats.sent += 1
 
-    async def _send_until_acked(self, seq: int, wire: bytes, ack: asyncio.Future[None]) -> None:
+    async def _send_segment(self, piece: bytes, more: bool) -> None:
+        seq, wire = self._encoder.data(piece, more)
+        ack = asyncio.get_running_loop().create_future()
+        self._acks[seq] = ack  # registered before the first write: a fast ACK is not lost
+        try:
+            self._sizer.record(await self._send_until_acked(seq, wire, ack))
+        finally:
+            self._acks.pop(seq, None)
+            _settle(ack)
+        self.stats.segments += 1
+
+    async def _send_until_acked(self, seq: int, wire: bytes, ack: asyncio.Future[None]) -> int:
+        """Write the frame until it is acknowledged. Returns the retransmissions it took."""
         for attempt in range(self._max_retries + 1):
             if attempt:
                 self.stats.retransmits += 1
@@ -333,8 +352,9 @@ class SerialLink:
             done, _ = await asyncio.wait([ack], timeout=self._ack_timeout)
             if done:
                 ack.result()  # raises LinkClosedError when the link went away meanwhile
-                return
-        self._encoder.restart()  # SPEC: the next frame carries SYN so the peer resyncs
+                return attempt
+        # SPEC: the next frame carries SYN, so the peer drops this message's segments.
+        self._encoder.restart()
         raise SendTimeoutError(self.board_id, "unacked", f"seq {seq}, {self._max_retries} retries")
 
     async def _write(self, data: bytes) -> None:
@@ -391,8 +411,11 @@ class SerialLink:
         if not self._filter.accept(frame):
             self.stats.duplicates += 1
             return
+        message = self._reassembler.push(frame)
+        if message is None:
+            return  # more segments follow; the inbox had room, so it has room for one
         self.stats.received += 1
-        self._inbox.put_nowait(frame.payload)
+        self._inbox.put_nowait(message)
 
     def _mark_closed(self, reason: str) -> None:
         if self._closed.is_set():
