@@ -589,6 +589,11 @@ class Fleet:
                 _log.debug("unexpected answer dropped", board=session.board_id, type=msg.type)
 
     async def _on_hello(self, session: BoardSession, hello: Hello) -> None:
+        if session.transport == "mqtt" and hello.board_id != session.address:
+            # On MQTT the topic names the board: a Hello that claims another id is forged
+            # or misconfigured, and must not rename (or take over) a session.
+            await self._refuse_hello(session, hello)
+            return
         session.deliver(hello)
         first = session.hello is None
         session.epoch += 1
@@ -606,6 +611,14 @@ class Fleet:
         if first:
             self.emit("board_joined", session, f"{session.transport} {session.address}")
         await self.notify_changed()
+
+    async def _refuse_hello(self, session: BoardSession, hello: Hello) -> None:
+        _log.warning("hello refused: its board_id is not its topic's", board=session.address,
+                     claimed=hello.board_id)  # fmt: skip
+        detail = "Hello.board_id differs from the board id of its topic"
+        error = Error(code="malformed", ref_type=TYPE_CODES[Hello], detail=detail)
+        with contextlib.suppress(BoardFaultError):
+            await session.send(error)
 
     async def _liveness(self) -> None:
         while True:

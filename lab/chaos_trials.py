@@ -1,11 +1,9 @@
 """The fault trials of ``qsched chaos``: kill, restart, stop and mislead real processes
 while a job trains, and check every job ends as if nothing had happened.
 
-The setting is a private Mosquitto, the daemon (``qsched daemon``) and three virtual
-boards, each a ``qsched board`` process of its own (so one can die alone) that takes
-about 1 ms per inference, so a step lasts long enough to be hit in the middle. Each
-trial is one short job (its own name and seed; FP32 and INT8 in turn) with one fault at
-a random step:
+The setting is ``chaos_fleet.ChaosFleet``: a private broker, the daemon and boards as
+processes of their own. Each trial is one short job (its own name and seed; FP32 and
+INT8 in turn) with one fault at a random step:
 
 | fault | what is done |
 | --- | --- |
@@ -14,6 +12,8 @@ a random step:
 | ``broker-restart`` | the broker is killed and started again on the same port |
 | ``hung`` | one board process is stopped (SIGSTOP) for the rest of the job |
 | ``liar`` | a fourth board joins for the trial that lies about a share of its results |
+| ``serial-1e-3``, ``serial-1e-2`` | two serial boards alone (the MQTT ones drained) run \
+the job, each on a line that garbles that share of its bytes both ways, all job long |
 
 A trial is bit-identical when the job's final weights, and its q, losses and
 validations step by step, equal the single-process trainer's. It also reports the steps
@@ -23,35 +23,34 @@ recovery time: from the fault to the first step recorded after it.
 
 from __future__ import annotations
 
-import asyncio
-import json
+import contextlib
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
-from qsched.daemon.ctl import CtlError, send_command
-from qsched.daemon.state import StateStore
-from qsched.lab.broker import MosquittoBroker
-from qsched.lab.procs import Child, Processes, wait_for
+from qsched.lab.chaos_fleet import BOARD_IDS, SERIAL_IDS, ChaosFleet, rss_mib
+from qsched.lab.chaos_report import ChaosRow
+from qsched.lab.procs import wait_for
 from qsched.protocol.jobspec import JobSpec
-from qsched.protocol.links.config import MqttConfig
-from qsched.protocol.topics import TopicMap
-from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import train_zo
-from qsched.zo.workload import TrainState
 
-__all__ = ["TRIAL_FAULTS", "ChaosFleet", "TrialResult", "run_trials"]
+__all__ = ["DEFAULT_TRIALS", "SERIAL_RATES", "TRIAL_FAULTS", "TrialResult", "run_trials"]
 
-TRIAL_FAULTS: Final = ("daemon-kill", "board-kill", "broker-restart", "hung", "liar")
-FLEET: Final = "chaos"
-BOARD_IDS: Final = ("cb-0", "cb-1", "cb-2")
-# About 1 ms per inference: a step of q = 4 on a batch of 16 takes tens of ms.
-SLOW_BOARD: Final = ("--macs", "3000000")
-STEP_DEADLINE_S: Final = "2"
+SERIAL_RATES: Final = {"serial-1e-3": 1e-3, "serial-1e-2": 1e-2}
+# Trials of a default campaign, in the order they run.
+DEFAULT_TRIALS: Final = {
+    "daemon-kill": 20,
+    "board-kill": 20,
+    "broker-restart": 20,
+    "hung": 5,
+    "liar": 5,
+    "serial-1e-3": 5,
+    "serial-1e-2": 5,
+}
+TRIAL_FAULTS: Final = tuple(DEFAULT_TRIALS)
 LIAR: Final = "cb-liar"
 # The trials' job: short, checkpointed every 4 steps, audited every step (the default).
 TRIAL_SPEC: Final[dict[str, Any]] = {
@@ -73,95 +72,7 @@ class TrialResult:
     lost_steps: int
     recovery_s: float | None
     reason: str = ""
-
-
-class ChaosFleet:
-    """The daemon, its boards and the broker of the trials, as real processes.
-
-    Args:
-        procs: starts and kills the children.
-        broker: the private broker (restarted by the broker trials).
-        folder: holds the daemon's state directory.
-    """
-
-    def __init__(self, procs: Processes, broker: MosquittoBroker, folder: Path) -> None:
-        self.procs = procs
-        self.broker = broker
-        self.state = folder / "state"
-        self.cfg = MqttConfig(host=broker.host, port=broker.port)
-        self.topics = TopicMap(fleet=FLEET)
-        self.daemon = self.start_daemon()
-        self.boards = {board: self.start_board(board) for board in BOARD_IDS}
-
-    def _address(self) -> list[str]:
-        return ["--mqtt", f"{self.broker.host}:{self.broker.port}", "--fleet", FLEET]
-
-    def start_daemon(self) -> Child:
-        """A daemon on the fleet's state directory."""
-        args = ["--state-dir", str(self.state), "--step-deadline", STEP_DEADLINE_S]
-        return self.procs.qsched("daemon", "daemon", *args, *self._address())
-
-    def start_board(self, board: str, *extra: str) -> Child:
-        """One board process (``qsched board --id BOARD``)."""
-        args = ["--id", board, "--model-latency", "off", "--heartbeat", "1", *SLOW_BOARD]
-        return self.procs.qsched(f"board-{board}", "board", *args, *self._address(), *extra)
-
-    def command(self, document: dict[str, Any], timeout: float = 10.0) -> Any:
-        """One control command; None when no reply came (a daemon or broker is down)."""
-        try:
-            return asyncio.run(send_command(self.cfg, self.topics, document, timeout))
-        except CtlError:
-            return None
-
-    def wait_ready(self, extra: str | None = None, timeout: float = 60.0) -> None:
-        """Until the daemon answers and sees every board (and ``extra``); a faulty board
-        is resynchronised by the next job."""
-        wanted = {*BOARD_IDS, *([extra] if extra else [])}
-
-        def ready() -> bool:
-            reply = self.command({"type": "status"}, 5)
-            status = getattr(reply, "status", None)
-            boards = status.boards if status is not None else ()
-            present = {b.board_id for b in boards if b.state not in ("gone", "unknown")}
-            return wanted <= present
-
-        wait_for(ready, timeout, f"the daemon and the boards {', '.join(sorted(wanted))}")
-
-    def start_job(self, spec: dict[str, Any], timeout: float = 60.0) -> None:
-        """Start a job, retrying while the daemon is not there yet."""
-
-        def started() -> bool:
-            reply = self.command({"type": "start_job", "spec": spec}, 10)
-            if reply is not None and not reply.ok:
-                raise RuntimeError(f"start_job {spec['name']} refused: {reply.error.message}")
-            return reply is not None
-
-        wait_for(started, timeout, f"the daemon to take job {spec['name']}")
-
-    def records(self, job: str) -> list[int]:
-        """The steps recorded in the job's metrics log, in the order written."""
-        path = self.state / "jobs" / job / "metrics.jsonl"
-        steps = []
-        for line in path.read_bytes().splitlines() if path.exists() else ():
-            if b'"kind":"step"' in line:
-                try:
-                    steps.append(int(json.loads(line)["step"]))
-                except (ValueError, KeyError):
-                    continue  # a line being written
-        return steps
-
-    def job_status(self, job: str) -> str:
-        """The job folder's status (``running``, ``completed``, ...)."""
-        return str(StateStore(self.state).job(job).status()["status"])
-
-    def final(self, job: str) -> tuple[int, list[object]] | None:
-        """The ended job's checksum and history, or None without a checkpoint."""
-        checkpoint = StateStore(self.state).job(job).load_checkpoint()
-        if checkpoint is None:
-            return None
-        history: list[object] = [StepRecord(**r) for r in checkpoint.metrics]
-        history += [EvalRecord(**e) for e in checkpoint.extra["evals"]]
-        return TrainState.from_bytes(checkpoint.train_state).checksum(), history
+    crashed: bool = False
 
 
 # --------------------------------------------------------------------------- the faults
@@ -200,9 +111,35 @@ def _fault(kind: str, rng: random.Random) -> Fault:
         "board-kill": lambda fleet: _kill_board(fleet, board),
         "broker-restart": _restart_broker,
         "hung": lambda fleet: _hang_board(fleet, board),
-        "liar": lambda fleet: lambda: None,  # the liar's lies are the fault
     }
-    return faults[kind]
+    # The liar's lies and the lines' noise last the whole job (``_setting``).
+    return faults.get(kind, lambda fleet: lambda: None)
+
+
+@contextlib.contextmanager
+def _setting(fleet: ChaosFleet, kind: str, index: int) -> Iterator[None]:
+    """The fleet as a trial of ``kind`` needs it for its whole job, and back after."""
+    liar = None
+    extra: tuple[str, ...] = ()
+    rate = SERIAL_RATES.get(kind)
+    if kind == "liar":
+        liar = fleet.start_board(LIAR, "--fault", "lie:0.3", "--fault-seed", str(index))
+        extra = (LIAR,)
+    if rate is not None:
+        fleet.start_serial_boards()
+        extra = SERIAL_IDS
+    fleet.wait_ready(extra)
+    if rate is not None:
+        fleet.drain(BOARD_IDS, True)
+        fleet.set_noise(rate)
+    try:
+        yield
+    finally:
+        if liar is not None:
+            fleet.procs.kill(liar)
+        if rate is not None:
+            fleet.set_noise(0.0)
+            fleet.drain(BOARD_IDS, False)
 
 
 # --------------------------------------------------------------------------- one trial
@@ -220,60 +157,108 @@ def _reference(spec: dict[str, Any]) -> tuple[int, list[object]]:
 
 
 def run_trial(fleet: ChaosFleet, kind: str, index: int, rng: random.Random) -> TrialResult:
-    """One job with one fault of ``kind`` at a random step; compared with the reference."""
+    """One job with one fault of ``kind`` at a random step; compared with the reference.
+
+    A trial that goes wrong (a wait that never ends, a refused command) is a failed
+    trial with its reason; its job is stopped so the next trial can start.
+    """
+    try:
+        return _trial(fleet, kind, index, rng)
+    except (TimeoutError, RuntimeError) as exc:
+        name = trial_spec(kind, index)["name"]
+        fleet.command({"type": "stop", "job": name}, 10)
+        crashed = fleet.daemon.poll() is not None
+        if crashed:
+            fleet.daemon = fleet.start_daemon()
+        return TrialResult(kind, False, 0, None, str(exc), crashed)
+
+
+def _trial(fleet: ChaosFleet, kind: str, index: int, rng: random.Random) -> TrialResult:
     spec = trial_spec(kind, index)
     job = spec["name"]
     fault = _fault(kind, rng)
-    liar = None
-    if kind == "liar":
-        liar = fleet.start_board(LIAR, "--fault", "lie:0.3", "--fault-seed", str(index))
-    fleet.wait_ready(LIAR if liar else None)
-    fleet.start_job(spec)
-    at = rng.randint(3, spec["steps"] - 8)
-    wait_for(lambda: len(set(fleet.records(job))) >= at, 60, f"step {at} of {job}")
-    written = len(fleet.records(job))
-    hit = time.monotonic()
-    undo = fault(fleet)
-    try:
-        wait_for(lambda: len(fleet.records(job)) > written, 120, f"a step of {job} after the fault")
-        recovery = time.monotonic() - hit if kind != "liar" else None
-        wait_for(lambda: fleet.job_status(job) != "running", _JOB_TIMEOUT_S, f"{job} to end")
-    finally:
-        undo()
-        if liar is not None:
-            fleet.procs.kill(liar)
+    instant = kind not in ("liar", *SERIAL_RATES)
+    with _setting(fleet, kind, index):
+        fleet.start_job(spec)
+        at = rng.randint(3, spec["steps"] - 8)
+        wait_for(lambda: len(set(fleet.records(job))) >= at, 120, f"step {at} of {job}")
+        written = len(fleet.records(job))
+        hit = time.monotonic()
+        undo = fault(fleet)
+        try:
+            wait_for(lambda: len(fleet.records(job)) > written, 120, f"a step of {job} after it")
+            recovery = time.monotonic() - hit if instant else None
+            wait_for(lambda: fleet.job_status(job) != "running", _JOB_TIMEOUT_S, f"{job} to end")
+        finally:
+            undo()
+    crashed = fleet.daemon.poll() is not None  # no trial kills the daemon after its fault
+    if crashed:
+        fleet.daemon = fleet.start_daemon()
     steps = fleet.records(job)
     lost = len(steps) - len(set(steps))
     status = fleet.job_status(job)
     final = fleet.final(job)
     if status != "completed" or final is None:
-        return TrialResult(kind, False, lost, recovery, f"{job} ended {status}")
+        return TrialResult(kind, False, lost, recovery, f"{job} ended {status}", crashed)
     exact = final == _reference(spec)
-    return TrialResult(kind, exact, lost, recovery, "" if exact else f"{job} diverged")
+    return TrialResult(kind, exact, lost, recovery, "" if exact else f"{job} diverged", crashed)
+
+
+def _row_notes(fleet: ChaosFleet, kind: str, since: tuple[int, int, int]) -> str:
+    """What the row's faults did, from the counters at its start (``_counters``)."""
+    relayed, garbled, lies = (now - then for now, then in zip(_counters(fleet), since, strict=True))
+    if kind in SERIAL_RATES:
+        return f"{garbled:,} of {relayed:,} bytes garbled, none reached the weights"
+    if kind == "liar":
+        return f"{lies} lying results caught by the audits"
+    return ""
+
+
+def _counters(fleet: ChaosFleet) -> tuple[int, int, int]:
+    relayed = sum(line.bytes_relayed for line in fleet.lines)
+    garbled = sum(line.bytes_garbled for line in fleet.lines)
+    lies = fleet.procs.log("daemon").count(b"losses disagree with the daemon")
+    return relayed, garbled, lies
+
+
+def run_row(
+    fleet: ChaosFleet, kind: str, count: int, rng: random.Random, progress: Callable[[str], None]
+) -> ChaosRow:
+    """``count`` trials of ``kind``, as one row of the table."""
+    before, since = rss_mib(fleet.daemon.pid), _counters(fleet)
+    results = []
+    for index in range(count):
+        result = run_trial(fleet, kind, index, rng)
+        results.append(result)
+        exact = "bit-identical" if result.exact else f"NOT exact: {result.reason}"
+        progress(f"{kind} {index + 1}/{count}: {exact}, {result.lost_steps} steps redone")
+    recoveries = [r.recovery_s for r in results if r.recovery_s is not None]
+    # A killed daemon's successor is another process: its memory says nothing of a leak.
+    after = rss_mib(fleet.daemon.pid)
+    memory = "-" if kind == "daemon-kill" else f"{before:.0f} -> {after:.0f} MiB"
+    return ChaosRow(
+        fault=kind,
+        trials=count,
+        exact=sum(r.exact for r in results),
+        checked=count,
+        lost_steps=sum(r.lost_steps for r in results),
+        worst_recovery_s=max(recoveries) if recoveries else None,
+        crashes=sum(r.crashed for r in results),
+        memory=memory,
+        notes=_row_notes(fleet, kind, since),
+    )
 
 
 def run_trials(
-    counts: dict[str, int], seed: int, folder: Path, progress: Callable[[str], None]
-) -> list[TrialResult]:
-    """Every trial of ``counts`` (fault kind to trials), on one fleet.
+    fleet: ChaosFleet, counts: dict[str, int], seed: int, progress: Callable[[str], None]
+) -> list[ChaosRow]:
+    """Every trial of ``counts`` (fault kind to trials), one row per kind.
 
     Args:
+        fleet: the fleet to hurt.
         counts: trials per fault kind, in the order to run them.
         seed: picks the fault steps and boards.
-        folder: logs and the daemon's state directory.
         progress: told one line per trial.
-
-    Returns:
-        One result per trial.
     """
     rng = random.Random(seed)
-    results = []
-    with MosquittoBroker() as broker, Processes(folder) as procs:
-        fleet = ChaosFleet(procs, broker, folder)
-        for kind, count in counts.items():
-            for index in range(count):
-                result = run_trial(fleet, kind, index, rng)
-                results.append(result)
-                exact = "bit-identical" if result.exact else f"NOT exact: {result.reason}"
-                progress(f"{kind} {index + 1}/{count}: {exact}, {result.lost_steps} steps redone")
-    return results
+    return [run_row(fleet, kind, count, rng, progress) for kind, count in counts.items() if count]

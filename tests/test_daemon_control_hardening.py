@@ -15,6 +15,9 @@ from test_daemon_control import SPEC, _daemon, _exchange
 from qsched.daemon.ctl import send_command
 from qsched.lab.broker import MosquittoBroker
 from qsched.policies import MAX_Q
+from qsched.protocol.codec import decode, encode
+from qsched.protocol.control import BoardPresence
+from qsched.protocol.messages import Error, Hello
 
 REQUEST = "qsched/v1/ctl/control/request"
 REPLY = "qsched/v1/ctl/control/reply"
@@ -176,3 +179,29 @@ async def test_hardening_finished_jobs_are_reachable_by_name(
         missing = await send_command(cfg, topics, {"type": "status", "job": "nosuch"}, 10)
         assert not missing.ok and missing.code == "unknown_job"  # type: ignore[union-attr]
         assert (await send_command(cfg, topics, {"type": "stop"}, 10)).ok
+
+
+async def test_hardening_hello_claiming_another_id_is_refused(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """On MQTT the topic names the board: a Hello there with another board_id gets
+    Error(malformed) and neither renames nor adds a board."""
+    hello = Hello(board_id="b9", firmware_version="t", npu="none", ram_kib=1, max_batch=1)
+    forged = hello.model_copy(update={"board_id": "impostor"})
+    async with _daemon(mqtt_broker, tmp_path) as daemon:
+        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port) as client:
+            await client.subscribe("qsched/v1/ctl/boards/b9/in", qos=1)
+            presence = BoardPresence(board_id="b9", online=True).model_dump_json()
+            await client.publish("qsched/v1/ctl/boards/b9/presence", presence, qos=1, retain=True)
+            await asyncio.sleep(0.5)  # the daemon opens the session on the presence
+            await client.publish("qsched/v1/ctl/boards/b9/out", encode(hello), qos=1)
+            await client.publish("qsched/v1/ctl/boards/b9/out", encode(forged), qos=1)
+            async with asyncio.timeout(10):
+                async for message in client.messages:
+                    reply = decode(message.payload)  # type: ignore[arg-type]
+                    if isinstance(reply, Error):
+                        break
+        assert reply.code == "malformed" and "board id of its topic" in reply.detail
+        listed = await send_command(daemon.config.mqtt, daemon.topics, {"type": "list_boards"}, 10)
+        ids = {board.board_id for board in listed.boards or ()}  # type: ignore[union-attr]
+        assert "b9" in ids and "impostor" not in ids

@@ -4,14 +4,11 @@ with the weights of an uninterrupted run; SIGTERM checkpoints and exits cleanly.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import pytest
 from qsched.daemon.state import StateStore
 from qsched.firmware.virtual.faults import CRASH_EXIT_CODE
 from qsched.lab.broker import MosquittoBroker
+from qsched.lab.procs import Child, Processes, wait_for
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import train_zo
@@ -40,55 +38,15 @@ SPEC = {
 }
 
 
-class Procs:
-    """Child processes of one test, killed at the end whatever happens."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.children: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own copy
-            # Its own process group: teardown kills whatever it started too.
-            child = subprocess.Popen(
-                [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "info", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        self.children.append(child)
-        return child
-
-    def close(self) -> None:
-        for child in self.children:
-            _kill_group(child)
-
-
-def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a child's whole process group (also after the child itself has exited) and
-    reap it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(10)
-
-
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
+def procs(tmp_path: Path) -> Iterator[Processes]:
     """Children started by a test; all killed afterwards."""
-    keeper = Procs(tmp_path)
-    try:
+    with Processes(tmp_path) as keeper:
         yield keeper
-    finally:
-        keeper.close()
 
 
-def _daemon(
-    procs: Procs, broker: MosquittoBroker, state: Path, fleet: str
-) -> subprocess.Popen[bytes]:
-    return procs.start(
+def _daemon(procs: Processes, broker: MosquittoBroker, state: Path, fleet: str) -> Child:
+    return procs.qsched(
         "daemon",
         "daemon",
         "--state-dir",
@@ -103,9 +61,9 @@ def _daemon(
 
 
 def _boards(
-    procs: Procs, broker: MosquittoBroker, fleet: str, count: int, prefix: str, *extra: str
-) -> subprocess.Popen[bytes]:
-    return procs.start(
+    procs: Processes, broker: MosquittoBroker, fleet: str, count: int, prefix: str, *extra: str
+) -> Child:
+    return procs.qsched(
         f"boards-{prefix}",
         "board",
         "--mqtt",
@@ -148,7 +106,8 @@ def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
     try:
         stdout, stderr = child.communicate(timeout=60)
     finally:
-        _kill_group(child)
+        Processes.signal(child, signal.SIGKILL)
+        child.wait(10)
     assert child.returncode in (0, 1), stderr.decode()
     return dict(json.loads(stdout))
 
@@ -156,7 +115,7 @@ def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
 def _start_job(broker: MosquittoBroker, fleet: str, spec: dict[str, object], tmp: Path) -> None:
     # A command published before the daemon subscribed is lost: wait for its connection.
     log = tmp / "daemon.log"
-    _wait_for(
+    wait_for(
         lambda: log.exists() and b"mqtt connected" in log.read_bytes(),
         30,
         "the daemon's connection",
@@ -177,18 +136,10 @@ def _steps_logged(state: Path, name: str) -> int:
     return max(steps) + 1 if steps else 0
 
 
-def _wait_for(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainState, list[object]]:
     """The finished job's weights and its history (step and validation records)."""
     job = StateStore(state).job(name)
-    _wait_for(
+    wait_for(
         lambda: job.status()["status"] in ("completed", "failed", "stopped"),
         timeout,
         "the job to end",
@@ -208,7 +159,7 @@ def _reference(spec: dict[str, object]) -> tuple[int, list[object]]:
 
 
 def test_resume_after_sigkill_bit_identical(
-    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Processes
 ) -> None:
     """SIGKILL of the daemon at a random step, then a restart: the reference weights and q's."""
     state, fleet = tmp_path / "state", "kill"
@@ -216,7 +167,7 @@ def test_resume_after_sigkill_bit_identical(
     daemon = _daemon(procs, mqtt_broker, state, fleet)
     _start_job(mqtt_broker, fleet, SPEC, tmp_path)
     kill_at = random.Random().randint(5, 18)
-    _wait_for(lambda: _steps_logged(state, "resume") >= kill_at, 60, f"step {kill_at}")
+    wait_for(lambda: _steps_logged(state, "resume") >= kill_at, 60, f"step {kill_at}")
     daemon.send_signal(signal.SIGKILL)
     daemon.wait(10)
     assert StateStore(state).job("resume").status()["status"] == "running"
@@ -228,7 +179,7 @@ def test_resume_after_sigkill_bit_identical(
 
 
 def test_resume_board_killed_mid_step(
-    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Processes
 ) -> None:
     """A board process that dies mid-step loses nothing: its keys go to the others."""
     state, fleet = tmp_path / "state", "crash"
@@ -238,7 +189,7 @@ def test_resume_board_killed_mid_step(
     _daemon(procs, mqtt_broker, state, fleet)
     # Every board must be in the fleet before the short job starts, the doomed one too.
     log = tmp_path / "daemon.log"
-    _wait_for(
+    wait_for(
         lambda: log.exists() and log.read_bytes().count(b'"board joined"') >= 3, 30, "three boards"
     )
     _start_job(mqtt_broker, fleet, spec, tmp_path)
@@ -248,7 +199,7 @@ def test_resume_board_killed_mid_step(
 
 
 def test_resume_broker_restart_mid_job(
-    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Processes
 ) -> None:
     """The broker restarts mid-job; daemon and boards reconnect and the weights are exact."""
     state, fleet = tmp_path / "state", "restart"
@@ -256,7 +207,7 @@ def test_resume_broker_restart_mid_job(
     _boards(procs, mqtt_broker, fleet, 2, "rb", *SLOW)
     _daemon(procs, mqtt_broker, state, fleet)
     _start_job(mqtt_broker, fleet, spec, tmp_path)
-    _wait_for(lambda: _steps_logged(state, "resume") >= 8, 60, "step 8")
+    wait_for(lambda: _steps_logged(state, "resume") >= 8, 60, "step 8")
     mqtt_broker.restart()
     assert _steps_logged(state, "resume") < spec["steps"]  # type: ignore[operator]
     final, _ = _final_state(state, "resume", timeout=120)
@@ -264,7 +215,7 @@ def test_resume_broker_restart_mid_job(
 
 
 def test_service_sigterm_checkpoints_and_resumes(
-    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Procs
+    mqtt_broker: MosquittoBroker, tmp_path: Path, procs: Processes
 ) -> None:
     """SIGTERM: a checkpoint, exit status 0, the job still 'running'; a restart finishes it
     exactly."""
@@ -273,7 +224,7 @@ def test_service_sigterm_checkpoints_and_resumes(
     _boards(procs, mqtt_broker, fleet, 1, "tb")
     daemon = _daemon(procs, mqtt_broker, state, fleet)
     _start_job(mqtt_broker, fleet, spec, tmp_path)
-    _wait_for(lambda: _steps_logged(state, "resume") >= 6, 60, "step 6")
+    wait_for(lambda: _steps_logged(state, "resume") >= 6, 60, "step 6")
     daemon.send_signal(signal.SIGTERM)
     assert daemon.wait(30) == 0
     job = StateStore(state).job("resume")

@@ -1,12 +1,20 @@
-"""The fault campaign's short version: a live daemon survives a fuzz and trains exactly."""
+"""The fault campaign's short version: a live daemon survives a fuzz, a lying board, a
+hung board and a noisy serial line, and every job trains exactly."""
 
 from __future__ import annotations
 
+import os
+import select
+import time
 from pathlib import Path
 
 import pytest
 
-from qsched.lab.chaos import control_documents, data_messages, main
+from qsched.lab.chaos import main
+from qsched.lab.chaos_fuzz import control_documents, data_messages
+from qsched.lab.noisy_line import NoisyLine
+
+pytestmark = pytest.mark.slow
 
 
 def test_chaos_documents_are_reproducible_and_varied() -> None:
@@ -19,17 +27,50 @@ def test_chaos_documents_are_reproducible_and_varied() -> None:
     assert kinds == {"out", "presence"}
 
 
-def test_chaos_short_fuzz_every_document_answered(
+def _read(fd: int, count: int, timeout: float = 5.0) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.1)[0]:
+            out += os.read(fd, count - len(out))
+    return out
+
+
+def test_chaos_noisy_line_garbles_at_its_rate_both_ways() -> None:
+    """Bytes cross the line both ways; at rate 0.1 about a tenth arrive changed."""
+    with NoisyLine(seed=5) as line:
+        daemon = os.open(line.daemon_port, os.O_RDWR | os.O_NOCTTY)
+        board = os.open(line.board_port, os.O_RDWR | os.O_NOCTTY)
+        try:
+            os.write(daemon, b"clean")
+            assert _read(board, 5) == b"clean"
+            line.error_rate = 0.1
+            sent = bytes(range(256)) * 8
+            os.write(board, sent)
+            got = _read(daemon, len(sent))
+        finally:
+            os.close(daemon)
+            os.close(board)
+    changed = sum(a != b for a, b in zip(sent, got, strict=True))
+    assert len(got) == len(sent) and 120 < changed < 300 and changed == line.bytes_garbled
+
+
+def test_chaos_short_campaign_every_trial_exact(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """300 control documents and 300 data-plane messages: all answered, no crash, exact job."""
-    assert main(["--control", "300", "--data", "300", "--out", str(tmp_path)]) == 0
+    """300 + 300 documents, then one liar, one hung and one noisy-line trial: all exact."""
+    argv = ["--faults", "fuzz,liar,hung,serial-1e-3", "--trials", "1", "--out", str(tmp_path)]
+    assert main([*argv, "--control", "300", "--data", "300"]) == 0
     table = capsys.readouterr().out
-    assert "| fuzz: control documents | 300 | yes |" in table
-    assert "| fuzz: data-plane messages | 300 | yes | - | 0 |" in table
+    assert "| fuzz: control documents | 300 | 1/1 | - | - | 301/301 | 0 |" in table
+    assert "| liar | 1 | 1/1 | 0 | - | - | 0 |" in table and "lying results caught" in table
+    assert "| hung | 1 | 1/1 | 0 |" in table
+    assert "| serial-1e-3 | 1 | 1/1 | 0 |" in table and "bytes garbled" in table
 
 
-def test_chaos_unbuilt_trials_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    """Asking for a trial kind that is not built is status 2 and one line."""
-    assert main(["--faults", "daemon-kill"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+def test_chaos_unknown_fault_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown fault kind, or the fuzz anywhere but first: status 2 and one line."""
+    assert main(["--faults", "meteor"]) == 2
+    assert main(["--faults", "liar,fuzz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("faults must be some of" in line for line in err)
