@@ -90,7 +90,7 @@ static int send_frame(qs_agent *a, const uint8_t *payload, size_t len, int more)
         return 0;
     }
     const uint16_t seq = a->tx_seq++;
-    static uint8_t frame[QS_MAX_WIRE_FRAME]; /* a->wire is reused by the ACKs we send */
+    static uint8_t frame[QS_SEGMENT_WIRE_FRAME]; /* a->wire is reused by the ACKs we send */
     memcpy(frame, a->wire, n);
     for (uint32_t attempt = 0; attempt <= QS_MAX_RETRIES && !a->link_gone; ++attempt) {
         a->ack_seen = 0;

@@ -59,7 +59,7 @@ typedef struct {
     uint16_t ack_seq;
     qs_rx_slot queue[QS_RX_QUEUE];
     uint32_t queue_head, queue_count;
-    uint8_t wire[QS_MAX_WIRE_FRAME];
+    uint8_t wire[QS_SEGMENT_WIRE_FRAME]; /* an outgoing frame: a segment or an ACK */
     uint8_t tx_payload[QS_MAX_PAYLOAD];
     uint8_t rx_bytes[QS_RX_READ_BYTES];
     qs_msg rx, tx;

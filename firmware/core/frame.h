@@ -22,6 +22,9 @@
 #define QS_MAX_RAW_FRAME (QS_FRAME_OVERHEAD + QS_MAX_PAYLOAD)
 #define QS_MAX_ENCODED_FRAME (QS_MAX_RAW_FRAME + QS_MAX_RAW_FRAME / 254u + 1u)
 #define QS_MAX_WIRE_FRAME (QS_MAX_ENCODED_FRAME + 2u) /* with both delimiters */
+/* The longest frame this firmware sends: one segment, COBS-encoded, with delimiters. */
+#define QS_SEGMENT_RAW_FRAME (QS_FRAME_OVERHEAD + QS_SEGMENT_BYTES)
+#define QS_SEGMENT_WIRE_FRAME (QS_SEGMENT_RAW_FRAME + QS_SEGMENT_RAW_FRAME / 254u + 3u)
 
 typedef struct {
     uint16_t seq;
