@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import struct
 
 import numpy as np
@@ -12,6 +13,7 @@ from qsched.zo import engine
 from qsched.zo import kernels_int8 as ki
 from qsched.zo.blob import (
     BlobError,
+    blob_name,
     decode_blob,
     decode_dataset_blob,
     encode_blob,
@@ -130,12 +132,54 @@ def test_blob_rejects_damage() -> None:
             decode_blob(bad)
 
 
-def test_blob_rejects_long_names() -> None:
-    """Names longer than the fixed field are refused at encode time."""
-    model = _every_op_model()
-    model.nodes[1].name = "x" * 40
-    with pytest.raises(BlobError, match="longer"):
-        encode_blob(model)
+def _long_named(model: Model) -> Model:
+    """The model with converter-style names: hundreds of bytes, alike for 40 of them."""
+    renamed = {model.input_name: model.input_name}
+    for node in model.nodes:
+        long = f"model/{'é' * 20}/{node.name}/" + "x" * 500
+        renamed[node.output] = long
+        node.inputs = [renamed[i] for i in node.inputs]
+        node.name, node.output = long, long
+    model.output_name = renamed[model.output_name]
+    return model
+
+
+def test_blob_shortens_long_names_deterministically() -> None:
+    """Names over 31 bytes are stored as a head, '~' and their CRC-32: unique, readable
+    UTF-8, and the decoded model evaluates as the original."""
+    qmodel = _MODELS[0][1]
+    long = QuantModel(
+        model=_long_named(copy.deepcopy(qmodel.model)),
+        tensors={},
+        layers={},
+    )
+    renamed = dict(
+        zip(
+            [n.output for n in qmodel.model.nodes],
+            [n.output for n in long.model.nodes],
+            strict=True,
+        )
+    )
+    long.tensors = {renamed.get(k, k): v for k, v in qmodel.tensors.items()}
+    long.layers = {renamed[k]: v for k, v in qmodel.layers.items()}
+    blob = encode_blob(long)
+    back = decode_blob(blob)
+    assert isinstance(back, QuantModel) and encode_blob(back) == blob
+    names = [n.name for n in back.model.nodes]
+    assert len(set(names)) == len(names) and all(len(n.encode()) <= 31 for n in names)
+    assert names[0] == blob_name(long.model.nodes[0].name).decode() and "~" in names[0]
+    x_q = quantize_input(qmodel, _MODELS[0][2])
+    assert np.array_equal(engine.run_int8(back, x_q), engine.run_int8(qmodel, x_q))
+
+
+def test_blob_name_rules() -> None:
+    """Short names are kept; long ones are cut at a character boundary; NUL is refused."""
+    assert blob_name("conv") == b"conv" and blob_name("x" * 31) == b"x" * 31
+    cut = blob_name("é" * 40)
+    assert len(cut) == 31 and cut.decode().startswith("é" * 11) and cut.count(b"~") == 1
+    assert blob_name("a" * 40) != blob_name("a" * 41)
+    with pytest.raises(BlobError, match="NUL"):
+        blob_name("a\0b")
 
 
 def test_dataset_blob_round_trip() -> None:

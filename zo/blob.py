@@ -61,6 +61,7 @@ __all__ = [
     "MAX_TENSORS",
     "BlobError",
     "DatasetBlob",
+    "blob_name",
     "decode_blob",
     "decode_dataset_blob",
     "encode_blob",
@@ -127,11 +128,27 @@ class _Data:
         return offset
 
 
-def _name(name: str) -> bytes:
+def blob_name(name: str) -> bytes:
+    """A tensor's or layer's name as the blob stores it (SPEC "Model blob").
+
+    A name of at most 31 UTF-8 bytes is kept. A longer one (converters write names of
+    hundreds of bytes) becomes its first bytes, cut to 22 at a character boundary, ``~``
+    and the 8 hex digits of the CRC-32 of the whole name: 31 bytes, readable, and the same
+    on every machine.
+
+    Raises:
+        BlobError: the name holds a NUL byte.
+    """
     raw = name.encode()
-    if len(raw) >= MAX_NAME or b"\0" in raw:
-        raise BlobError(f"name {name!r} is longer than {MAX_NAME - 1} bytes")
-    return raw
+    if b"\0" in raw:
+        raise BlobError(f"name {name!r} holds a NUL byte")
+    if len(raw) < MAX_NAME:
+        return raw
+    head = raw[:_NAME_HEAD].decode("utf-8", errors="ignore").encode()
+    return head + b"~" + f"{zlib.crc32(raw):08x}".encode()
+
+
+_NAME_HEAD: Final = MAX_NAME - 1 - 9  # bytes of the name kept before "~" and the CRC
 
 
 def _f32_bits(value: float) -> int:
@@ -202,6 +219,10 @@ def encode_blob(
     tensor_names = [src.model.input_name, *[n.output for n in src.model.nodes]]
     if len(set(tensor_names)) != len(tensor_names):
         raise BlobError("tensor names must be unique")
+    for kind, names in (("tensor", tensor_names), ("layer", [n.name for n in src.model.nodes])):
+        stored = [blob_name(n) for n in names]
+        if len(set(stored)) != len(stored):
+            raise BlobError(f"two {kind} names are the same once shortened to {MAX_NAME - 1} bytes")
     if len(tensor_names) > MAX_TENSORS or len(src.model.nodes) > MAX_OPS:
         raise BlobError(
             f"model has {len(tensor_names)} tensors / {len(src.model.nodes)} ops; "
@@ -249,12 +270,12 @@ def _tensor_record(name: str, shape: tuple[int, ...], qmodel: QuantModel | None)
         raise BlobError(f"tensor {name!r}: shape {shape} outside the format's limits")
     dims = (*shape, *([0] * (MAX_RANK - len(shape))))
     if qmodel is None:
-        return _TENSOR.pack(_name(name), len(shape), DTYPE_FP32, 0, *dims, 0, 0.0, 0)
+        return _TENSOR.pack(blob_name(name), len(shape), DTYPE_FP32, 0, *dims, 0, 0.0, 0)
     tq = qmodel.tensors.get(name)
     if tq is None:
         raise BlobError(f"tensor {name!r} has no quantisation parameters")
     return _TENSOR.pack(
-        _name(name),
+        blob_name(name),
         len(shape),
         DTYPE_INT8,
         0,
@@ -318,7 +339,7 @@ def _op_record(
             param_offset = flat
             flat += w_count + (0 if q is not None else int(bias.size))
     record = _OP.pack(
-        _name(node.name),
+        blob_name(node.name),
         opcode,
         ACTIVATIONS[activation],
         PADDINGS[padding],
