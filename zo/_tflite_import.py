@@ -42,6 +42,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
+from qsched.zo.source import EdgeTensor, FileDType, SourceFile
 
 __all__ = ["parse_tflite"]
 
@@ -62,6 +63,7 @@ class _Reader:
     tensors: dict[str, TensorQuant] = field(default_factory=dict)
     layers: dict[str, QuantizedLayer] = field(default_factory=dict)
     readers: dict[int, list[int]] = field(default_factory=dict)
+    weight_buffers: dict[str, int] = field(default_factory=dict)  # layer -> its weight's buffer
 
     def tensor(self, index: int, where: str) -> Any:
         if not 0 <= index < len(self.graph.tensors or []):
@@ -227,7 +229,7 @@ def _conv(r: _Reader, op: Any, code: int, where: str) -> Node:
     if not depthwise and (filt_in == 0 or cin % filt_in):
         raise TFLiteFormatError(f"{where}: filter depth {filt_in} does not divide {cin}")
     weight, bias = _float_params(layer, r.tensors[x].scale, dim)
-    name = _claim(r, out, layer)
+    name = _claim(r, out, layer, r.tensor(op.inputs[1], where).buffer)
     return Conv2D(
         name,
         [x],
@@ -260,7 +262,7 @@ def _dense(r: _Reader, op: Any, where: str) -> Node:
     out = r.activation(op.outputs[0], where)
     weight, bias = _float_params(layer, r.tensors[x].scale, 0)
     return Dense(
-        _claim(r, out, layer),
+        _claim(r, out, layer, r.tensor(op.inputs[1], where).buffer),
         [x],
         out,
         weight,
@@ -275,10 +277,14 @@ def _padding(code: int, where: str) -> Padding:
     return _PADDING[code]
 
 
-def _claim(r: _Reader, out: str, layer: QuantizedLayer | None = None) -> str:
+def _claim(
+    r: _Reader, out: str, layer: QuantizedLayer | None = None, buffer: int | None = None
+) -> str:
     """The next node's provisional name, its output tensor's (see ``_rename``)."""
     if layer is not None:
         r.layers[out] = layer
+    if buffer is not None:
+        r.weight_buffers[out] = int(buffer)
     return out
 
 
@@ -287,12 +293,13 @@ def _rename(r: _Reader) -> None:
     meta = r.names_meta
     if len(meta) != len(r.nodes) or len(set(meta)) != len(meta):
         return
-    layers = {}
+    layers, buffers = {}, {}
     for node, name in zip(r.nodes, meta, strict=True):
         if node.name in r.layers:
             layers[name] = r.layers[node.name]
+            buffers[name] = r.weight_buffers[node.name]
         node.name = name
-    r.layers = layers
+    r.layers, r.weight_buffers = layers, buffers
 
 
 def _pool(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
@@ -392,14 +399,13 @@ def _parse(data: bytes) -> QuantModel:
     r.names_meta = [str(n) for n in info.get("nodes", [])]
     ops = list(graph.operators or [])
     _normalise(graph, ops)
+    edges = _strip_edges(r, ops)
+    ops, folded = _fold_shape_arithmetic(r, edges.ops)
     for op in ops:
         for i in op.inputs or []:
             r.readers.setdefault(int(i), []).append(id(op))
-    # Reject unknown operators first so the message names the op, not a side effect.
-    for k, op in enumerate(ops):
-        code = _opcode(model, op)
-        if code not in _SUPPORTED:
-            raise TFLiteError(f"unsupported operator {op_name(code)} (operator #{k})")
+    # Every unknown operator at once, before any is built: the user sees the whole list.
+    _check_supported(model, ops)
     k = 0
     while k < len(ops):
         code = _opcode(model, ops[k])
@@ -407,7 +413,138 @@ def _parse(data: bytes) -> QuantModel:
         r.nodes.append(node)
         k += used
     _rename(r)
-    return _quant_model(r, info)
+    qmodel = _quant_model(r, info, edges)
+    qmodel.source = _source(data, r, edges, folded)
+    return qmodel
+
+
+def _check_supported(model: Any, ops: list[Any]) -> None:
+    unsupported: dict[str, list[int]] = {}
+    for k, op in enumerate(ops):
+        code = _opcode(model, op)
+        if code not in _SUPPORTED:
+            unsupported.setdefault(op_name(code), []).append(k)
+    if unsupported:
+        listed = ", ".join(
+            f"{name} (operator{'s' if len(at) > 1 else ''} {', '.join(f'#{k}' for k in at)})"
+            for name, at in unsupported.items()
+        )
+        raise TFLiteError(f"unsupported operators: {listed}; see docs/ARCHITECTURE.md")
+
+
+@dataclass
+class _Edges:
+    """The trained graph's input and output inside the file, and the adapters around it."""
+
+    ops: list[Any]  # the operators left once the adapters are taken off
+    model_input: int
+    model_output: int
+    input_ops: list[str] = field(default_factory=list)
+    output_ops: list[str] = field(default_factory=list)
+
+
+def _strip_edges(r: _Reader, ops: list[Any]) -> _Edges:
+    """Take the QUANTIZE off a float or uint8 input and the SOFTMAX, DEQUANTIZE and
+    QUANTIZE after the int8 logits: they are adapters, not layers to train."""
+    inputs, outputs = r.graph.inputs, r.graph.outputs
+    if len(inputs) != 1 or len(outputs) != 1:
+        raise TFLiteError(
+            f"expected one input and one output, got {len(inputs)} inputs and "
+            f"{len(outputs)} outputs (weights as graph inputs cannot be imported)"
+        )
+    edges = _Edges(ops=list(ops), model_input=inputs[0], model_output=outputs[0])
+    while r.tensor(edges.model_input, "model input").type != _TT.INT8:
+        readers = [op for op in edges.ops if edges.model_input in op.inputs]
+        if len(readers) != 1 or _opcode(r.model, readers[0]) != _OP.QUANTIZE:
+            break
+        edges.ops.remove(readers[0])
+        edges.input_ops.append("QUANTIZE")
+        edges.model_input = readers[0].outputs[0]
+    while True:
+        producer = next((op for op in edges.ops if edges.model_output in op.outputs), None)
+        if producer is None or _opcode(r.model, producer) not in _OUTPUT_ADAPTERS:
+            break
+        source = producer.inputs[0]
+        if any(source in op.inputs for op in edges.ops if op is not producer):
+            break  # the logits feed something else too: not a pure output adapter
+        edges.ops.remove(producer)
+        edges.output_ops.insert(0, op_name(_opcode(r.model, producer)))
+        edges.model_output = source
+    return edges
+
+
+def _fold_shape_arithmetic(r: _Reader, ops: list[Any]) -> tuple[list[Any], list[str]]:
+    """Drop SHAPE, STRIDED_SLICE and PACK whose results only ever reach a RESHAPE's shape
+    input (Keras's Flatten with an open batch): every shape here is static, and RESHAPE
+    takes its output shape from its output tensor."""
+    foldable = {id(op) for op in ops if _opcode(r.model, op) in _SHAPE_OPS}
+    changed = True
+    while changed:
+        changed = False
+        for op in ops:
+            if id(op) in foldable and not _feeds_only_shapes(r, op, ops, foldable):
+                foldable.discard(id(op))
+                changed = True
+    kept = [op for op in ops if id(op) not in foldable]
+    folded = [op_name(_opcode(r.model, op)) for op in ops if id(op) in foldable]
+    return kept, folded
+
+
+def _feeds_only_shapes(r: _Reader, op: Any, ops: list[Any], foldable: set[int]) -> bool:
+    for out in op.outputs:
+        if out in r.graph.outputs:
+            return False
+        for reader in ops:
+            if out not in reader.inputs or id(reader) in foldable:
+                continue
+            is_shape = _opcode(r.model, reader) == _OP.RESHAPE and reader.inputs[1:2] == [out]
+            if not is_shape or reader.inputs[0] == out:
+                return False
+    return True
+
+
+def _source(data: bytes, r: _Reader, edges: _Edges, folded: list[str]) -> SourceFile:
+    return SourceFile(
+        data=data,
+        input=_edge_tensor(r, r.graph.inputs[0]),
+        output=_edge_tensor(r, r.graph.outputs[0]),
+        input_ops=tuple(edges.input_ops),
+        output_ops=tuple(edges.output_ops),
+        folded_ops=tuple(folded),
+        weight_bytes={
+            name: _buffer_span(data, buffer) for name, buffer in r.weight_buffers.items()
+        },
+    )
+
+
+_FILE_DTYPES: dict[int, FileDType] = {
+    _TT.INT8: "int8",
+    _TT.UINT8: "uint8",
+    _TT.FLOAT32: "float32",
+}
+
+
+def _edge_tensor(r: _Reader, index: int) -> EdgeTensor:
+    t = r.tensor(index, "model edge")
+    if t.type not in _FILE_DTYPES:
+        raise TFLiteError(f"tensor {r.names[index]!r}: type {t.type} at the model's edge")
+    signature = _ints(t.shapeSignature) or list(r.shape(index, "model edge"))
+    q = t.quantization
+    quantised = q is not None and q.scale is not None and len(q.scale) == 1
+    return EdgeTensor(
+        name=r.names[index],
+        dtype=_FILE_DTYPES[t.type],
+        shape=tuple(signature),
+        scale=float(np.float32(q.scale[0])) if quantised else None,
+        zero_point=int(q.zeroPoint[0]) if quantised and q.zeroPoint is not None else None,
+    )
+
+
+def _buffer_span(data: bytes, buffer: int) -> tuple[int, int]:
+    """Where buffer ``buffer``'s bytes lie in the file: ``(offset, length)``."""
+    table = schema.Model.GetRootAs(data, 0).Buffers(buffer)._tab
+    field = table.Offset(4)  # Buffer.data, the first field
+    return int(table.Vector(field)), int(table.VectorLen(field))
 
 
 def _ints(values: Any) -> list[int]:
@@ -423,6 +560,8 @@ def _normalise(graph: Any, ops: list[Any]) -> None:
         op.inputs, op.outputs = _ints(op.inputs), _ints(op.outputs)
 
 
+_OUTPUT_ADAPTERS = frozenset({_OP.SOFTMAX, _OP.DEQUANTIZE, _OP.QUANTIZE})
+_SHAPE_OPS = frozenset({_OP.SHAPE, _OP.STRIDED_SLICE, _OP.PACK})
 _SUPPORTED = frozenset(
     {
         _OP.CONV_2D,
@@ -438,17 +577,12 @@ _SUPPORTED = frozenset(
 )
 
 
-def _quant_model(r: _Reader, info: dict[str, Any]) -> QuantModel:
+def _quant_model(r: _Reader, info: dict[str, Any], edges: _Edges) -> QuantModel:
     graph = r.graph
-    inputs, outputs = list(graph.inputs or []), list(graph.outputs or [])
-    if len(inputs) != 1 or len(outputs) != 1:
-        raise TFLiteError(
-            f"expected one input and one output, got {len(inputs)} inputs and "
-            f"{len(outputs)} outputs (weights as graph inputs cannot be imported)"
-        )
-    in_name = r.activation(inputs[0], "model input")
-    out_name = r.activation(outputs[0], "model output")
-    in_shape, out_shape = r.shape(inputs[0], "input"), r.shape(outputs[0], "output")
+    in_name = r.activation(edges.model_input, "model input")
+    out_name = r.activation(edges.model_output, "model output (the logits)")
+    in_shape = r.shape(edges.model_input, "input")
+    out_shape = r.shape(edges.model_output, "output")
     model = Model(
         name=str(
             info.get(

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qsched.zo.errors import GraphError
+from qsched.zo.source import SourceFile
 
 __all__ = [
     "Activation",
@@ -179,3 +180,5 @@ class QuantModel:
     model: Model
     tensors: dict[str, TensorQuant] = field(default_factory=dict)
     layers: dict[str, QuantizedLayer] = field(default_factory=dict)
+    # The user's file an imported model came from (export writes it back), else None.
+    source: SourceFile | None = None

@@ -1,7 +1,9 @@
 """``.tflite`` import and export of INT8 models.
 
-The written file is a microcontroller model: int8 input and output with their
-quantisation parameters, per-channel symmetric int8 weights, int32 biases. It runs in
+A model imported from a user's file is written back in that file's form (see
+``qsched.zo.source``). qsched's own form, for the models it quantises itself, is a
+microcontroller model: int8 input and output with their quantisation parameters,
+per-channel symmetric int8 weights, int32 biases. It runs in
 the LiteRT interpreter and gives the INT8 engine's outputs bit for bit with the
 reference kernels. Reading it back returns the same graph, weights and scales. A float
 model is quantised first (``qsched.zo.quantize``); there is no FP32 export.
@@ -36,16 +38,28 @@ def weight_tensor_name(layer: str) -> str:
     return f"{layer}/weight"
 
 
-def export_tflite(qmodel: QuantModel, *, batch: int = 1, weights_as_inputs: bool = False) -> bytes:
+def export_tflite(
+    qmodel: QuantModel,
+    *,
+    batch: int = 1,
+    weights_as_inputs: bool = False,
+    own_form: bool = False,
+) -> bytes:
     """Serialise an INT8 model as ``.tflite`` bytes.
+
+    An imported model is written in the form of the file it came from (its operators,
+    tensors, names, types and quantisation, its QUANTIZE, SOFTMAX and DEQUANTIZE), only
+    the trained weight bytes changed, so it replaces the original wherever that ran.
 
     Args:
         qmodel: the quantised model.
         batch: batch dimension of the input and activation shapes (an interpreter can
-            resize it later).
+            resize it later; qsched's own form only).
         weights_as_inputs: make the int8 weights graph inputs instead of constants, so
             one interpreter can evaluate many weight sets (perturbations); such a file
-            is for evaluation and cannot be imported back.
+            is for evaluation and cannot be imported back (qsched's own form).
+        own_form: write qsched's own form (int8 in and out, no adapters) even for an
+            imported model.
 
     Returns:
         The file's bytes.
@@ -53,6 +67,9 @@ def export_tflite(qmodel: QuantModel, *, batch: int = 1, weights_as_inputs: bool
     Raises:
         TFLiteError: a layer has no ``.tflite`` form or lacks quantisation parameters.
     """
+    source = qmodel.source
+    if source is not None and not (own_form or weights_as_inputs):
+        return source.with_weights({name: layer.weight for name, layer in qmodel.layers.items()})
     data: bytes = build_tflite(qmodel, batch=batch, weights_as_inputs=weights_as_inputs)
     return data
 
@@ -99,5 +116,12 @@ def read_tflite(path: str | os.PathLike[str]) -> QuantModel:
 
     Returns:
         The INT8 model (see ``import_tflite``).
+
+    Raises:
+        TFLiteError: as ``import_tflite``, the message led by the file's path.
+        OSError: the file cannot be read.
     """
-    return import_tflite(Path(path).read_bytes())
+    try:
+        return import_tflite(Path(path).read_bytes())
+    except TFLiteError as exc:
+        raise type(exc)(f"{path}: {exc}") from None

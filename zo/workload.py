@@ -651,8 +651,10 @@ class Workload:
             layers[seg.layer] = QuantizedLayer(
                 weight=weight, weight_scales=old.weight_scales, bias=old.bias
             )
-        updated = QuantModel(model=self.model, tensors=dict(self.qmodel.tensors), layers=layers)
-        return QuantModel(model=dequantize_weights(updated), tensors=updated.tensors, layers=layers)
+        tensors, source = dict(self.qmodel.tensors), self.qmodel.source
+        updated = QuantModel(model=self.model, tensors=tensors, layers=layers)
+        model = dequantize_weights(updated)
+        return QuantModel(model=model, tensors=tensors, layers=layers, source=source)
 
     def to_model(self, state: TrainState) -> Model:
         """The float model with the state's weights (INT8: the dequantised weights)."""

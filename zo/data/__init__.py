@@ -1,0 +1,13 @@
+"""Built-in data sets and the pretrained model shipped with qsched (see PROVENANCE.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+__all__ = ["DATA_DIR", "RESNET8_CIFAR10"]
+
+DATA_DIR: Final = Path(__file__).parent
+# MLPerf Tiny's int8 ResNet-8 for CIFAR-10, as TensorFlow's converter wrote it: the real
+# model a user brings (Apache-2.0, notice in PROVENANCE.md).
+RESNET8_CIFAR10: Final = DATA_DIR / "mlperftiny_resnet8_cifar10_int8.tflite"

@@ -1,0 +1,135 @@
+"""A real model a user brings: MLPerf Tiny's pretrained int8 ResNet-8 (CIFAR-10, made by
+TensorFlow's converter) imports, runs bit-exact against LiteRT's reference kernels, and
+exports back in its own form."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import flatbuffers
+import numpy as np
+import pytest
+from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+from qsched.zo._tflite_common import schema
+from qsched.zo.data import RESNET8_CIFAR10
+from qsched.zo.engine import run_int8
+from qsched.zo.graph import Model, QuantizedLayer, QuantModel
+from qsched.zo.tflite_io import TFLiteError, export_tflite, import_tflite, read_tflite
+
+RESNET8 = RESNET8_CIFAR10
+_BATCH = 4
+
+
+def _interpreter(data: bytes, batch: int = _BATCH) -> Interpreter:
+    it = Interpreter(
+        model_content=data,
+        experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
+        experimental_preserve_all_tensors=True,
+    )
+    it.resize_tensor_input(it.get_input_details()[0]["index"], [batch, 32, 32, 3])
+    it.allocate_tensors()
+    return it
+
+
+def _images(seed: int = 0) -> np.ndarray:
+    """CIFAR-like int8 input: the file's input is pixels 0..255 at scale 1, zero point -128."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(-128, 128, size=(_BATCH, 32, 32, 3), dtype=np.int8)
+
+
+def _truncated(qm: QuantModel, k: int) -> QuantModel:
+    nodes = qm.model.nodes[: k + 1]
+    m = qm.model
+    sub = Model(m.name, m.input_name, m.input_shape, nodes, nodes[-1].output, m.num_classes)
+    return QuantModel(sub, qm.tensors, qm.layers)
+
+
+def test_import_real_resnet8_signature_and_adapters() -> None:
+    """The file's int8 input and SOFTMAX output are kept as its signature; the trained
+    graph ends at the int8 logits of the dense layer."""
+    qm = read_tflite(RESNET8)
+    assert qm.model.input_shape == (32, 32, 3) and qm.model.num_classes == 10
+    source = qm.source
+    assert source is not None and source.output_ops == ("SOFTMAX",) and source.input_ops == ()
+    assert source.input.describe() == "int8 [-1, 32, 32, 3] scale 1 zp -128"
+    assert source.output.describe() == "int8 [-1, 10] scale 0.00390625 zp -128"
+    assert qm.model.nodes[-1].name.startswith("model/dense/")
+    assert len(qm.model.param_nodes()) == 10
+
+
+def test_import_real_resnet8_bit_exact_every_tensor() -> None:
+    """Every activation of the engine equals LiteRT's on the user's own file."""
+    qm = read_tflite(RESNET8)
+    x = _images()
+    it = _interpreter(RESNET8.read_bytes())
+    it.set_tensor(it.get_input_details()[0]["index"], x)
+    it.invoke()
+    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
+    for k, node in enumerate(qm.model.nodes):
+        np.testing.assert_array_equal(
+            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
+        )
+    assert len(np.unique(run_int8(qm, x))) > 10
+
+
+def test_import_real_resnet8_exports_its_own_form() -> None:
+    """Unchanged weights export to the very bytes read; trained ones change only weight
+    bytes, and LiteRT on the exported file gives the engine's logits."""
+    data = RESNET8.read_bytes()
+    qm = import_tflite(data)
+    assert export_tflite(qm) == data
+    rng = np.random.default_rng(1)
+    dense = qm.model.nodes[-1].name
+    old = qm.layers[dense]
+    moved = np.clip(old.weight.astype(np.int16) + rng.integers(-3, 4, old.weight.shape), -127, 127)
+    qm.layers[dense] = QuantizedLayer(moved.astype(np.int8), old.weight_scales, old.bias)
+    exported = export_tflite(qm)
+    changed = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(data, np.uint8))
+    start, length = qm.source.weight_bytes[dense]  # type: ignore[union-attr]
+    assert len(exported) == len(data) and changed.size and start <= changed.min()
+    assert changed.max() < start + length
+    x = _images(2)
+    it = _interpreter(exported)
+    it.set_tensor(it.get_input_details()[0]["index"], x)
+    it.invoke()
+    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
+    np.testing.assert_array_equal(run_int8(qm, x), it.get_tensor(index[qm.model.output_name]))
+    assert it.get_output_details()[0]["dtype"] == np.int8  # still the file's softmax output
+
+
+def test_import_real_resnet8_own_form_still_available() -> None:
+    """``own_form`` writes qsched's own file (int8 logits out, no SOFTMAX), which reads back."""
+    qm = read_tflite(RESNET8)
+    back = import_tflite(export_tflite(qm, own_form=True))
+    assert back.source is not None and back.source.output_ops == ()
+    x = _images(3)
+    np.testing.assert_array_equal(run_int8(back, x), run_int8(qm, x))
+
+
+def _with_opcodes(data: bytes, renames: dict[int, int]) -> bytes:
+    """The file with some operator codes replaced (an operator qsched lacks, say)."""
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    for code in model.operatorCodes:
+        new = renames.get(max(code.builtinCode, code.deprecatedBuiltinCode))
+        if new is not None:
+            code.builtinCode = code.deprecatedBuiltinCode = new
+    builder = flatbuffers.Builder(0)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def test_import_errors_name_the_file_and_every_operator(tmp_path: Path) -> None:
+    """Unknown operators: one TFLiteError naming the path and every one, with its places."""
+    op = schema.BuiltinOperator
+    renames = {op.ADD: op.HARD_SWISH, op.AVERAGE_POOL_2D: op.LOGISTIC}
+    path = tmp_path / "user model.tflite"
+    path.write_bytes(_with_opcodes(RESNET8.read_bytes(), renames))
+    with pytest.raises(TFLiteError) as info:
+        read_tflite(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: unsupported operators: ")
+    assert "HARD_SWISH (operators #3, #7, #11)" in message and "LOGISTIC (operator #12)" in message
+    path.write_bytes(b"not a model at all")
+    with pytest.raises(TFLiteError, match=r"user model\.tflite: not a \.tflite file"):
+        read_tflite(path)
