@@ -52,7 +52,12 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
     "bench fleet": Command("qsched.lab.bench_fleet:main", "time steps on fleets of virtual boards"),
-    "chaos": Command("qsched.lab.chaos:main", "throw faults at a live daemon (the fuzz so far)"),
+    "chaos": Command(
+        "qsched.lab.chaos:main", "fault campaign: kills, restarts, noisy lines, fuzz, liars"
+    ),
+    "inspect": Command(
+        "qsched.firmware.model_report:main", "a .tflite model's operators, layers, board memory"
+    ),
     "zoo": Command("qsched.daemon.cli:zoo_main", "list the model zoo (parameters, MACs)"),
     "schema": Command("qsched.protocol.schema:main", "write the control-plane JSON Schema"),
     "config": Command("qsched.daemon.cli:config_main", "print the effective daemon configuration"),

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from qsched.protocol.jobspec import JobSpec
+from qsched.zo.blob import encode_blob
 from qsched.zo.engine import infer_shapes
+from qsched.zo.graph import QuantModel
 from qsched.zo.workload import Workload
 
-__all__ = ["AGENT_STATIC_BYTES", "MemoryBudget", "main", "memory_budget"]
+__all__ = ["AGENT_STATIC_BYTES", "MemoryBudget", "main", "memory_budget", "model_budget"]
 
 # Every static object of the Cortex-M55 image but the model region, from its symbol
 # table (arm-none-eabi-nm -S): sizeof(qs_agent) (frame buffers, the receive queue of
@@ -68,10 +71,24 @@ def memory_budget(workload: Workload) -> MemoryBudget:
     """
     if workload.qmodel is None:
         raise ValueError("the C board runs INT8 jobs only")
-    shapes = infer_shapes(workload.model)
+    return model_budget(workload.qmodel, workload.trainable_layers)
+
+
+def model_budget(qmodel: QuantModel, trainable: Sequence[str]) -> MemoryBudget:
+    """The budget of training ``trainable`` layers of an INT8 model on a board.
+
+    Args:
+        qmodel: the INT8 model.
+        trainable: the layers whose weights train (the others stay as loaded).
+
+    Returns:
+        The byte counts.
+    """
+    shapes = infer_shapes(qmodel.model)
     arena = sum(_align(math.prod(shape), 4) for shape in shapes.values())
-    p = workload.num_params
-    return MemoryBudget(len(workload.model_blob()), p, p, 2 * p, p, 3 * p, arena)
+    p = sum(int(qmodel.layers[name].weight.size) for name in trainable)
+    blob = len(encode_blob(qmodel, trainable=list(trainable)))
+    return MemoryBudget(blob, p, p, 2 * p, p, 3 * p, arena)
 
 
 def main(argv: list[str] | None = None) -> int:

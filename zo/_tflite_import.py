@@ -44,7 +44,7 @@ from qsched.zo.graph import (
 )
 from qsched.zo.source import EdgeTensor, FileDType, SourceFile
 
-__all__ = ["parse_tflite"]
+__all__ = ["ADAPTER_OPERATORS", "FOLDABLE_OPERATORS", "SUPPORTED_OPERATORS", "parse_tflite"]
 
 _OP = schema.BuiltinOperator
 _TT = schema.TensorType
@@ -575,6 +575,13 @@ _SUPPORTED = frozenset(
         _OP.RELU6,
     }
 )
+
+
+# By schema name (``qsched inspect``): what the importer turns into layers, what it keeps
+# as adapters at the file's edges, and the shape arithmetic it can fold away.
+SUPPORTED_OPERATORS = frozenset(op_name(code) for code in _SUPPORTED)
+ADAPTER_OPERATORS = frozenset(op_name(code) for code in _OUTPUT_ADAPTERS)
+FOLDABLE_OPERATORS = frozenset(op_name(code) for code in _SHAPE_OPS)
 
 
 def _quant_model(r: _Reader, info: dict[str, Any], edges: _Edges) -> QuantModel:

@@ -51,6 +51,7 @@ __all__ = [
     "infer_shapes",
     "model_options",
     "model_summary",
+    "node_macs",
     "replace_classifier",
     "zoo_table",
 ]
@@ -161,7 +162,8 @@ def infer_shapes(model: Model) -> dict[str, Shape]:
     return shapes
 
 
-def _node_macs(node: Node, out_shape: Shape) -> int:
+def node_macs(node: Node, out_shape: Shape) -> int:
+    """Multiply-accumulates of one node per sample (convolutions and dense layers)."""
     if isinstance(node, Conv2D):
         per_output = int(node.weight.shape[1] * node.weight.shape[2])
         if not node.depthwise:
@@ -183,7 +185,7 @@ def model_summary(model: Model) -> tuple[int, int]:
     """
     shapes = infer_shapes(model)
     params = sum(int(n.weight.size + n.bias.size) for n in model.param_nodes())
-    macs = sum(_node_macs(n, shapes[n.output]) for n in model.nodes)
+    macs = sum(node_macs(n, shapes[n.output]) for n in model.nodes)
     return params, macs
 
 
