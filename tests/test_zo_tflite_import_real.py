@@ -4,6 +4,7 @@ exports back in its own form."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import flatbuffers
@@ -133,3 +134,48 @@ def test_import_errors_name_the_file_and_every_operator(tmp_path: Path) -> None:
     path.write_bytes(b"not a model at all")
     with pytest.raises(TFLiteError, match=r"user model\.tflite: not a \.tflite file"):
         read_tflite(path)
+
+
+def test_import_real_resnet8_trains_and_exports_in_its_own_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`qsched train` fine-tunes ResNet-8's last layer on EuroSAT at 32x32 (pixels 0..255,
+    as the file's input expects); the exported file keeps the original signature and
+    LiteRT on it gives the trained engine's logits."""
+    from qsched.daemon.train import main
+
+    spec = {
+        "name": "r8",
+        "dataset": "eurosat:size=32,scale=255",
+        "backbone": str(RESNET8),
+        "numerics": "int8",
+        "trainable": "last:1",
+        "steps": 12,
+        "eval_every": 6,
+        "batch_size": 16,
+        "lr": 100,
+        "policy": {"name": "fixed", "config": {"q": 4}},
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    assert main(["--spec", str(path), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    exported = (tmp_path / "run" / "export" / "r8.tflite").read_bytes()
+    original = RESNET8.read_bytes()
+    assert exported != original and len(exported) == len(original)
+    trained = import_tflite(exported)
+    dense = trained.model.nodes[-1].name
+    start, length = trained.source.weight_bytes[dense]  # type: ignore[union-attr]
+    differ = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(original, np.uint8))
+    assert start <= differ.min() and differ.max() < start + length  # only the head moved
+    it = _interpreter(exported)
+    details = it.get_input_details()[0], it.get_output_details()[0]
+    assert [d["dtype"] for d in details] == [np.int8, np.int8]
+    assert details[1]["quantization"] == (0.00390625, -128)  # SOFTMAX's output, as before
+    x = _images(4)
+    it.set_tensor(details[0]["index"], x)
+    it.invoke()
+    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
+    np.testing.assert_array_equal(
+        run_int8(trained, x), it.get_tensor(index[trained.model.output_name])
+    )

@@ -40,6 +40,7 @@ __all__ = [
     "load_npz",
     "load_stl10",
     "resize_images",
+    "scaled",
     "split_classes",
     "stratified_split",
 ]
@@ -475,7 +476,8 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
     """Load a built-in data set by name, or a data set from a path.
 
     A built-in name may carry options inline, for the one string of a job spec:
-    ``"eurosat:size=32"``, ``"digits:flat=true,seed=1"``. A path may be an STL-10
+    ``"eurosat:size=32"``, ``"digits:flat=true,seed=1"``; every data set takes
+    ``scale=F`` too (inputs multiplied by F, see :func:`scaled`). A path may be an STL-10
     folder (``train_X.bin`` ...), a folder of class sub-folders, or an ``.npz`` file
     (:func:`load_npz`).
 
@@ -492,7 +494,14 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
     key = str(name_or_path)
     name, _, inline = key.partition(":")
     if name in _BUILTIN:
-        return _call(_BUILTIN[name], key, {**_parse_inline(inline, key), **options})
+        options = {**_parse_inline(inline, key), **options}
+    scale = options.pop("scale", None)
+    builtin = name in _BUILTIN
+    dataset = _call(_BUILTIN[name], key, options) if builtin else _load_path(key, options)
+    return dataset if scale is None else scaled(dataset, scale)
+
+
+def _load_path(key: str, options: dict[str, Any]) -> Dataset:
     path = Path(key).expanduser()
     if path.is_dir():
         loader: Callable[..., Dataset] = load_stl10 if _is_stl10(path) else load_image_folder
@@ -501,6 +510,32 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
         return _call(load_npz, key, options, path)
     raise DatasetError(
         f"unknown data set {key!r}: not one of {dataset_names()} nor an existing folder or .npz"
+    )
+
+
+def scaled(dataset: Dataset, scale: Any) -> Dataset:
+    """The data set with every input multiplied by ``scale`` (the ``scale=`` option).
+
+    A model imported from a user's file may expect other input units than the built-in
+    ``[0, 1]``: MLPerf Tiny's ResNet-8 takes pixels 0..255 (``scale=255``). The factor is
+    applied in float32, so ``x / 255 * 255`` quantises back to the pixel it came from.
+
+    Raises:
+        DatasetError: a scale that is not a positive finite number.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < 1e6:
+        raise DatasetError(f"data set {dataset.name!r}: scale must be a number in (0, 1e6)")
+    factor = np.float32(scale)
+    lo, hi = dataset.input_range
+    return Dataset(
+        f"{dataset.name}x{scale:g}",
+        dataset.x_train * factor,
+        dataset.y_train,
+        dataset.x_val * factor,
+        dataset.y_val,
+        dataset.num_classes,
+        dataset.class_names,
+        (lo * float(factor), hi * float(factor)),
     )
 
 
