@@ -10,7 +10,7 @@ from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from qsched.zo import prng
 from qsched.zo.engine import run_int8, run_int8_perturbed
-from qsched.zo.graph import Model, QuantModel
+from qsched.zo.graph import Conv2D, Dense, Mean, Model, Pad, QuantModel, Reshape, TensorQuant
 from qsched.zo.quantize import quantize_input, quantize_model
 from qsched.zo.tflite_io import export_tflite, import_tflite, weight_tensor_name
 from qsched.zo.zoo import build_model
@@ -115,3 +115,79 @@ def test_tflite_zoo_round_trip(key: str) -> None:
         np.testing.assert_array_equal(back.layers[name].weight_scales, layer.weight_scales)
         np.testing.assert_array_equal(back.layers[name].bias, layer.bias)
     np.testing.assert_array_equal(run_int8(back, x), run_int8(qm, x))
+
+
+def _mean_pad_model(keep_dims: bool, seed: int) -> Model:
+    """conv -> PAD (uneven, like a stride-2 MobileNet) -> conv -> MEAN -> dense."""
+    rng = np.random.default_rng(seed)
+    w1 = rng.normal(0, 0.4, (6, 3, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (8, 3, 3, 6)).astype(np.float32)
+    nodes: list[Any] = [
+        Conv2D("c1", ["input"], "c1", w1, rng.normal(0, 0.1, 6).astype(np.float32)),
+        Pad("pad", ["c1"], "pad", pads=((0, 1), (1, 2))),
+        Conv2D(
+            "c2",
+            ["pad"],
+            "c2",
+            w2,
+            rng.normal(0, 0.1, 8).astype(np.float32),
+            stride=(2, 2),
+            padding="valid",
+            activation="relu",
+        ),
+        Mean("gap", ["c2"], "gap", keep_dims=keep_dims),
+    ]
+    last = "gap"
+    if keep_dims:
+        nodes.append(Reshape("flat", ["gap"], "flat", (8,)))
+        last = "flat"
+    wd = rng.normal(0, 0.3, (5, 8)).astype(np.float32)
+    nodes.append(Dense("head", [last], "head", wd, np.zeros(5, np.float32)))
+    return Model("mean_pad", "input", (9, 9, 3), nodes, "head", 5)
+
+
+@pytest.mark.parametrize("keep_dims", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tflite_litert_mean_and_pad_bit_exact(keep_dims: bool, seed: int) -> None:
+    """MEAN over height and width (requantised) and PAD with the zero point equal LiteRT's
+    reference kernels on every tensor, and the file reads back to the same graph."""
+    model = _mean_pad_model(keep_dims, seed)
+    rng = np.random.default_rng(seed)
+    qm = quantize_model(model, rng.normal(size=(32, 9, 9, 3)).astype(np.float32))
+    assert qm.tensors["gap"].scale != qm.tensors["c2"].scale  # MEAN really requantises
+    x = quantize_input(qm, rng.normal(size=(_BATCH, 9, 9, 3)).astype(np.float32))
+    data = export_tflite(qm, batch=_BATCH)
+    it = _interpreter(data)
+    it.set_tensor(it.get_input_details()[0]["index"], x)
+    it.invoke()
+    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
+    for k, node in enumerate(qm.model.nodes):
+        np.testing.assert_array_equal(
+            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
+        )
+    back = import_tflite(data)
+    assert [type(n).__name__ for n in back.model.nodes] == [type(n).__name__ for n in model.nodes]
+    np.testing.assert_array_equal(run_int8(back, x), run_int8(qm, x))
+
+
+def test_tflite_mean_requantises_like_the_reference_for_many_counts() -> None:
+    """The folded 1/count multiplier: every plane size 1..40x40 and odd scale ratios give
+    LiteRT's MEAN, including counts that are not powers of two."""
+    rng = np.random.default_rng(7)
+    for side in (1, 3, 7, 13, 40):
+        model = Model("m", "input", (side, side, 4), [Mean("m", ["input"], "m")], "m", 4)
+        ratio = float(rng.uniform(0.05, 20))
+        qm = QuantModel(
+            model,
+            {
+                "input": TensorQuant(0.05, int(rng.integers(-20, 20))),
+                "m": TensorQuant(0.05 * ratio, 3),
+            },
+            {},
+        )
+        x = rng.integers(-128, 128, size=(_BATCH, side, side, 4), dtype=np.int8)
+        it = _interpreter(export_tflite(qm, batch=_BATCH))
+        it.set_tensor(it.get_input_details()[0]["index"], x)
+        it.invoke()
+        theirs = it.get_tensor(it.get_output_details()[0]["index"])
+        np.testing.assert_array_equal(run_int8(qm, x), theirs, err_msg=f"{side}x{side}")

@@ -32,7 +32,9 @@ from qsched.zo.graph import (
     Dense,
     GlobalAvgPool,
     MaxPool,
+    Mean,
     Node,
+    Pad,
     QuantizedLayer,
     QuantModel,
     ReLU,
@@ -57,6 +59,8 @@ _VERSIONS = {
     _OP.RESHAPE: 1,
     _OP.RELU: 2,
     _OP.RELU6: 2,
+    _OP.MEAN: 2,
+    _OP.PAD: 2,
 }
 _GROUPED_CONV_VERSION = 6
 _PADDING = {"same": schema.Padding.SAME, "valid": schema.Padding.VALID}
@@ -355,6 +359,33 @@ def _reshape(w: _Writer, qm: QuantModel, node: Reshape) -> None:
     _reshape_op(w, node.name, node.inputs[0], oi, node.shape)
 
 
+def _mean(w: _Writer, qm: QuantModel, node: Mean) -> None:
+    n, _, _, c = _input_shape(w, node, 4)
+    axes = np.asarray([1, 2], dtype=np.int32)
+    ai = w.tensor(f"{node.name}/axes", axes.shape, schema.TensorType.INT32, None, axes)
+    shape = (n, 1, 1, c) if node.keep_dims else (n, c)
+    oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
+    o = schema.ReducerOptionsT()
+    o.keepDims = node.keep_dims
+    w.op(_OP.MEAN, [w.index[node.inputs[0]], ai], [oi], o, schema.BuiltinOptions.ReducerOptions)
+
+
+def _pad(w: _Writer, qm: QuantModel, node: Pad) -> None:
+    n, h, wd, c = _input_shape(w, node, 4)
+    (top, bottom), (left, right) = node.pads
+    pads = np.asarray([[0, 0], [top, bottom], [left, right], [0, 0]], dtype=np.int32)
+    pi = w.tensor(f"{node.name}/paddings", pads.shape, schema.TensorType.INT32, None, pads)
+    shape = (n, h + top + bottom, wd + left + right, c)
+    oi = w.activation(node.output, shape, _same_qparams(qm, node))
+    w.op(
+        _OP.PAD,
+        [w.index[node.inputs[0]], pi],
+        [oi],
+        schema.PadOptionsT(),
+        schema.BuiltinOptions.PadOptions,
+    )
+
+
 def _relu(w: _Writer, qm: QuantModel, node: ReLU | ReLU6) -> None:
     shape = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
@@ -377,6 +408,10 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
         _reshape(w, qm, node)
     elif isinstance(node, ReLU | ReLU6):
         _relu(w, qm, node)
+    elif isinstance(node, Mean):
+        _mean(w, qm, node)
+    elif isinstance(node, Pad):
+        _pad(w, qm, node)
     else:
         raise TFLiteError(f"layer {node.name!r}: no .tflite form for {type(node).__name__}")
 

@@ -1,8 +1,11 @@
 """Read an int8 ``.tflite`` flatbuffer back into a ``QuantModel``.
 
 Accepts the operators the writer emits (and the same operators from other tools):
-CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D,
-RESHAPE, RELU, RELU6. An AVERAGE_POOL_2D over the whole feature map whose only reader
+CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D, MEAN
+(over height and width), PAD and PADV2 (height and width, with the zero point),
+RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as
+adapters (``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
+AVERAGE_POOL_2D over the whole feature map whose only reader
 is a RESHAPE to ``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the
 graph nodes are the dequantised int8 weights.
 """
@@ -32,8 +35,10 @@ from qsched.zo.graph import (
     Dense,
     GlobalAvgPool,
     MaxPool,
+    Mean,
     Model,
     Node,
+    Pad,
     Padding,
     QuantizedLayer,
     QuantModel,
@@ -340,6 +345,43 @@ def _global_reshape(r: _Reader, op: Any, ops: list[Any]) -> Any:
     return nxt if len(r.shape(nxt.outputs[0], "RESHAPE")) == 2 else None
 
 
+def _constant_ints(r: _Reader, index: int, where: str) -> list[int]:
+    t = r.tensor(index, where)
+    dtype = np.int64 if t.type == _TT.INT64 else np.int32
+    if t.type not in (_TT.INT32, _TT.INT64):
+        raise TFLiteError(f"{where}: {r.names[index]!r} is not an int32 constant")
+    return [int(v) for v in r.data(index, where, dtype).reshape(-1)]
+
+
+def _mean(r: _Reader, op: Any, where: str) -> Node:
+    """MEAN over height and width of an NHWC tensor (GlobalAveragePooling2D)."""
+    _check_arity(op, where, 2)
+    o = _options(op, schema.BuiltinOptions.ReducerOptions, where)
+    x = r.activation(op.inputs[0], where)
+    rank = len(r.shape(op.inputs[0], where))
+    axes = sorted({a % rank for a in _constant_ints(r, op.inputs[1], where)}) if rank else []
+    if rank != 4 or axes != [1, 2]:
+        raise TFLiteError(f"{where}: MEAN is supported over height and width (axes 1, 2) only")
+    out = r.activation(op.outputs[0], where)
+    return Mean(_claim(r, out), [x], out, keep_dims=bool(o.keepDims))
+
+
+def _pad(r: _Reader, op: Any, where: str) -> Node:
+    """PAD or PADV2 of height and width with the zero point (what a converter writes)."""
+    _check_arity(op, where, 2)
+    x = r.activation(op.inputs[0], where)
+    pads = _constant_ints(r, op.inputs[1], where)
+    out = r.activation(op.outputs[0], where)
+    if len(pads) != 8 or pads[:2] != [0, 0] or pads[6:] != [0, 0] or min(pads) < 0:
+        raise TFLiteError(f"{where}: PAD is supported on height and width only, got {pads}")
+    if len(op.inputs) > 2 and op.inputs[2] >= 0:
+        value = int(r.data(op.inputs[2], where, np.int8).reshape(-1)[0])
+        if value != r.tensors[out].zero_point:
+            raise TFLiteError(f"{where}: PADV2 with a value other than zero is not supported")
+    top, bottom, left, right = pads[2:6]
+    return Pad(_claim(r, out), [x], out, pads=((top, bottom), (left, right)))
+
+
 def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
     if code in (_OP.CONV_2D, _OP.DEPTHWISE_CONV_2D):
         return _conv(r, op, code, where), 1
@@ -356,6 +398,10 @@ def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
         return Add(
             _claim(r, out), xs, out, activation=activation_name(o.fusedActivationFunction, where)
         ), 1
+    if code == _OP.MEAN:
+        return _mean(r, op, where), 1
+    if code in (_OP.PAD, _OP.PADV2):
+        return _pad(r, op, where), 1
     x = r.activation(op.inputs[0], where)
     out = r.activation(op.outputs[0], where)
     if code == _OP.RESHAPE:
@@ -573,6 +619,9 @@ _SUPPORTED = frozenset(
         _OP.RESHAPE,
         _OP.RELU,
         _OP.RELU6,
+        _OP.MEAN,
+        _OP.PAD,
+        _OP.PADV2,
     }
 )
 

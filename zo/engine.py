@@ -42,14 +42,17 @@ from qsched.zo.graph import (
     GlobalAvgPool,
     GraphError,
     MaxPool,
+    Mean,
     Model,
     Node,
+    Pad,
     QuantModel,
     ReLU,
     ReLU6,
     Reshape,
     TensorQuant,
 )
+from qsched.zo.shapes import infer_shapes
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -117,99 +120,6 @@ class Activations:
 # ---------------------------------------------------------------------------- shapes
 
 
-def _conv_shape(node: Conv2D, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if len(shape) != 3:
-        raise GraphError(node.name, f"Conv2D needs an (H, W, C) input, got {shape}")
-    h, w, c = shape
-    if node.weight.ndim != 4:
-        raise GraphError(node.name, f"weight must be 4-D, got shape {node.weight.shape}")
-    if node.depthwise:
-        _, kh, kw, o = node.weight.shape
-        if node.weight.shape[0] != 1 or o % c:
-            raise GraphError(
-                node.name, f"depthwise weight {node.weight.shape} does not fit {c} input channels"
-            )
-    else:
-        o, kh, kw, ig = node.weight.shape
-        if c % node.groups or o % node.groups or ig * node.groups != c:
-            raise GraphError(
-                node.name,
-                f"weight {node.weight.shape} with groups={node.groups} "
-                f"does not fit {c} input channels",
-            )
-    if node.bias.shape != (o,):
-        raise GraphError(node.name, f"bias shape {node.bias.shape} != ({o},)")
-    oh = kf.out_size(h, kh, node.stride[0], node.padding)
-    ow = kf.out_size(w, kw, node.stride[1], node.padding)
-    if oh < 1 or ow < 1:
-        raise GraphError(node.name, f"kernel {kh}x{kw} does not fit input {h}x{w}")
-    return (oh, ow, o)
-
-
-def _pool_shape(node: AvgPool | MaxPool, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if len(shape) != 3:
-        raise GraphError(node.name, f"pooling needs an (H, W, C) input, got {shape}")
-    oh = kf.out_size(shape[0], node.pool[0], node.stride[0], node.padding)
-    ow = kf.out_size(shape[1], node.pool[1], node.stride[1], node.padding)
-    if oh < 1 or ow < 1:
-        raise GraphError(node.name, f"pool {node.pool} does not fit input {shape}")
-    return (oh, ow, shape[2])
-
-
-def _node_shape(node: Node, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    ins = [shapes[name] for name in node.inputs]
-    shape = ins[0]
-    if isinstance(node, Conv2D):
-        return _conv_shape(node, shape)
-    if isinstance(node, Dense):
-        features = int(np.prod(shape))
-        if node.weight.ndim != 2 or node.weight.shape[1] != features:
-            raise GraphError(
-                node.name,
-                f"weight {node.weight.shape} does not take {features} input features {shape}",
-            )
-        if node.bias.shape != (node.weight.shape[0],):
-            raise GraphError(
-                node.name, f"bias shape {node.bias.shape} != ({node.weight.shape[0]},)"
-            )
-        return (node.weight.shape[0],)
-    if isinstance(node, Add):
-        if len(ins) != 2 or ins[0] != ins[1]:
-            raise GraphError(node.name, f"Add needs two inputs of one shape, got {ins}")
-        return shape
-    if isinstance(node, (AvgPool, MaxPool)):
-        return _pool_shape(node, shape)
-    if isinstance(node, GlobalAvgPool):
-        if len(shape) != 3:
-            raise GraphError(node.name, f"global pooling needs an (H, W, C) input, got {shape}")
-        return (shape[2],)
-    if isinstance(node, Reshape):
-        if int(np.prod(node.shape)) != int(np.prod(shape)):
-            raise GraphError(node.name, f"cannot reshape {shape} to {node.shape}")
-        return tuple(node.shape)
-    return shape  # ReLU, ReLU6
-
-
-def infer_shapes(model: Model) -> dict[str, tuple[int, ...]]:
-    """Shape (without the batch axis) of every tensor; raises ``GraphError`` on a mismatch.
-
-    Args:
-        model: the graph.
-
-    Returns:
-        Tensor name to shape, for the input and every node output.
-    """
-    shapes: dict[str, tuple[int, ...]] = {model.input_name: tuple(model.input_shape)}
-    for node in model.nodes:
-        missing = [name for name in node.inputs if name not in shapes]
-        if missing:
-            raise GraphError(node.name, f"reads tensors not produced before it: {missing}")
-        shapes[node.output] = _node_shape(node, shapes)
-    if model.output_name not in shapes:
-        raise GraphError(model.output_name, "model output is not produced by any layer")
-    return shapes
-
-
 def _last_use(model: Model) -> dict[str, int]:
     last: dict[str, int] = {}
     for i, node in enumerate(model.nodes):
@@ -271,6 +181,11 @@ def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kf.relu(x)
     elif isinstance(node, ReLU6):
         y = kf.relu6(x)
+    elif isinstance(node, Mean):
+        y = kf.global_avg_pool(x)
+        y = y.reshape(*y.shape[:2], 1, 1, -1) if node.keep_dims else y
+    elif isinstance(node, Pad):
+        y = kf.pad(x, node.pads)
     else:
         y = _shape_op(node, x, kf)
     return y
@@ -305,6 +220,7 @@ def _tq(qmodel: QuantModel, tensor: str, node: str) -> TensorQuant:
 def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
     """TFLite's Prepare for every node: multipliers, shifts, activation ranges."""
     stages: dict[str, Any] = {}
+    shapes = infer_shapes(qmodel.model)
     for node in qmodel.model.nodes:
         inp = _tq(qmodel, node.inputs[0], node.name)
         out = _tq(qmodel, node.output, node.name)
@@ -318,6 +234,11 @@ def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
             stages[node.name] = ki.prepare_add(inp, other, out, node.activation)
         elif isinstance(node, (ReLU, ReLU6)):
             stages[node.name] = ki.prepare_relu(inp, out, isinstance(node, ReLU6))
+        elif isinstance(node, Mean):
+            h, w = shapes[node.inputs[0]][:2]
+            stages[node.name] = ki.prepare_mean(inp, out, h * w)
+        elif isinstance(node, Pad):
+            stages[node.name] = out.zero_point  # PAD fills with the output zero point
         # Pools and Reshape do not rescale: TFLite's int8 kernels assume (debug-check
         # only) that the output shares the input's parameters and ignore the output's.
     return stages
@@ -351,6 +272,10 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kernels.add(x, env[node.inputs[1]], stage, sr["add"])
     elif isinstance(node, (ReLU, ReLU6)):
         y = ki.relu(x, stage, sr["relu"])
+    elif isinstance(node, Mean):
+        y = ki.mean(x, stage, node.keep_dims)
+    elif isinstance(node, Pad):
+        y = ki.pad(x, node.pads, stage)
     else:
         y = _shape_op(node, x, ki)
     return y

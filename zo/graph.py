@@ -31,8 +31,10 @@ __all__ = [
     "GlobalAvgPool",
     "GraphError",
     "MaxPool",
+    "Mean",
     "Model",
     "Node",
+    "Pad",
     "Padding",
     "ParamNode",
     "QuantModel",
@@ -121,13 +123,31 @@ class GlobalAvgPool(_NodeFields):
 
 
 @dataclass(eq=False)
+class Mean(_NodeFields):
+    """Mean over height and width (TFLite MEAN, axes 1 and 2), requantised in INT8:
+    (N, H, W, C) -> (N, C), or (N, 1, 1, C) with ``keep_dims``."""
+
+    keep_dims: bool = False
+
+
+@dataclass(eq=False)
+class Pad(_NodeFields):
+    """Constant padding of height and width (TFLite PAD): ``pads`` is ((top, bottom),
+    (left, right)); the value is 0.0, in INT8 the output zero point."""
+
+    pads: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+
+
+@dataclass(eq=False)
 class Reshape(_NodeFields):
     """Reshape to ``(batch, *shape)``; ``shape`` excludes the batch dimension."""
 
     shape: tuple[int, ...] = ()
 
 
-Node: TypeAlias = Conv2D | Dense | ReLU | ReLU6 | Add | AvgPool | MaxPool | GlobalAvgPool | Reshape
+Node: TypeAlias = (
+    Conv2D | Dense | ReLU | ReLU6 | Add | AvgPool | MaxPool | GlobalAvgPool | Mean | Pad | Reshape
+)
 ParamNode: TypeAlias = Conv2D | Dense
 
 

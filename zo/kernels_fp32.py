@@ -278,8 +278,15 @@ def max_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Pa
     return out.astype(np.float32, copy=False)
 
 
+def pad(x: F32, pads: tuple[tuple[int, int], tuple[int, int]]) -> F32:
+    """Zero padding of height and width: ``(S, N, H, W, C)``."""
+    (top, bottom), (left, right) = pads
+    return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right), (0, 0)))
+
+
 def global_avg_pool(x: F32) -> F32:
-    """Mean over height and width, ``(S, N, H, W, C) -> (S, N, C)``, summed in row order."""
+    """Mean over height and width, ``(S, N, H, W, C) -> (S, N, C)``, summed in row order
+    (also MEAN over axes 1 and 2, which has no other FP32 form)."""
     s, n, h, w, c = x.shape
     flat = x.reshape(s, n, h * w, c)
     total = flat[:, :, 0].copy()

@@ -31,12 +31,14 @@ from qsched.zo.fixedpoint import (
     multiply_by_quantized_multiplier,
     quantize_multiplier,
     round_half_away,
+    wrap_int32,
 )
 from qsched.zo.graph import Activation, Padding, TensorQuant
 from qsched.zo.kernels_fp32 import extract_patches, padded_windows, window_tap
 
 __all__ = [
     "AddParams",
+    "MeanParams",
     "OutputStage",
     "activation_range",
     "add",
@@ -47,8 +49,11 @@ __all__ = [
     "global_avg_pool",
     "int_matmul",
     "max_pool",
+    "mean",
+    "pad",
     "patches",
     "prepare_add",
+    "prepare_mean",
     "prepare_output_stage",
     "prepare_relu",
     "relu",
@@ -397,3 +402,50 @@ def global_avg_pool(x: I8) -> I8:
     total = x.reshape(s, n, h * w, c).astype(np.int64).sum(axis=2)
     count = np.full((1, 1, 1), h * w, np.int64)
     return np.clip(_round_div(total, count), INT8_MIN, INT8_MAX).astype(np.int8)
+
+
+@dataclass(frozen=True)
+class MeanParams:
+    """TFLite MEAN's requantisation over ``count`` elements (``reference_ops::
+    QuantizedMeanOrSum``): the 1/count factor is folded into the multiplier."""
+
+    multiplier: int
+    shift: int
+    input_zero_point: int
+    output_zero_point: int
+    count: int
+
+
+def prepare_mean(inp: TensorQuant, out: TensorQuant, count: int) -> MeanParams:
+    """Prepare and the count-dependent part of Eval, as the reference kernel does them.
+
+    ``QuantizeMultiplier(in_scale / out_scale)`` (in double) gives (M, e); then with
+    ``k = min(floor(log2 count), 32, 31 + e)`` the multiplier becomes ``(M << k) // count``
+    (truncating, M >= 0) and the shift ``e - k``: exact to 31 bits for any count.
+    """
+    m, e = (int(v) for v in quantize_multiplier(float(inp.scale) / float(out.scale)))
+    k = min(count.bit_length() - 1, 32, 31 + e)
+    return MeanParams((m << k) // count, e - k, inp.zero_point, out.zero_point, count)
+
+
+def mean(x: I8, p: MeanParams, keep_dims: bool) -> I8:
+    """int8 MEAN over height and width: ``(S, N, H, W, C) -> (S, N, C)`` or ``(S, N, 1, 1, C)``.
+
+    The int32 sum of the plane less ``in_zp * count`` (at most 2^7 * count in size, so
+    no wrap below 2^24 elements), requantised with double rounding, plus the output zero
+    point, clamped to int8.
+    """
+    s, n, h, w, c = x.shape
+    total = x.reshape(s, n, h * w, c).astype(np.int64).sum(axis=2)
+    centred = wrap_int32(total - p.input_zero_point * p.count)  # C's int32 arithmetic
+    y = multiply_by_quantized_multiplier(centred, p.multiplier, p.shift) + p.output_zero_point
+    out = np.clip(y, INT8_MIN, INT8_MAX).astype(np.int8)
+    return out.reshape(s, n, 1, 1, c) if keep_dims else out
+
+
+def pad(x: I8, pads: tuple[tuple[int, int], tuple[int, int]], value: int) -> I8:
+    """int8 PAD of height and width with ``value`` (the output zero point); the input's
+    bytes are copied unchanged, as TFLite does."""
+    (top, bottom), (left, right) = pads
+    widths = ((0, 0), (0, 0), (top, bottom), (left, right), (0, 0))
+    return np.pad(x, widths, constant_values=np.int8(value))

@@ -24,6 +24,7 @@ from qsched.zo.graph import (
     GlobalAvgPool,
     MaxPool,
     Model,
+    Pad,
     ParamNode,
     QuantizedLayer,
     QuantModel,
@@ -47,7 +48,8 @@ _QMIN: Final = -128
 _QMAX: Final = 127
 _WMAX: Final = 127
 _CALIBRATION_BATCH: Final = 64
-_PASSTHROUGH = (AvgPool, MaxPool, GlobalAvgPool, Reshape)
+# Ops whose int8 output shares the input's parameters (TFLite copies or averages bytes).
+_PASSTHROUGH = (AvgPool, MaxPool, GlobalAvgPool, Pad, Reshape)
 
 
 def asymmetric_params(lo: float, hi: float) -> TensorQuant:

@@ -41,6 +41,7 @@ from qsched.zo.graph import (
     ReLU6,
     Reshape,
 )
+from qsched.zo.shapes import infer_shapes, node_shape
 
 __all__ = [
     "DEFAULT_INPUT_SHAPES",
@@ -89,79 +90,6 @@ def conv_output_size(size: int, kernel: int, stride: int, padding: Padding) -> i
     return (size - kernel) // stride + 1
 
 
-def _node_shape(node: Node, shapes: dict[str, Shape]) -> Shape:
-    try:
-        ins = [shapes[t] for t in node.inputs]
-    except KeyError as exc:
-        raise GraphError(node.name, f"reads tensor {exc.args[0]!r} before it is written") from exc
-    x = ins[0]
-    if isinstance(node, Conv2D):
-        return _conv_shape(node, x)
-    if isinstance(node, Dense):
-        if len(x) != 1 or node.weight.shape[1] != x[0]:
-            raise GraphError(node.name, f"input {x} does not match weight {node.weight.shape}")
-        return (int(node.weight.shape[0]),)
-    if isinstance(node, (AvgPool, MaxPool)):
-        h, w, c = _hwc(node.name, x)
-        oh = conv_output_size(h, node.pool[0], node.stride[0], node.padding)
-        ow = conv_output_size(w, node.pool[1], node.stride[1], node.padding)
-        return (oh, ow, c)
-    if isinstance(node, GlobalAvgPool):
-        return (_hwc(node.name, x)[2],)
-    if isinstance(node, Reshape):
-        if math.prod(node.shape) != math.prod(x):
-            raise GraphError(node.name, f"cannot reshape {x} to {node.shape}")
-        return tuple(node.shape)
-    if isinstance(node, Add) and (len(ins) != 2 or ins[0] != ins[1]):
-        raise GraphError(node.name, f"adds tensors of shapes {ins}")
-    return x  # ReLU, ReLU6, Add
-
-
-def _hwc(name: str, shape: Shape) -> tuple[int, int, int]:
-    if len(shape) != 3:
-        raise GraphError(name, f"expects an (H, W, C) input, got {shape}")
-    return shape[0], shape[1], shape[2]
-
-
-def _conv_shape(node: Conv2D, x: Shape) -> Shape:
-    h, w, c = _hwc(node.name, x)
-    if node.depthwise:
-        _, kh, kw, out = node.weight.shape
-        ok = node.groups == c and out % c == 0
-    else:
-        out, kh, kw, cin = node.weight.shape
-        ok = c % node.groups == 0 and cin == c // node.groups and out % node.groups == 0
-    if not ok:
-        raise GraphError(
-            node.name, f"weight {node.weight.shape} (groups {node.groups}) does not fit input {x}"
-        )
-    oh = conv_output_size(h, kh, node.stride[0], node.padding)
-    ow = conv_output_size(w, kw, node.stride[1], node.padding)
-    if oh < 1 or ow < 1:
-        raise GraphError(node.name, f"input {x} is smaller than the {kh}x{kw} window")
-    return (oh, ow, int(out))
-
-
-def infer_shapes(model: Model) -> dict[str, Shape]:
-    """Every tensor's shape (without the batch dimension), checking the graph on the way.
-
-    Args:
-        model: the graph.
-
-    Returns:
-        Tensor name -> shape, input included.
-
-    Raises:
-        GraphError: a node reads a tensor not yet written, or shapes do not fit.
-    """
-    shapes: dict[str, Shape] = {model.input_name: tuple(model.input_shape)}
-    for node in model.nodes:
-        if node.output in shapes:
-            raise GraphError(node.name, f"writes tensor {node.output!r} a second time")
-        shapes[node.output] = _node_shape(node, shapes)
-    return shapes
-
-
 def node_macs(node: Node, out_shape: Shape) -> int:
     """Multiply-accumulates of one node per sample (convolutions and dense layers)."""
     if isinstance(node, Conv2D):
@@ -205,7 +133,7 @@ class _Builder:
         if node.name in self.names:
             raise ZooError(f"duplicate layer name {node.name!r}")
         self.names.add(node.name)
-        self.shapes[node.output] = _node_shape(node, self.shapes)
+        self.shapes[node.output] = node_shape(node, self.shapes)
         self.model.nodes.append(node)
         self.model.output_name = node.output
         return str(node.output)
