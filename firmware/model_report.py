@@ -81,9 +81,9 @@ def _layer_lines(qmodel: QuantModel) -> list[str]:
         "| # | layer | op | output | params | MACs | trainable | board name |",
         "| ---: | --- | --- | --- | ---: | ---: | --- | --- |",
     ]
-    params = {n.name for n in qmodel.model.param_nodes()}
+    params = {n.name: int(n.weight.size + n.bias.size) for n in qmodel.model.param_nodes()}
     for k, node in enumerate(qmodel.model.nodes):
-        count = int(node.weight.size + node.bias.size) if node.name in params else 0  # type: ignore[attr-defined]
+        count = params.get(node.name, 0)
         lines.append(
             f"| {k} | {node.name[:_SHOWN_NAME]} | {type(node).__name__} "
             f"| {list(shapes[node.output])} | {count} | {node_macs(node, shapes[node.output])} "
