@@ -16,7 +16,7 @@ from qsched.daemon.engine import JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.native import HostBoard, m55_unavailable_reason, start_host_board
 from qsched.firmware.qemu import QemuBoard, start_qemu_board
-from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.board import BoardAgent, DatasetCatalog, LatencyProfile, serve_link
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.serial import SerialEndpoint, SerialTransport
 from qsched.zo.blob import encode_dataset_blob
@@ -51,12 +51,13 @@ def dataset_blob(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def _python_board(master: int, board_id: str) -> AsyncIterator[None]:
+async def _python_board(
+    master: int, board_id: str, datasets: DatasetCatalog | None = None
+) -> AsyncIterator[None]:
     """A Python virtual board serving the master side of a pty."""
+    agent = BoardAgent(board_id, latency=LatencyProfile.off(), datasets=datasets)
     async with SerialEndpoint.from_fd(master, board_id) as link, asyncio.TaskGroup() as tasks:
-        task = tasks.create_task(
-            serve_link(BoardAgent(board_id, latency=LatencyProfile.off()), link)
-        )
+        task = tasks.create_task(serve_link(agent, link))
         try:
             yield
         finally:
@@ -70,15 +71,21 @@ async def _all_joined(fleet: Fleet, board_ids: list[str], timeout: float = 30.0)
             await fleet.wait_changed(0.2)
 
 
-async def _train(paths: list[str], python_masters: list[int], board_ids: list[str]) -> JobResult:
+async def _train(
+    paths: list[str],
+    python_masters: list[int],
+    board_ids: list[str],
+    spec: JobSpec = SPEC,
+    datasets: DatasetCatalog | None = None,
+) -> JobResult:
     async with contextlib.AsyncExitStack() as stack:
         for i, master in enumerate(python_masters):
-            await stack.enter_async_context(_python_board(master, f"py-{i}"))
+            await stack.enter_async_context(_python_board(master, f"py-{i}", datasets))
         transport = SerialTransport(paths, reopen_interval=0.05)
         await stack.enter_async_context(transport)
         fleet = await stack.enter_async_context(Fleet(transport))
         await _all_joined(fleet, board_ids)
-        return await asyncio.wait_for(StepEngine(SPEC, fleet).run(), timeout=120)
+        return await asyncio.wait_for(StepEngine(spec, fleet).run(), timeout=300)
 
 
 def _assert_same_training(result: JobResult, reference: TrainResult, board_ids: list[str]) -> None:

@@ -194,3 +194,23 @@ def test_dataset_blob_round_trip() -> None:
     assert back.num_classes == 10 and back.x_val.shape == wl.dataset.x_val.shape
     with pytest.raises(BlobError):
         decode_dataset_blob(blob[:-1])
+
+
+def test_blob_carries_mean_and_pad() -> None:
+    """MEAN (with its folded multiplier) and PAD travel in the blob; the decoded model
+    evaluates as the original, in INT8 and FP32."""
+    from test_zo_tflite_litert import _mean_pad_model
+
+    for keep_dims in (False, True):
+        model = _mean_pad_model(keep_dims, 3)
+        x = np.random.default_rng(0).normal(size=(4, 9, 9, 3)).astype(np.float32)
+        qmodel = quantize_model(model, x)
+        back = decode_blob(encode_blob(qmodel))
+        assert isinstance(back, QuantModel)
+        assert [type(n).__name__ for n in back.model.nodes] == [
+            type(n).__name__ for n in model.nodes
+        ]
+        x_q = quantize_input(qmodel, x)
+        assert np.array_equal(engine.run_int8(back, x_q), engine.run_int8(qmodel, x_q))
+        fp32 = decode_blob(encode_blob(model))
+        assert np.array_equal(engine.run_fp32(fp32, x), engine.run_fp32(model, x))

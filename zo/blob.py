@@ -37,8 +37,10 @@ from qsched.zo.graph import (
     Dense,
     GlobalAvgPool,
     MaxPool,
+    Mean,
     Model,
     Node,
+    Pad,
     Padding,
     QuantizedLayer,
     QuantModel,
@@ -103,6 +105,8 @@ OPCODES: Final[dict[type, int]] = {
     MaxPool: 8,
     GlobalAvgPool: 9,
     Reshape: 10,
+    Mean: 11,
+    Pad: 12,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -318,6 +322,7 @@ def _op_record(
         inp, out = q.tensors[node.inputs[0]], q.tensors[node.output]
         in_zp, out_zp = int(inp.zero_point), int(out.zero_point)
         act_min, act_max, aux, in1_zp = _int8_params(node, q, inp, out, aux)
+    aux = _shape_aux(node, aux)
     if isinstance(node, (Conv2D, Dense)):
         weight, bias = src.weights[node.name], src.biases[node.name]
         w_dims = [*weight.shape, *([0] * (4 - weight.ndim))]
@@ -367,6 +372,16 @@ def _op_record(
     return record, flat
 
 
+def _shape_aux(node: Node, aux: list[int]) -> list[int]:
+    """The aux words that describe a MEAN's or PAD's shape, in both numerics."""
+    if isinstance(node, Mean):
+        return [*aux[:2], int(node.keep_dims), 0, 0, 0, 0]
+    if isinstance(node, Pad):
+        (top, bottom), (left, right) = node.pads
+        return [top, bottom, left, right, 0, 0, 0]
+    return aux
+
+
 def _int8_params(
     node: Node, q: QuantModel, inp: TensorQuant, out: TensorQuant, aux: list[int]
 ) -> tuple[int, int, list[int], int]:
@@ -393,6 +408,10 @@ def _int8_params(
             [int(stage.multiplier[0]), int(stage.shift[0]), 0, 0, 0, 0, 0],
             0,
         )
+    if isinstance(node, Mean):
+        h, w = infer_shapes(q.model)[node.inputs[0]][:2]
+        mean = ki.prepare_mean(inp, out, h * w)
+        return lo, hi, [mean.multiplier, mean.shift, 0, 0, 0, 0, 0], 0
     return lo, hi, aux, 0
 
 
@@ -589,6 +608,8 @@ def _decode_op(
         OPCODES[MaxPool]: MaxPool(name, inputs, output, window, stride, padding),
         OPCODES[GlobalAvgPool]: GlobalAvgPool(name, inputs, output),
         OPCODES[Reshape]: Reshape(name, inputs, output, shapes[f.out]),
+        OPCODES[Mean]: Mean(name, inputs, output, keep_dims=bool(f.aux2)),
+        OPCODES[Pad]: Pad(name, inputs, output, pads=((f.aux0, f.aux1), (f.aux2, f.aux3))),
     }
     if f.opcode not in simple:
         raise BlobError(f"model blob: op {name!r} has unknown opcode {f.opcode}")

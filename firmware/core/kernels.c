@@ -3,6 +3,8 @@
 #include "qs_status.h"
 #include "quant.h"
 
+#include <string.h>
+
 static int32_t offset4(qs_shape s, int32_t n, int32_t h, int32_t w, int32_t c)
 {
     return ((n * s.h + h) * s.w + w) * s.c + c;
@@ -213,5 +215,31 @@ void qs_requant_s8(const qs_requant_params *p, int32_t size, const int8_t *input
             qs_requantize((int32_t)input[i] + p->input_offset, p->multiplier, p->shift, p->single_rounding) +
             p->output_offset;
         output[i] = (int8_t)(o < p->act_min ? p->act_min : (o > p->act_max ? p->act_max : o));
+    }
+}
+
+void qs_mean_s8(const qs_mean_params *p, qs_shape in_shape, const int8_t *input, int8_t *output)
+{
+    const int32_t count = in_shape.h * in_shape.w;
+    for (int32_t c = 0; c < in_shape.c; ++c) {
+        int32_t sum = 0;
+        for (int32_t i = 0; i < count; ++i) {
+            sum += input[i * in_shape.c + c];
+        }
+        const int32_t centred = sum - p->input_zero_point * count;
+        const int32_t y = qs_mbqm(centred, p->multiplier, p->shift) + p->output_zero_point;
+        output[c] = (int8_t)qs_clamp(y, -128, 127);
+    }
+}
+
+void qs_pad_s8(const qs_pad_params *p, qs_shape in_shape, const int8_t *input, int8_t *output)
+{
+    const int32_t out_w = in_shape.w + p->left + p->right;
+    const int32_t out_h = in_shape.h + p->top + p->bottom;
+    const size_t row = (size_t)in_shape.w * (size_t)in_shape.c;
+    memset(output, p->value, (size_t)out_h * (size_t)out_w * (size_t)in_shape.c);
+    for (int32_t y = 0; y < in_shape.h; ++y) {
+        int8_t *dst = output + ((size_t)(y + p->top) * (size_t)out_w + (size_t)p->left) * (size_t)in_shape.c;
+        memcpy(dst, input + (size_t)y * row, row);
     }
 }

@@ -101,4 +101,21 @@ typedef struct {
 /* Requantise element-wise with a clamp: TFLite's int8 ReLU/ReLU6 and rescaling. */
 void qs_requant_s8(const qs_requant_params *p, int32_t size, const int8_t *input, int8_t *output);
 
+typedef struct {
+    int32_t input_zero_point, output_zero_point;
+    int32_t multiplier, shift; /* in_scale / out_scale with 1/count folded in (Prepare) */
+} qs_mean_params;
+
+/* MEAN over height and width, (H, W, C) -> (C): TFLite's reference QuantizedMeanOrSum.
+ * Sums stay below 2^31: count <= QS_MAX_ACC_DEPTH and |x|, |zp| <= 128. */
+void qs_mean_s8(const qs_mean_params *p, qs_shape in_shape, const int8_t *input, int8_t *output);
+
+typedef struct {
+    int32_t top, bottom, left, right;
+    int32_t value; /* the output zero point */
+} qs_pad_params;
+
+/* Constant padding of height and width (TFLite PAD int8): input bytes copied as they are. */
+void qs_pad_s8(const qs_pad_params *p, qs_shape in_shape, const int8_t *input, int8_t *output);
+
 #endif

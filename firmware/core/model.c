@@ -258,6 +258,43 @@ static qs_status prepare_pool(qs_model *m, qs_op *op, const op_record *o)
     return QS_OK;
 }
 
+/* MEAN over height and width: aux = multiplier (1/count folded in), shift, keep_dims. */
+static qs_status prepare_mean(qs_model *m, qs_op *op, const op_record *o)
+{
+    const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
+    const uint32_t keep = (uint32_t)o->aux[2];
+    const int out_ok = keep ? (out->rank == 3u && out->dims[0] == 1u && out->dims[1] == 1u)
+                            : (out->rank == 1u);
+    if (in->rank != 3u || !out_ok || out->size != in->dims[2] || keep > 1u ||
+        in->dims[0] * in->dims[1] > QS_MAX_ACC_DEPTH || o->aux[0] < 0 || o->aux[1] < -31 || o->aux[1] > 30) {
+        return QS_ERR_ARG;
+    }
+    op->in_shape = shape3(in);
+    const qs_mean_params p = {o->in_zp, o->out_zp, o->aux[0], o->aux[1]};
+    op->mean = p;
+    return QS_OK;
+}
+
+/* PAD of height and width with the zero point: aux = top, bottom, left, right. */
+static qs_status prepare_pad(qs_model *m, qs_op *op, const op_record *o)
+{
+    const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
+    for (unsigned i = 0; i < 4u; ++i) {
+        if (o->aux[i] < 0 || o->aux[i] > 0xFFFF) {
+            return QS_ERR_ARG;
+        }
+    }
+    if (in->rank != 3u || out->rank != 3u || !same_quant(in, out) || out->dims[2] != in->dims[2] ||
+        out->dims[0] != in->dims[0] + (uint32_t)o->aux[0] + (uint32_t)o->aux[1] ||
+        out->dims[1] != in->dims[1] + (uint32_t)o->aux[2] + (uint32_t)o->aux[3]) {
+        return QS_ERR_ARG;
+    }
+    op->in_shape = shape3(in);
+    const qs_pad_params p = {o->aux[0], o->aux[1], o->aux[2], o->aux[3], o->out_zp};
+    op->pad = p;
+    return QS_OK;
+}
+
 static qs_status prepare_elementwise(qs_model *m, qs_op *op, const op_record *o)
 {
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
@@ -307,6 +344,8 @@ static qs_status prepare_op(qs_model *m, qs_op *op, const op_record *o, const da
     case QS_OP_RELU6:
     case QS_OP_ADD:
     case QS_OP_RESHAPE: return prepare_elementwise(m, op, o);
+    case QS_OP_MEAN: return prepare_mean(m, op, o);
+    case QS_OP_PAD: return prepare_pad(m, op, o);
     default: return QS_ERR_UNSUPPORTED;
     }
 }
@@ -491,6 +530,8 @@ static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
     case QS_OP_RELU:
     case QS_OP_RELU6: qs_requant_s8(&op->relu, (int32_t)m->tensors[op->out].size, in, out); break;
     case QS_OP_ADD: qs_add_s8(&op->add, (int32_t)m->tensors[op->out].size, in, slot(m, op->in1), out); break;
+    case QS_OP_MEAN: qs_mean_s8(&op->mean, op->in_shape, in, out); break;
+    case QS_OP_PAD: qs_pad_s8(&op->pad, op->in_shape, in, out); break;
     default: memcpy(out, in, m->tensors[op->out].size); break; /* RESHAPE */
     }
 }

@@ -29,7 +29,8 @@
 
 enum {
     QS_OP_CONV = 1, QS_OP_DEPTHWISE = 2, QS_OP_DENSE = 3, QS_OP_RELU = 4, QS_OP_RELU6 = 5,
-    QS_OP_ADD = 6, QS_OP_AVGPOOL = 7, QS_OP_MAXPOOL = 8, QS_OP_GLOBALAVG = 9, QS_OP_RESHAPE = 10
+    QS_OP_ADD = 6, QS_OP_AVGPOOL = 7, QS_OP_MAXPOOL = 8, QS_OP_GLOBALAVG = 9, QS_OP_RESHAPE = 10,
+    QS_OP_MEAN = 11, QS_OP_PAD = 12
 };
 
 typedef struct {
@@ -55,6 +56,8 @@ typedef struct {
     qs_pool_params pool;
     qs_add_params add;
     qs_requant_params relu;
+    qs_mean_params mean;
+    qs_pad_params pad;
     qs_shape in_shape, filter_shape, out_shape;
 } qs_op;
 

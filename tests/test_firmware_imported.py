@@ -1,0 +1,133 @@
+"""Imported models on the fleet: C boards (host build and the emulated Cortex-M55) train a
+user's .tflite model to the single-process weights, long tensor names and the new
+operators (MEAN, PAD) included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_firmware_fleet import _assert_same_training, _closed_cleanly, _train, python_pty
+
+from qsched.firmware.native import m55_unavailable_reason, start_host_board
+from qsched.firmware.qemu import start_qemu_board
+from qsched.firmware.virtual.board import DatasetCatalog
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.zo.blob import encode_dataset_blob
+from qsched.zo.data import RESNET8_CIFAR10
+from qsched.zo.datasets import load_dataset
+from qsched.zo.graph import Conv2D, Dense, Mean, Model, Pad, Reshape
+from qsched.zo.quantize import quantize_model
+from qsched.zo.tflite_io import export_tflite
+from qsched.zo.trainer import train_zo
+from qsched.zo.workload import Workload
+
+pytestmark = pytest.mark.slow
+__all__ = ["python_pty"]  # the fixture, shared with test_firmware_fleet
+FIXED4 = PolicySpec(name="fixed", config={"q": 4})
+
+
+def _mean_pad_backbone(path: Path) -> Path:
+    """A small model with PAD and MEAN for 8x8 digits, quantised and written as .tflite."""
+    rng = np.random.default_rng(5)
+    nodes = [
+        Conv2D("c1", ["input"], "c1", rng.normal(0, 0.5, (4, 3, 3, 1)).astype(np.float32),
+               rng.normal(0, 0.1, 4).astype(np.float32), activation="relu"),
+        Pad("pad", ["c1"], "pad", pads=((0, 1), (1, 0))),
+        Conv2D("c2", ["pad"], "c2", rng.normal(0, 0.3, (6, 3, 3, 4)).astype(np.float32),
+               rng.normal(0, 0.1, 6).astype(np.float32), stride=(2, 2), padding="valid",
+               activation="relu"),
+        Mean("gap", ["c2"], "gap", keep_dims=True),
+        Reshape("flat", ["gap"], "flat", (6,)),
+        Dense("head", ["flat"], "head", rng.normal(0, 0.4, (10, 6)).astype(np.float32),
+              np.zeros(10, np.float32)),
+    ]  # fmt: skip
+    model = Model("mean_pad_digits", "input", (8, 8, 1), nodes, "head", 10)
+    x = load_dataset("digits").x_train[:64]
+    path.write_bytes(export_tflite(quantize_model(model, x)))
+    return path
+
+
+def _dataset_blob(spec: JobSpec, path: Path) -> Path:
+    workload = Workload.from_spec(spec)
+    assert workload.qmodel is not None
+    path.write_bytes(encode_dataset_blob(workload.dataset, workload.qmodel))
+    return path
+
+
+async def test_imported_resnet8_on_a_c_board_matches_reference(
+    tmp_path: Path, python_pty: tuple[int, str]
+) -> None:
+    """MLPerf Tiny's ResNet-8 (converter names of 40-80 bytes, SOFTMAX kept aside), its head
+    fine-tuned by a C board and a Python board: the single-process weights."""
+    spec = JobSpec(
+        name="r8-fleet",
+        dataset="eurosat:size=32,scale=255,limit_per_class=4",
+        backbone=str(RESNET8_CIFAR10),
+        numerics="int8",
+        trainable="last:2",
+        steps=4,
+        eval_every=4,
+        batch_size=8,
+        lr=100,
+        policy=FIXED4,
+    )
+    data = _dataset_blob(spec, tmp_path / "eurosat.qzds")
+    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0")
+    try:
+        held = DatasetCatalog(preloaded={"eurosat32x255": load_dataset(spec.dataset)})
+        result = await _train(
+            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec, held
+        )
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+
+
+def _mean_pad_spec(tmp_path: Path) -> JobSpec:
+    backbone = _mean_pad_backbone(tmp_path / "mean_pad.tflite")
+    return JobSpec(
+        name="mean-pad",
+        backbone=str(backbone),
+        numerics="int8",
+        steps=6,
+        eval_every=3,
+        batch_size=16,
+        policy=FIXED4,
+    )
+
+
+async def test_imported_mean_pad_model_on_a_c_board_matches_reference(
+    tmp_path: Path, python_pty: tuple[int, str]
+) -> None:
+    """A model with MEAN and PAD, every layer trained, on a C board (sanitizer build) and a
+    Python board: the single-process weights."""
+    spec = _mean_pad_spec(tmp_path)
+    data = _dataset_blob(spec, tmp_path / "digits.qzds")
+    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0", sanitized=True)
+    try:
+        result = await _train(
+            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec
+        )
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+
+
+@pytest.mark.qemu
+@pytest.mark.skipif(m55_unavailable_reason() is not None, reason=str(m55_unavailable_reason()))
+async def test_imported_mean_pad_model_on_the_emulated_m55_matches_reference(
+    tmp_path: Path, python_pty: tuple[int, str]
+) -> None:
+    """The same imported model on the emulated Cortex-M55 and a Python board."""
+    spec = _mean_pad_spec(tmp_path)
+    data = _dataset_blob(spec, tmp_path / "digits.qzds")
+    m55 = start_qemu_board(tmp_path / "m55-0", dataset=data)
+    try:
+        result = await _train(
+            [str(m55.link_path), python_pty[1]], [python_pty[0]], ["qemu-an547", "py-0"], spec
+        )
+    finally:
+        m55.close()
+    _assert_same_training(result, train_zo(spec), ["qemu-an547", "py-0"])
