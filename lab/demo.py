@@ -498,7 +498,12 @@ async def run_demo(options: DemoOptions, stream: TextIO | None = None) -> DemoSu
     fleet_name = f"demo-{os.getpid()}-{int(time.time())}"
     link = f"MQTT {options.mqtt}" if options.mqtt else "serial pseudo-terminals"
     bar = ProgressLine(spec.steps, label="demo", stream=stream) if options.progress else None
-    extra = ["--model-latency", options.model_latency]
+    # The boards hold the job's data set under the name the daemon selects it by
+    # (``eurosat:size=32`` is selected as ``eurosat32``), not only the built-in ones.
+    from qsched.zo.datasets import load_dataset
+
+    held = f"{load_dataset(spec.dataset).name}={spec.dataset}"
+    extra = ["--model-latency", options.model_latency, "--dataset", held]
     with open(out / "boards.log", "wb") as board_log:
         async with (
             board_processes(

@@ -503,6 +503,7 @@ def _strip_edges(r: _Reader, ops: list[Any]) -> _Edges:
         readers = [op for op in edges.ops if edges.model_input in op.inputs]
         if len(readers) != 1 or _opcode(r.model, readers[0]) != _OP.QUANTIZE:
             break
+        _check_input_adapter(r, edges.model_input, readers[0].outputs[0])
         edges.ops.remove(readers[0])
         edges.input_ops.append("QUANTIZE")
         edges.model_input = readers[0].outputs[0]
@@ -517,6 +518,26 @@ def _strip_edges(r: _Reader, ops: list[Any]) -> _Edges:
         edges.output_ops.insert(0, op_name(_opcode(r.model, producer)))
         edges.model_output = source
     return edges
+
+
+def _check_input_adapter(r: _Reader, file_input: int, quantised: int) -> None:
+    """Data are fed to the trained graph quantised once with its int8 input's parameters.
+    That is the file's own QUANTIZE for a float input; for a uint8 input it is exact only
+    when the requantisation is the identity shifted by 128 (what converters write)."""
+    t = r.tensor(file_input, "model input")
+    if t.type == _TT.FLOAT32:
+        return
+    q = t.quantization
+    if t.type != _TT.UINT8 or q is None or q.scale is None or len(q.scale) != 1:
+        raise TFLiteError(f"model input {r.names[file_input]!r}: type {t.type} is not supported")
+    r.activation(quantised, "QUANTIZE")
+    inner = r.tensors[r.names[quantised]]
+    zp = int(q.zeroPoint[0]) if q.zeroPoint is not None and len(q.zeroPoint) else 0
+    if float(np.float32(q.scale[0])) != inner.scale or zp - 128 != inner.zero_point:
+        raise TFLiteError(
+            "a uint8 input requantised to another scale or zero point than "
+            "(same scale, zero point - 128) is not supported"
+        )
 
 
 def _fold_shape_arithmetic(r: _Reader, ops: list[Any]) -> tuple[list[Any], list[str]]:

@@ -26,11 +26,17 @@ import numpy.typing as npt
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
-from qsched.zo.errors import StateError, WorkloadError
+from qsched.zo.errors import StateError, WorkloadError, ZooError
 from qsched.zo.graph import Model, QuantizedLayer, QuantModel
-from qsched.zo.quantize import asymmetric_params, dequantize_weights, quantize_input, quantize_model
+from qsched.zo.quantize import (
+    asymmetric_params,
+    dequantize_weights,
+    quantize_input,
+    quantize_model,
+    quantize_weight,
+)
 from qsched.zo.spsa import LossPairs
-from qsched.zo.zoo import build_model
+from qsched.zo.zoo import build_model, replace_classifier
 
 __all__ = [
     "CALIBRATION_SAMPLES",
@@ -323,6 +329,8 @@ class Workload:
         dataset = load_dataset(spec.dataset)
         if backbone is None and spec.backbone is not None:
             backbone = _load_backbone(spec.backbone)
+        if backbone is not None:
+            backbone = _adapt_backbone(backbone, spec, dataset)
         if isinstance(backbone, QuantModel):
             model = backbone.model
         elif isinstance(backbone, Model):
@@ -736,10 +744,59 @@ def calibration_indices(
     return np.unique(idx.astype(np.int64))
 
 
+# model_options of a job with a backbone (the zoo's options need no backbone).
+BACKBONE_OPTIONS: Final = {"head": ("keep", "new")}
+
+
+def _adapt_backbone(
+    backbone: Model | QuantModel, spec: JobSpec, dataset: Dataset
+) -> Model | QuantModel:
+    """The backbone as the job's ``model_options`` ask: ``head: new`` replaces its last
+    Dense layer by a fresh one for the data set's classes (fine-tuning for other classes)."""
+    unknown = sorted(set(spec.model_options) - set(BACKBONE_OPTIONS))
+    head = spec.model_options.get("head", "keep")
+    if unknown or head not in BACKBONE_OPTIONS["head"]:
+        raise WorkloadError(
+            f"a job with a backbone takes model_options head='keep' or 'new', "
+            f"got {dict(spec.model_options)}"
+        )
+    if head == "keep":
+        return backbone
+    try:
+        if isinstance(backbone, Model):
+            return replace_classifier(backbone, dataset.num_classes, spec.seed)
+        return new_quantized_head(backbone, dataset.num_classes, spec.seed)
+    except ZooError as exc:
+        raise WorkloadError(f"backbone {spec.backbone!r}: {exc}") from None
+
+
+def new_quantized_head(qmodel: QuantModel, num_classes: int, seed: int) -> QuantModel:
+    """An INT8 model whose last Dense layer is fresh, for ``num_classes`` classes.
+
+    The head's weights are drawn as the zoo draws them and quantised per channel; its
+    bias is zero; its logits get the range ``[-LOGIT_RANGE, LOGIT_RANGE]`` (a fresh head's
+    outputs start near zero and grow as it trains). Every other layer, tensor and scale
+    is the backbone's. The result has no source file: its classes differ from the file's,
+    so it exports in qsched's own form.
+    """
+    fresh = replace_classifier(qmodel.model, num_classes, seed)
+    head = fresh.nodes[-1]
+    weight, scales = quantize_weight(head.weight, 0)
+    layers = dict(qmodel.layers)
+    layers[head.name] = QuantizedLayer(weight, scales, np.zeros(num_classes, np.int32))
+    tensors = dict(qmodel.tensors)
+    tensors[head.output] = asymmetric_params(-LOGIT_RANGE, LOGIT_RANGE)
+    model = dequantize_weights(QuantModel(model=fresh, tensors=tensors, layers=layers))
+    return QuantModel(model=model, tensors=tensors, layers=layers)
+
+
 def _load_backbone(path: str) -> Model | QuantModel:
     """A pretrained model from a .tflite (INT8) file."""
     if path.endswith(".tflite"):
         from qsched.zo.tflite_io import read_tflite
 
-        return read_tflite(path)
+        try:
+            return read_tflite(path)
+        except OSError as exc:
+            raise WorkloadError(f"backbone {path!r}: {exc.strerror or exc}") from None
     raise WorkloadError(f"backbone {path!r}: only .tflite files are supported")
