@@ -179,3 +179,20 @@ def test_import_real_resnet8_trains_and_exports_in_its_own_form(
     np.testing.assert_array_equal(
         run_int8(trained, x), it.get_tensor(index[trained.model.output_name])
     )
+
+
+def test_readme_example_spec_resolves() -> None:
+    """The README's job spec is valid, and its backbone and data set load (from the
+    repository root, where the README's commands run)."""
+    from qsched.protocol.jobspec import JobSpec
+    from qsched.zo.workload import Workload
+
+    root = Path(__file__).parents[1]
+    spec = JobSpec.model_validate(
+        json.loads((root / "docs/examples/resnet8-eurosat.json").read_text())
+    )
+    assert spec.backbone is not None and (root / spec.backbone).exists()
+    spec = spec.model_copy(update={"backbone": str(root / spec.backbone)})
+    workload = Workload.from_spec(spec)
+    assert workload.trainable_layers == [workload.model.nodes[-1].name]
+    assert workload.dataset.name == "eurosat32x255"  # the name the README's boards hold
