@@ -27,7 +27,7 @@ from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
 from qsched.zo.errors import StateError, WorkloadError, ZooError
-from qsched.zo.graph import Model, QuantizedLayer, QuantModel
+from qsched.zo.graph import Dense, Model, QuantizedLayer, QuantModel
 from qsched.zo.quantize import (
     asymmetric_params,
     dequantize_weights,
@@ -781,6 +781,7 @@ def new_quantized_head(qmodel: QuantModel, num_classes: int, seed: int) -> Quant
     """
     fresh = replace_classifier(qmodel.model, num_classes, seed)
     head = fresh.nodes[-1]
+    assert isinstance(head, Dense)  # replace_classifier guarantees it
     weight, scales = quantize_weight(head.weight, 0)
     layers = dict(qmodel.layers)
     layers[head.name] = QuantizedLayer(weight, scales, np.zeros(num_classes, np.int32))
