@@ -125,7 +125,7 @@ def test_demo_unrunnable_job_is_one_line(
     assert main(["--out", str(tmp_path / "b"), "--set", 'model_options={"hidden": -3}']) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("qsched demo: the job cannot run") == 2
-    assert f"{missing}: No such file" in err and "hidden=-3" in err
+    assert f"backbone '{missing}': No such file" in err and "hidden=-3" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
