@@ -5,9 +5,9 @@ CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D, 
 (over height and width), PAD and PADV2 (height and width, with the zero point),
 RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as
 adapters (``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
-AVERAGE_POOL_2D over the whole feature map whose only reader
-is a RESHAPE to ``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the
-graph nodes are the dequantised int8 weights.
+AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to
+``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the graph nodes are the
+dequantised int8 weights.
 """
 
 from __future__ import annotations
@@ -374,6 +374,9 @@ def _pad(r: _Reader, op: Any, where: str) -> Node:
     out = r.activation(op.outputs[0], where)
     if len(pads) != 8 or pads[:2] != [0, 0] or pads[6:] != [0, 0] or min(pads) < 0:
         raise TFLiteError(f"{where}: PAD is supported on height and width only, got {pads}")
+    a, b = r.tensors[x], r.tensors[out]
+    if (a.scale, a.zero_point) != (b.scale, b.zero_point):
+        raise TFLiteError(f"{where}: PAD whose output is quantised unlike its input")
     if len(op.inputs) > 2 and op.inputs[2] >= 0:
         value = int(r.data(op.inputs[2], where, np.int8).reshape(-1)[0])
         if value != r.tensors[out].zero_point:
