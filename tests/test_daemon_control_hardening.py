@@ -205,3 +205,29 @@ async def test_hardening_hello_claiming_another_id_is_refused(
         listed = await send_command(daemon.config.mqtt, daemon.topics, {"type": "list_boards"}, 10)
         ids = {board.board_id for board in listed.boards or ()}  # type: ignore[union-attr]
         assert "b9" in ids and "impostor" not in ids
+
+
+async def test_hardening_unsupported_model_is_one_typed_reply(
+    mqtt_broker: MosquittoBroker, tmp_path: Path
+) -> None:
+    """A backbone with operators qsched lacks: invalid_command naming the file and every
+    one of them; no job folder, and the daemon goes on."""
+    from test_zo_tflite_import_real import _with_opcodes
+
+    from qsched.zo._tflite_common import schema
+    from qsched.zo.data import RESNET8_CIFAR10
+
+    op = schema.BuiltinOperator
+    model = tmp_path / "odd.tflite"
+    model.write_bytes(_with_opcodes(RESNET8_CIFAR10.read_bytes(), {op.ADD: op.HARD_SWISH}))
+    spec = {"name": "odd", "backbone": str(model), "numerics": "int8", "dataset": "eurosat:size=32"}
+    document = json.dumps({"type": "start_job", "request_id": "u", "spec": spec})
+    async with _daemon(mqtt_broker, tmp_path / "state") as daemon:
+        (reply,) = await _exchange(mqtt_broker, [document])
+        assert reply["code"] == "invalid_command"
+        assert (
+            f"{model}: unsupported operators: HARD_SWISH (operators #3, #7, #11)"
+            in reply["message"]
+        )
+        assert daemon.job is None
+        await _alive(daemon, mqtt_broker)
