@@ -10,7 +10,17 @@ from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from qsched.zo import prng
 from qsched.zo.engine import run_int8, run_int8_perturbed
-from qsched.zo.graph import Conv2D, Dense, Mean, Model, Pad, QuantModel, Reshape, TensorQuant
+from qsched.zo.graph import (
+    Concat,
+    Conv2D,
+    Dense,
+    Mean,
+    Model,
+    Pad,
+    QuantModel,
+    Reshape,
+    TensorQuant,
+)
 from qsched.zo.quantize import quantize_input, quantize_model
 from qsched.zo.tflite_io import export_tflite, import_tflite, weight_tensor_name
 from qsched.zo.zoo import build_model
@@ -118,23 +128,28 @@ def test_tflite_zoo_round_trip(key: str) -> None:
 
 
 def _mean_pad_model(keep_dims: bool, seed: int) -> Model:
-    """conv -> PAD (uneven, like a stride-2 MobileNet) -> conv -> MEAN -> dense."""
+    """conv -> PAD (uneven, like a stride-2 MobileNet) -> two convs -> CONCATENATION ->
+    MEAN -> dense."""
     rng = np.random.default_rng(seed)
     w1 = rng.normal(0, 0.4, (6, 3, 3, 3)).astype(np.float32)
-    w2 = rng.normal(0, 0.3, (8, 3, 3, 6)).astype(np.float32)
-    nodes: list[Any] = [
-        Conv2D("c1", ["input"], "c1", w1, rng.normal(0, 0.1, 6).astype(np.float32)),
-        Pad("pad", ["c1"], "pad", pads=((0, 1), (1, 2))),
+    halves = [
         Conv2D(
-            "c2",
+            name,
             ["pad"],
-            "c2",
-            w2,
-            rng.normal(0, 0.1, 8).astype(np.float32),
+            name,
+            rng.normal(0, 0.3, (4, 3, 3, 6)).astype(np.float32),
+            rng.normal(0, 0.1, 4).astype(np.float32),
             stride=(2, 2),
             padding="valid",
             activation="relu",
-        ),
+        )
+        for name in ("c2a", "c2b")
+    ]
+    nodes: list[Any] = [
+        Conv2D("c1", ["input"], "c1", w1, rng.normal(0, 0.1, 6).astype(np.float32)),
+        Pad("pad", ["c1"], "pad", pads=((0, 1), (1, 2))),
+        *halves,
+        Concat("c2", ["c2a", "c2b"], "c2"),
         Mean("gap", ["c2"], "gap", keep_dims=keep_dims),
     ]
     last = "gap"
@@ -149,8 +164,9 @@ def _mean_pad_model(keep_dims: bool, seed: int) -> Model:
 @pytest.mark.parametrize("keep_dims", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tflite_litert_mean_and_pad_bit_exact(keep_dims: bool, seed: int) -> None:
-    """MEAN over height and width (requantised) and PAD with the zero point equal LiteRT's
-    reference kernels on every tensor, and the file reads back to the same graph."""
+    """MEAN over height and width (requantised), PAD with the zero point and CONCATENATION
+    equal LiteRT's reference kernels on every tensor, and the file reads back to the same
+    graph."""
     model = _mean_pad_model(keep_dims, seed)
     rng = np.random.default_rng(seed)
     qm = quantize_model(model, rng.normal(size=(32, 9, 9, 3)).astype(np.float32))
@@ -191,3 +207,57 @@ def test_tflite_mean_requantises_like_the_reference_for_many_counts() -> None:
         it.invoke()
         theirs = it.get_tensor(it.get_output_details()[0]["index"])
         np.testing.assert_array_equal(run_int8(qm, x), theirs, err_msg=f"{side}x{side}")
+
+
+def test_tflite_concatenation_of_three_becomes_a_chain() -> None:
+    """A three-input CONCATENATION (as converters write) imports as two joins and equals
+    LiteRT on the logits."""
+    import flatbuffers
+
+    from qsched.zo._tflite_common import schema
+
+    rng = np.random.default_rng(4)
+    convs = [
+        Conv2D(
+            n,
+            ["input"],
+            n,
+            rng.normal(0, 0.4, (2, 1, 1, 3)).astype(np.float32),
+            np.zeros(2, np.float32),
+        )
+        for n in ("a", "b", "c")
+    ]
+    nodes: list[Any] = [*convs, Concat("ab", ["a", "b"], "ab"), Concat("abc", ["ab", "c"], "abc")]
+    nodes.append(Mean("gap", ["abc"], "gap"))
+    nodes.append(
+        Dense(
+            "head",
+            ["gap"],
+            "head",
+            rng.normal(0, 0.3, (4, 6)).astype(np.float32),
+            np.zeros(4, np.float32),
+        )
+    )
+    qm = quantize_model(
+        Model("cat3", "input", (5, 5, 3), nodes, "head", 4),
+        rng.normal(size=(16, 5, 5, 3)).astype(np.float32),
+    )
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(export_tflite(qm, batch=_BATCH), 0))
+    graph = model.subgraphs[0]
+    names = [t.name.decode() for t in graph.tensors]
+    first = next(op for op in graph.operators if names[op.outputs[0]] == "ab")
+    second = next(op for op in graph.operators if names[op.outputs[0]] == "abc")
+    second.inputs = [*first.inputs, names.index("c")]
+    graph.operators.remove(first)
+    builder = flatbuffers.Builder(0)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    data = bytes(builder.Output())
+    back = import_tflite(data)
+    assert [type(n).__name__ for n in back.model.nodes].count("Concat") == 2
+    x = quantize_input(qm, rng.normal(size=(_BATCH, 5, 5, 3)).astype(np.float32))
+    it = _interpreter(data)
+    it.set_tensor(it.get_input_details()[0]["index"], x)
+    it.invoke()
+    np.testing.assert_array_equal(
+        run_int8(back, x), it.get_tensor(it.get_output_details()[0]["index"])
+    )

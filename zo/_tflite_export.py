@@ -28,6 +28,7 @@ from qsched.zo._tflite_common import (
 from qsched.zo.graph import (
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
@@ -61,6 +62,7 @@ _VERSIONS = {
     _OP.RELU6: 2,
     _OP.MEAN: 2,
     _OP.PAD: 2,
+    _OP.CONCATENATION: 2,
 }
 _GROUPED_CONV_VERSION = 6
 _PADDING = {"same": schema.Padding.SAME, "valid": schema.Padding.VALID}
@@ -386,6 +388,17 @@ def _pad(w: _Writer, qm: QuantModel, node: Pad) -> None:
     )
 
 
+def _concat(w: _Writer, qm: QuantModel, node: Concat) -> None:
+    a = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
+    b = w.shapes[node.inputs[1]]
+    shape = (*a[:-1], a[-1] + b[-1])
+    oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
+    o = schema.ConcatenationOptionsT()
+    o.axis, o.fusedActivationFunction = -1, schema.ActivationFunctionType.NONE
+    inputs = [w.index[t] for t in node.inputs]
+    w.op(_OP.CONCATENATION, inputs, [oi], o, schema.BuiltinOptions.ConcatenationOptions)
+
+
 def _relu(w: _Writer, qm: QuantModel, node: ReLU | ReLU6) -> None:
     shape = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
@@ -412,6 +425,8 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
         _mean(w, qm, node)
     elif isinstance(node, Pad):
         _pad(w, qm, node)
+    elif isinstance(node, Concat):
+        _concat(w, qm, node)
     else:
         raise TFLiteError(f"layer {node.name!r}: no .tflite form for {type(node).__name__}")
 

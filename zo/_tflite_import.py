@@ -3,7 +3,7 @@
 Accepts the operators the writer emits (and the same operators from other tools):
 CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D, MEAN
 (over height and width), PAD and PADV2 (height and width, with the zero point),
-RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as
+CONCATENATION (channel axis), RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as
 adapters (``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
 AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to
 ``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the graph nodes are the
@@ -31,6 +31,7 @@ from qsched.zo._tflite_common import (
 from qsched.zo.graph import (
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
@@ -385,6 +386,29 @@ def _pad(r: _Reader, op: Any, where: str) -> Node:
     return Pad(_claim(r, out), [x], out, pads=((top, bottom), (left, right)))
 
 
+def _concatenation(r: _Reader, op: Any, where: str) -> Node:
+    """CONCATENATION on the channel axis, inputs and output quantised alike (TFLite's
+    int8 kernel requires it). More than two inputs become a chain of two-input joins
+    whose intermediate tensors share those parameters."""
+    _check_arity(op, where, 2)
+    o = _options(op, schema.BuiltinOptions.ConcatenationOptions, where)
+    rank = len(r.shape(op.outputs[0], where))
+    if o.axis % rank != rank - 1 or o.fusedActivationFunction != schema.ActivationFunctionType.NONE:
+        raise TFLiteError(f"{where}: CONCATENATION is supported on the channel axis only")
+    xs = [r.activation(i, where) for i in op.inputs]
+    out = r.activation(op.outputs[0], where)
+    q = r.tensors[out]
+    if any((r.tensors[x].scale, r.tensors[x].zero_point) != (q.scale, q.zero_point) for x in xs):
+        raise TFLiteError(f"{where}: CONCATENATION inputs quantised unlike its output")
+    left = xs[0]
+    for k, right in enumerate(xs[1:-1]):
+        joined = f"{out}/join{k}"
+        r.tensors[joined] = q
+        r.nodes.append(Concat(_claim(r, joined), [left, right], joined))
+        left = joined
+    return Concat(_claim(r, out), [left, xs[-1]], out)
+
+
 def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
     if code in (_OP.CONV_2D, _OP.DEPTHWISE_CONV_2D):
         return _conv(r, op, code, where), 1
@@ -403,6 +427,8 @@ def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
         ), 1
     if code == _OP.MEAN:
         return _mean(r, op, where), 1
+    if code == _OP.CONCATENATION:
+        return _concatenation(r, op, where), 1
     if code in (_OP.PAD, _OP.PADV2):
         return _pad(r, op, where), 1
     x = r.activation(op.inputs[0], where)
@@ -646,6 +672,7 @@ _SUPPORTED = frozenset(
         _OP.MEAN,
         _OP.PAD,
         _OP.PADV2,
+        _OP.CONCATENATION,
     }
 )
 

@@ -33,6 +33,7 @@ from qsched.zo.graph import (
     Activation,
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
@@ -107,6 +108,7 @@ OPCODES: Final[dict[type, int]] = {
     Reshape: 10,
     Mean: 11,
     Pad: 12,
+    Concat: 13,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -408,6 +410,8 @@ def _int8_params(
             [int(stage.multiplier[0]), int(stage.shift[0]), 0, 0, 0, 0, 0],
             0,
         )
+    if isinstance(node, Concat):
+        return lo, hi, aux, int(q.tensors[node.inputs[1]].zero_point)
     if isinstance(node, Mean):
         h, w = infer_shapes(q.model)[node.inputs[0]][:2]
         mean = ki.prepare_mean(inp, out, h * w)
@@ -609,6 +613,7 @@ def _decode_op(
         OPCODES[GlobalAvgPool]: GlobalAvgPool(name, inputs, output),
         OPCODES[Reshape]: Reshape(name, inputs, output, shapes[f.out]),
         OPCODES[Mean]: Mean(name, inputs, output, keep_dims=bool(f.aux2)),
+        OPCODES[Concat]: Concat(name, inputs, output),
         OPCODES[Pad]: Pad(name, inputs, output, pads=((f.aux0, f.aux1), (f.aux2, f.aux3))),
     }
     if f.opcode not in simple:

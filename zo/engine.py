@@ -37,6 +37,7 @@ from qsched.zo import native
 from qsched.zo.graph import (
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
@@ -186,9 +187,20 @@ def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = y.reshape(*y.shape[:2], 1, 1, -1) if node.keep_dims else y
     elif isinstance(node, Pad):
         y = kf.pad(x, node.pads)
+    elif isinstance(node, Concat):
+        y = _concat(x, env[node.inputs[1]])
     else:
         y = _shape_op(node, x, kf)
     return y
+
+
+def _concat(a: Array, b: Array) -> Array:
+    """Channels of ``a`` then ``b``; either may be one shared copy (P = 1) of a frozen
+    layer's output while the other holds P perturbed copies."""
+    if a.shape[0] != b.shape[0]:
+        p = max(a.shape[0], b.shape[0])
+        a, b = (np.broadcast_to(t, (p, *t.shape[1:])) for t in (a, b))
+    return np.concatenate([a, b], axis=-1)
 
 
 def _shape_op(node: Node, x: Array, kernels: Any) -> Array:
@@ -276,6 +288,8 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = ki.mean(x, stage, node.keep_dims)
     elif isinstance(node, Pad):
         y = ki.pad(x, node.pads, stage)
+    elif isinstance(node, Concat):
+        y = _concat(x, env[node.inputs[1]])
     else:
         y = _shape_op(node, x, ki)
     return y

@@ -26,6 +26,7 @@ __all__ = [
     "Activation",
     "Add",
     "AvgPool",
+    "Concat",
     "Conv2D",
     "Dense",
     "GlobalAvgPool",
@@ -123,6 +124,13 @@ class GlobalAvgPool(_NodeFields):
 
 
 @dataclass(eq=False)
+class Concat(_NodeFields):
+    """Two tensors joined along the channel (last) axis (TFLite CONCATENATION); in INT8
+    both inputs and the output share one scale and zero point, as TFLite's int8 kernel
+    requires, so the bytes are copied."""
+
+
+@dataclass(eq=False)
 class Mean(_NodeFields):
     """Mean over height and width (TFLite MEAN, axes 1 and 2), requantised in INT8:
     (N, H, W, C) -> (N, C), or (N, 1, 1, C) with ``keep_dims``."""
@@ -146,7 +154,18 @@ class Reshape(_NodeFields):
 
 
 Node: TypeAlias = (
-    Conv2D | Dense | ReLU | ReLU6 | Add | AvgPool | MaxPool | GlobalAvgPool | Mean | Pad | Reshape
+    Conv2D
+    | Dense
+    | ReLU
+    | ReLU6
+    | Add
+    | AvgPool
+    | MaxPool
+    | GlobalAvgPool
+    | Mean
+    | Pad
+    | Concat
+    | Reshape
 )
 ParamNode: TypeAlias = Conv2D | Dense
 

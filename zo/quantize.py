@@ -20,6 +20,7 @@ from qsched.zo.engine import fp32_tensors
 from qsched.zo.fixedpoint import round_half_away
 from qsched.zo.graph import (
     AvgPool,
+    Concat,
     Conv2D,
     GlobalAvgPool,
     MaxPool,
@@ -123,6 +124,24 @@ def _ranges(model: Model, x: F32) -> dict[str, tuple[float, float]]:
     return ranges
 
 
+def _shared_concat_ranges(
+    model: Model, ranges: dict[str, tuple[float, float]]
+) -> dict[str, tuple[float, float]]:
+    """One range for a Concat's inputs and output (TFLite's int8 kernel copies bytes, so
+    they must share scale and zero point), as TensorFlow's converter arranges."""
+    out = dict(ranges)
+    changed = True
+    while changed:  # joins of joins: until every chain shares one range
+        changed = False
+        for node in model.nodes:
+            if isinstance(node, Concat):
+                names = [*node.inputs, node.output]
+                joint = (min(out[n][0] for n in names), max(out[n][1] for n in names))
+                changed |= any(out[n] != joint for n in names)
+                out.update(dict.fromkeys(names, joint))
+    return out
+
+
 def quantize_model(model: Model, calibration_inputs: npt.ArrayLike) -> QuantModel:
     """Post-training quantisation from float calibration data.
 
@@ -136,13 +155,18 @@ def quantize_model(model: Model, calibration_inputs: npt.ArrayLike) -> QuantMode
     x = np.asarray(calibration_inputs, dtype=np.float32)
     if x.shape[0] == 0:
         raise ValueError("calibration needs at least one sample")
-    ranges = _ranges(model, x)
+    ranges = _shared_concat_ranges(model, _ranges(model, x))
     tensors = {model.input_name: asymmetric_params(*ranges[model.input_name])}
     for node in model.nodes:
         if isinstance(node, _PASSTHROUGH):
             tensors[node.output] = tensors[node.inputs[0]]
         else:
             tensors[node.output] = asymmetric_params(*ranges[node.output])
+    for node in model.nodes:
+        params = {(tensors[t].scale, tensors[t].zero_point) for t in [*node.inputs, node.output]}
+        if isinstance(node, Concat) and len(params) != 1:
+            # An input whose parameters are another tensor's (a pool's output) cannot move.
+            raise ValueError(f"layer {node.name!r}: Concat inputs cannot share one scale here")
     layers = {}
     for node in model.param_nodes():
         q, scales = quantize_weight(node.weight, weight_channel_axis(node))

@@ -15,6 +15,7 @@ from qsched.zo.errors import GraphError
 from qsched.zo.graph import (
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
@@ -120,6 +121,12 @@ def node_shape(node: Node, shapes: Mapping[str, Shape]) -> Shape:
         return (1, 1, c) if node.keep_dims else (c,)
     if isinstance(node, Pad):
         return _pad_shape(node, shape)
+    if isinstance(node, Concat):
+        if len(ins) != 2 or len(ins[0]) != len(ins[1]) or ins[0][:-1] != ins[1][:-1]:
+            raise GraphError(
+                node.name, f"Concat needs two tensors differing in channels, got {ins}"
+            )
+        return (*shape[:-1], shape[-1] + ins[1][-1])
     if isinstance(node, Reshape):
         if int(np.prod(node.shape)) != int(np.prod(shape)):
             raise GraphError(node.name, f"cannot reshape {shape} to {node.shape}")

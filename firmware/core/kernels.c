@@ -243,3 +243,13 @@ void qs_pad_s8(const qs_pad_params *p, qs_shape in_shape, const int8_t *input, i
         memcpy(dst, input + (size_t)y * row, row);
     }
 }
+
+void qs_concat_s8(uint32_t rows, uint32_t a_channels, const int8_t *a, uint32_t b_channels, const int8_t *b,
+                  int8_t *output)
+{
+    for (uint32_t r = 0; r < rows; ++r) {
+        memcpy(output, a + (size_t)r * a_channels, a_channels);
+        memcpy(output + a_channels, b + (size_t)r * b_channels, b_channels);
+        output += a_channels + b_channels;
+    }
+}

@@ -118,4 +118,8 @@ typedef struct {
 /* Constant padding of height and width (TFLite PAD int8): input bytes copied as they are. */
 void qs_pad_s8(const qs_pad_params *p, qs_shape in_shape, const int8_t *input, int8_t *output);
 
+/* CONCATENATION on the last axis of rows elements: each row is a's channels then b's. */
+void qs_concat_s8(uint32_t rows, uint32_t a_channels, const int8_t *a, uint32_t b_channels, const int8_t *b,
+                  int8_t *output);
+
 #endif

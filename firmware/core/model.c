@@ -295,6 +295,29 @@ static qs_status prepare_pad(qs_model *m, qs_op *op, const op_record *o)
     return QS_OK;
 }
 
+/* CONCATENATION on the channel axis: both inputs and the output quantised alike (the
+ * int8 kernel copies bytes), the same leading dims, the output's channels their sum. */
+static qs_status prepare_concat(qs_model *m, qs_op *op, const op_record *o)
+{
+    const qs_tensor *a = &m->tensors[o->in0], *b = &m->tensors[o->in1], *out = &m->tensors[o->out];
+    if (a->rank != b->rank || a->rank != out->rank || a->rank == 0u || !same_quant(a, out) ||
+        !same_quant(b, out) || !act_ok(o)) {
+        return QS_ERR_ARG;
+    }
+    const uint32_t last = a->rank - 1u;
+    for (uint32_t i = 0; i < last; ++i) {
+        if (a->dims[i] != b->dims[i] || a->dims[i] != out->dims[i]) {
+            return QS_ERR_ARG;
+        }
+    }
+    if (out->dims[last] != a->dims[last] + b->dims[last]) {
+        return QS_ERR_ARG;
+    }
+    op->concat_a = a->dims[last];
+    op->concat_b = b->dims[last];
+    return QS_OK;
+}
+
 static qs_status prepare_elementwise(qs_model *m, qs_op *op, const op_record *o)
 {
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
@@ -346,6 +369,7 @@ static qs_status prepare_op(qs_model *m, qs_op *op, const op_record *o, const da
     case QS_OP_RESHAPE: return prepare_elementwise(m, op, o);
     case QS_OP_MEAN: return prepare_mean(m, op, o);
     case QS_OP_PAD: return prepare_pad(m, op, o);
+    case QS_OP_CONCAT: return prepare_concat(m, op, o);
     default: return QS_ERR_UNSUPPORTED;
     }
 }
@@ -390,7 +414,7 @@ static qs_status read_ops(qs_model *m, const uint8_t *rec, const data_section *d
         read_op(rec, &o);
         qs_op *op = &m->ops[i];
         memset(op, 0, sizeof *op);
-        const int binary = o.opcode == QS_OP_ADD;
+        const int binary = o.opcode == QS_OP_ADD || o.opcode == QS_OP_CONCAT;
         if (o.in0 >= m->n_tensors || o.out >= m->n_tensors || !defined[o.in0] || defined[o.out] ||
             (binary ? (o.in1 >= m->n_tensors || !defined[o.in1]) : o.in1 != NO_TENSOR)) {
             return QS_ERR_ARG;
@@ -532,6 +556,10 @@ static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
     case QS_OP_ADD: qs_add_s8(&op->add, (int32_t)m->tensors[op->out].size, in, slot(m, op->in1), out); break;
     case QS_OP_MEAN: qs_mean_s8(&op->mean, op->in_shape, in, out); break;
     case QS_OP_PAD: qs_pad_s8(&op->pad, op->in_shape, in, out); break;
+    case QS_OP_CONCAT:
+        qs_concat_s8(m->tensors[op->out].size / (op->concat_a + op->concat_b), op->concat_a, in, op->concat_b,
+                     slot(m, op->in1), out);
+        break;
     default: memcpy(out, in, m->tensors[op->out].size); break; /* RESHAPE */
     }
 }
