@@ -3,8 +3,9 @@
 Accepts the operators the writer emits (and the same operators from other tools):
 CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D, MEAN
 (over height and width), PAD and PADV2 (height and width, with the zero point),
-CONCATENATION (channel axis), RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as
-adapters (``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
+CONCATENATION (channel axis), RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE
+at the file's edges are kept as adapters (``qsched.zo.source``), and shape arithmetic
+feeding a RESHAPE is folded. An
 AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to
 ``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the graph nodes are the
 dequantised int8 weights.
