@@ -183,3 +183,36 @@ def test_progress_helpers_format() -> None:
     assert format_duration(float("nan")) == "?"
     assert render_bar(5, 10, width=10) == "[#####-----]  5/10"
     assert render_bar(15, 10, width=4) == "[####] 10/10"
+
+
+def test_demo_fine_tunes_a_users_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's flow on serial pty boards: MLPerf Tiny's ResNet-8 head on EuroSAT at
+    32x32 (a data set the boards are told about), exported in the file's own form."""
+    from qsched.zo.data import RESNET8_CIFAR10
+    from qsched.zo.tflite_io import export_tflite
+    from qsched.zo.trainer import train_zo
+    from qsched.zo.workload import Workload
+
+    out = tmp_path / "run"
+    settings = {
+        "backbone": str(RESNET8_CIFAR10),
+        "dataset": "eurosat:size=32,scale=255,limit_per_class=6",
+        "numerics": "int8",
+        "trainable": "last:1",
+        "lr": 100,
+        "eval_every": 3,
+        "batch_size": 8,
+    }
+    argv = ["--steps", "3", "--boards", "2", "--no-progress", "--out", str(out)]
+    for key, value in settings.items():
+        argv += ["--set", f"{key}={value}"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    spec = JobSpec.model_validate(json.loads((out / "spec.json").read_text()))
+    reference = train_zo(spec)
+    workload = Workload.from_spec(spec)
+    exported = (out / "model.tflite").read_bytes()
+    assert exported == export_tflite(workload.to_quant_model(reference.state))  # same bits
+    back = read_tflite(out / "model.tflite")
+    assert back.source is not None and back.source.output_ops == ("SOFTMAX",)
+    assert len(exported) == RESNET8_CIFAR10.stat().st_size

@@ -133,3 +133,62 @@ async def test_imported_mean_pad_model_on_the_emulated_m55_matches_reference(
     finally:
         m55.close()
     _assert_same_training(result, train_zo(spec), ["qemu-an547", "py-0"])
+
+
+def _fixture_spec(name: str, tmp_path: Path) -> tuple[JobSpec, DatasetCatalog]:
+    """A converter-made fixture's last two layers on a synthetic 16x16x3 data set."""
+    rng = np.random.default_rng(0)
+    y = np.arange(120) % 10
+    x = rng.random((120, 16, 16, 3), dtype=np.float32) * 0.5 + (y / 20.0).reshape(-1, 1, 1, 1)
+    path = tmp_path / "synthetic.npz"
+    np.savez(path, x_train=x[:100], y_train=y[:100], x_val=x[100:], y_val=y[100:])
+    fixture = Path(__file__).parent / "fixtures" / "tflite" / name
+    spec = JobSpec(
+        name="fixture",
+        dataset=str(path),
+        backbone=str(fixture),
+        numerics="int8",
+        trainable="last:2",
+        steps=4,
+        eval_every=4,
+        batch_size=8,
+        lr=100,
+        policy=FIXED4,
+    )
+    data = load_dataset(spec.dataset)
+    return spec, DatasetCatalog(preloaded={data.name: data})
+
+
+async def test_converter_fixture_on_a_c_board_matches_reference(
+    tmp_path: Path, python_pty: tuple[int, str]
+) -> None:
+    """TensorFlow's float-in, float-out CNN (QUANTIZE, MEAN, SOFTMAX, DEQUANTIZE) on a C
+    board and a Python board: the single-process weights."""
+    spec, held = _fixture_spec("cnn_gap_float_io.tflite", tmp_path)
+    data = _dataset_blob(spec, tmp_path / "synthetic.qzds")
+    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0", sanitized=True)
+    try:
+        result = await _train(
+            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec, held
+        )
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+
+
+@pytest.mark.qemu
+@pytest.mark.skipif(m55_unavailable_reason() is not None, reason=str(m55_unavailable_reason()))
+async def test_converter_fixture_on_the_emulated_m55_matches_reference(
+    tmp_path: Path, python_pty: tuple[int, str]
+) -> None:
+    """TensorFlow's int8 CNN (MEAN, SOFTMAX) on the emulated Cortex-M55 and a Python board."""
+    spec, held = _fixture_spec("cnn_gap_int8.tflite", tmp_path)
+    data = _dataset_blob(spec, tmp_path / "synthetic.qzds")
+    m55 = start_qemu_board(tmp_path / "m55-0", dataset=data)
+    try:
+        result = await _train(
+            [str(m55.link_path), python_pty[1]], [python_pty[0]], ["qemu-an547", "py-0"], spec, held
+        )
+    finally:
+        m55.close()
+    _assert_same_training(result, train_zo(spec), ["qemu-an547", "py-0"])
