@@ -18,11 +18,14 @@ from qsched.zo.datasets import load_digits, split_classes
 from qsched.zo.graph import (
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
     MaxPool,
+    Mean,
     Model,
+    Pad,
     ReLU,
     ReLU6,
     Reshape,
@@ -63,7 +66,11 @@ def _every_op_model(padding, rng, dtype=np.float64):
         Dense("dense_a", ["flat"], "dense_a", w(4, 16), w(4), activation="relu"),
         GlobalAvgPool("gap", ["max"], "gap"),
         Add("join", ["dense_a", "gap"], "join"),
-        Dense("head", ["join"], "head", w(3, 4), w(3)),
+        Pad("pad", ["max"], "pad", pads=((1, 0), (0, 2))),
+        Mean("mean", ["pad"], "mean", keep_dims=True),
+        Reshape("mflat", ["mean"], "mflat", (4,)),
+        Concat("cat", ["join", "mflat"], "cat"),
+        Dense("head", ["cat"], "head", w(3, 8), w(3)),
     ]
     side = 8 if padding == "same" else 10
     return Model("every_op", "input", (side, side, 2), nodes, "head", 3)

@@ -29,12 +29,15 @@ from qsched.zo.graph import (
     Activation,
     Add,
     AvgPool,
+    Concat,
     Conv2D,
     Dense,
     GlobalAvgPool,
     MaxPool,
+    Mean,
     Model,
     Node,
+    Pad,
     Padding,
     ReLU,
     ReLU6,
@@ -286,6 +289,14 @@ def _fwd(node: Node, xs: list[Array]) -> tuple[Array, _Ctx]:
         return xs[0].mean(axis=(1, 2)), (xs[0].shape,)
     if isinstance(node, Reshape):
         return xs[0].reshape(xs[0].shape[0], *node.shape), (xs[0].shape,)
+    if isinstance(node, Mean):
+        y = xs[0].mean(axis=(1, 2))
+        return (y[:, None, None, :] if node.keep_dims else y), (xs[0].shape,)
+    if isinstance(node, Pad):
+        (top, bottom), (left, right) = node.pads
+        return np.pad(xs[0], ((0, 0), (top, bottom), (left, right), (0, 0))), (xs[0].shape,)
+    if isinstance(node, Concat):
+        return np.concatenate(xs, axis=-1), (xs[0].shape[-1],)
     raise BackpropError(f"layer {node.name!r}: no backprop rule for {type(node).__name__}")
 
 
@@ -306,6 +317,17 @@ def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
         return [np.broadcast_to(dy[:, None, None, :] / (h * w), (n, h, w, c))], None
     if isinstance(node, Reshape):
         return [dy.reshape(ctx[0])], None
+    if isinstance(node, Mean):
+        n, h, w, c = ctx[0]
+        flat = dy.reshape(n, c)
+        return [np.broadcast_to(flat[:, None, None, :] / (h * w), (n, h, w, c))], None
+    if isinstance(node, Pad):
+        n, h, w, c = ctx[0]
+        top, left = node.pads[0][0], node.pads[1][0]
+        return [dy[:, top : top + h, left : left + w, :]], None
+    if isinstance(node, Concat):
+        split = ctx[0]
+        return [dy[..., :split], dy[..., split:]], None
     raise BackpropError(f"layer {node.name!r}: no backprop rule for {type(node).__name__}")
 
 
