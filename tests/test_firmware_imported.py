@@ -1,6 +1,6 @@
 """Imported models on the fleet: C boards (host build and the emulated Cortex-M55) train a
 user's .tflite model to the single-process weights, long tensor names and the new
-operators (MEAN, PAD, CONCATENATION) included."""
+operators (MEAN, PAD, CONCATENATION, MUL) included."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.blob import encode_dataset_blob
 from qsched.zo.data import RESNET8_CIFAR10
 from qsched.zo.datasets import load_dataset
-from qsched.zo.graph import Concat, Conv2D, Dense, Mean, Model, Pad, Reshape
+from qsched.zo.graph import Concat, Conv2D, Dense, Mean, Model, Mul, Pad, Reshape
 from qsched.zo.quantize import quantize_model
 from qsched.zo.tflite_io import export_tflite
 from qsched.zo.trainer import train_zo
@@ -29,8 +29,8 @@ FIXED4 = PolicySpec(name="fixed", config={"q": 4})
 
 
 def _mean_pad_backbone(path: Path) -> Path:
-    """A small model with PAD, CONCATENATION and MEAN for 8x8 digits, quantised and written
-    as .tflite."""
+    """A small model with PAD, CONCATENATION, MEAN and a MUL channel gate (squeeze and
+    excite) for 8x8 digits, quantised and written as .tflite."""
     rng = np.random.default_rng(5)
     nodes = [
         Conv2D("c1", ["input"], "c1", rng.normal(0, 0.5, (4, 3, 3, 1)).astype(np.float32),
@@ -40,7 +40,11 @@ def _mean_pad_backbone(path: Path) -> Path:
                  rng.normal(0, 0.1, 3).astype(np.float32), stride=(2, 2), padding="valid",
                  activation="relu") for n in ("c2a", "c2b")],
         Concat("c2", ["c2a", "c2b"], "c2"),
-        Mean("gap", ["c2"], "gap", keep_dims=True),
+        Mean("squeeze", ["c2"], "squeeze", keep_dims=True),
+        Conv2D("gate", ["squeeze"], "gate", rng.normal(0, 0.5, (6, 1, 1, 6)).astype(np.float32),
+               rng.normal(0, 0.1, 6).astype(np.float32), activation="relu6"),
+        Mul("excite", ["c2", "gate"], "excite"),
+        Mean("gap", ["excite"], "gap", keep_dims=True),
         Reshape("flat", ["gap"], "flat", (6,)),
         Dense("head", ["flat"], "head", rng.normal(0, 0.4, (10, 6)).astype(np.float32),
               np.zeros(10, np.float32)),

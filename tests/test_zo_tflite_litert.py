@@ -16,6 +16,7 @@ from qsched.zo.graph import (
     Dense,
     Mean,
     Model,
+    Mul,
     Pad,
     QuantModel,
     Reshape,
@@ -261,3 +262,48 @@ def test_tflite_concatenation_of_three_becomes_a_chain() -> None:
     np.testing.assert_array_equal(
         run_int8(back, x), it.get_tensor(it.get_output_details()[0]["index"])
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
+    """MUL of two activations, and of an (H, W, C) map by a (1, 1, C) gate (squeeze-and-
+    excite's shape), equals LiteRT's reference kernels on every tensor."""
+    rng = np.random.default_rng(seed)
+
+    def conv(name: str, src: str, cout: int, cin: int, act: str = "none") -> Conv2D:
+        w = rng.normal(0, 0.5, (cout, 1, 1, cin)).astype(np.float32)
+        return Conv2D(
+            name, [src], name, w, rng.normal(0, 0.2, cout).astype(np.float32), activation=act
+        )
+
+    nodes: list[Any] = [
+        conv("a", "input", 4, 3),
+        conv("b", "input", 4, 3, "relu"),
+        Mul("ab", ["a", "b"], "ab"),
+        Mean("squeeze", ["ab"], "squeeze", keep_dims=True),
+        conv("gate", "squeeze", 4, 4, "relu6"),
+        Mul("excite", ["ab", "gate"], "excite", activation="relu"),
+        Mean("gap", ["excite"], "gap"),
+        Dense(
+            "head",
+            ["gap"],
+            "head",
+            rng.normal(0, 0.4, (3, 4)).astype(np.float32),
+            np.zeros(3, np.float32),
+        ),
+    ]
+    qm = quantize_model(
+        Model("mul", "input", (6, 6, 3), nodes, "head", 3),
+        rng.normal(size=(32, 6, 6, 3)).astype(np.float32),
+    )
+    x = quantize_input(qm, rng.normal(size=(_BATCH, 6, 6, 3)).astype(np.float32))
+    data = export_tflite(qm, batch=_BATCH)
+    it = _interpreter(data)
+    it.set_tensor(it.get_input_details()[0]["index"], x)
+    it.invoke()
+    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
+    for k, node in enumerate(qm.model.nodes):
+        np.testing.assert_array_equal(
+            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
+        )
+    np.testing.assert_array_equal(run_int8(import_tflite(data), x), run_int8(qm, x))

@@ -34,6 +34,7 @@ from qsched.zo.graph import (
     GlobalAvgPool,
     MaxPool,
     Mean,
+    Mul,
     Node,
     Pad,
     QuantizedLayer,
@@ -63,6 +64,7 @@ _VERSIONS = {
     _OP.MEAN: 2,
     _OP.PAD: 2,
     _OP.CONCATENATION: 2,
+    _OP.MUL: 2,
 }
 _GROUPED_CONV_VERSION = 6
 _PADDING = {"same": schema.Padding.SAME, "valid": schema.Padding.VALID}
@@ -388,6 +390,15 @@ def _pad(w: _Writer, qm: QuantModel, node: Pad) -> None:
     )
 
 
+def _mul(w: _Writer, qm: QuantModel, node: Mul) -> None:
+    shape = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
+    oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
+    o = schema.MulOptionsT()
+    o.fusedActivationFunction = activation_code(node.activation)
+    inputs = [w.index[t] for t in node.inputs]
+    w.op(_OP.MUL, inputs, [oi], o, schema.BuiltinOptions.MulOptions)
+
+
 def _concat(w: _Writer, qm: QuantModel, node: Concat) -> None:
     a = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     b = w.shapes[node.inputs[1]]
@@ -427,6 +438,8 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
         _pad(w, qm, node)
     elif isinstance(node, Concat):
         _concat(w, qm, node)
+    elif isinstance(node, Mul):
+        _mul(w, qm, node)
     else:
         raise TFLiteError(f"layer {node.name!r}: no .tflite form for {type(node).__name__}")
 

@@ -1,14 +1,13 @@
 """Read an int8 ``.tflite`` flatbuffer back into a ``QuantModel``.
 
 Accepts the operators the writer emits (and the same operators from other tools):
-CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, AVERAGE_POOL_2D, MAX_POOL_2D, MEAN
-(over height and width), PAD and PADV2 (height and width, with the zero point),
-CONCATENATION (channel axis), RESHAPE, RELU, RELU6; QUANTIZE, SOFTMAX and DEQUANTIZE
-at the file's edges are kept as adapters (``qsched.zo.source``), and shape arithmetic
-feeding a RESHAPE is folded. An
-AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to
-``(batch, C)`` becomes one ``GlobalAvgPool``. Float weights on the graph nodes are the
-dequantised int8 weights.
+CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, MUL (of activations), AVERAGE_POOL_2D,
+MAX_POOL_2D, MEAN (over height and width), PAD and PADV2 (height and width, with the
+zero point), CONCATENATION (channel axis), RESHAPE, RELU, RELU6. QUANTIZE, SOFTMAX and
+DEQUANTIZE at the file's edges are kept as adapters (``qsched.zo.source``), and shape
+arithmetic feeding a RESHAPE is folded. An AVERAGE_POOL_2D over the whole feature map
+whose only reader is a RESHAPE to ``(batch, C)`` becomes one ``GlobalAvgPool``. Float
+weights on the graph nodes are the dequantised int8 weights.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Model,
+    Mul,
     Node,
     Pad,
     Padding,
@@ -387,6 +387,21 @@ def _pad(r: _Reader, op: Any, where: str) -> Node:
     return Pad(_claim(r, out), [x], out, pads=((top, bottom), (left, right)))
 
 
+def _mul(r: _Reader, op: Any, where: str) -> Node:
+    """MUL of two activations (a constant operand, as Keras's Rescaling writes, is not
+    supported); broadcast only as a (1, 1, C) channel gate."""
+    _check_arity(op, where, 2)
+    o = _options(op, schema.BuiltinOptions.MulOptions, where)
+    for i in op.inputs[:2]:
+        buffer = r.tensor(i, where).buffer
+        if 0 < buffer < len(r.model.buffers or []) and r.model.buffers[buffer].data is not None:
+            raise TFLiteError(f"{where}: MUL by a constant is not supported")
+    xs = [r.activation(i, where) for i in op.inputs[:2]]
+    out = r.activation(op.outputs[0], where)
+    act = activation_name(o.fusedActivationFunction, where)
+    return Mul(_claim(r, out), xs, out, activation=act)
+
+
 def _concatenation(r: _Reader, op: Any, where: str) -> Node:
     """CONCATENATION on the channel axis, inputs and output quantised alike (TFLite's
     int8 kernel requires it). More than two inputs become a chain of two-input joins
@@ -430,6 +445,8 @@ def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
         return _mean(r, op, where), 1
     if code == _OP.CONCATENATION:
         return _concatenation(r, op, where), 1
+    if code == _OP.MUL:
+        return _mul(r, op, where), 1
     if code in (_OP.PAD, _OP.PADV2):
         return _pad(r, op, where), 1
     x = r.activation(op.inputs[0], where)
@@ -674,6 +691,7 @@ _SUPPORTED = frozenset(
         _OP.PAD,
         _OP.PADV2,
         _OP.CONCATENATION,
+        _OP.MUL,
     }
 )
 

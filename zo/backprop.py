@@ -36,6 +36,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Model,
+    Mul,
     Node,
     Pad,
     Padding,
@@ -297,6 +298,9 @@ def _fwd(node: Node, xs: list[Array]) -> tuple[Array, _Ctx]:
         return np.pad(xs[0], ((0, 0), (top, bottom), (left, right), (0, 0))), (xs[0].shape,)
     if isinstance(node, Concat):
         return np.concatenate(xs, axis=-1), (xs[0].shape[-1],)
+    if isinstance(node, Mul):
+        y = _act(xs[0] * xs[1], node.activation)
+        return y, (y, xs[0], xs[1])
     raise BackpropError(f"layer {node.name!r}: no backprop rule for {type(node).__name__}")
 
 
@@ -328,6 +332,13 @@ def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
     if isinstance(node, Concat):
         split = ctx[0]
         return [dy[..., :split], dy[..., split:]], None
+    if isinstance(node, Mul):
+        y, a, b = ctx
+        dz = _act_grad(y, dy, node.activation)
+        db = dz * a
+        if b.shape != a.shape:  # a (1, 1, C) gate: its gradient sums over height and width
+            db = db.sum(axis=(1, 2), keepdims=True)
+        return [dz * b, db], None
     raise BackpropError(f"layer {node.name!r}: no backprop rule for {type(node).__name__}")
 
 

@@ -40,6 +40,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Model,
+    Mul,
     Node,
     Pad,
     Padding,
@@ -109,6 +110,7 @@ OPCODES: Final[dict[type, int]] = {
     Mean: 11,
     Pad: 12,
     Concat: 13,
+    Mul: 14,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -412,6 +414,9 @@ def _int8_params(
         )
     if isinstance(node, Concat):
         return lo, hi, aux, int(q.tensors[node.inputs[1]].zero_point)
+    if isinstance(node, Mul):
+        p = ki.prepare_mul(inp, q.tensors[node.inputs[1]], out, node.activation)
+        return p.act_min, p.act_max, [p.multiplier, p.shift, 0, 0, 0, 0, 0], p.b_zero_point
     if isinstance(node, Mean):
         h, w = infer_shapes(q.model)[node.inputs[0]][:2]
         mean = ki.prepare_mean(inp, out, h * w)
@@ -614,6 +619,7 @@ def _decode_op(
         OPCODES[Reshape]: Reshape(name, inputs, output, shapes[f.out]),
         OPCODES[Mean]: Mean(name, inputs, output, keep_dims=bool(f.aux2)),
         OPCODES[Concat]: Concat(name, inputs, output),
+        OPCODES[Mul]: Mul(name, inputs, output, activation),
         OPCODES[Pad]: Pad(name, inputs, output, pads=((f.aux0, f.aux1), (f.aux2, f.aux3))),
     }
     if f.opcode not in simple:

@@ -45,6 +45,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Model,
+    Mul,
     Node,
     Pad,
     QuantModel,
@@ -85,6 +86,7 @@ ROUNDING_BY_OP: Final[dict[str, bool]] = {
     "depthwise_conv2d": False,
     "dense": SINGLE_ROUNDING,
     "add": False,
+    "mul": False,
     "relu": False,
 }
 # Working-set budget for one chunk of perturbed copies or samples (activations and
@@ -189,6 +191,8 @@ def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kf.pad(x, node.pads)
     elif isinstance(node, Concat):
         y = _concat(x, env[node.inputs[1]])
+    elif isinstance(node, Mul):
+        y = kf.mul(x, env[node.inputs[1]], node.activation)
     else:
         y = _shape_op(node, x, kf)
     return y
@@ -246,6 +250,9 @@ def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
             stages[node.name] = ki.prepare_add(inp, other, out, node.activation)
         elif isinstance(node, (ReLU, ReLU6)):
             stages[node.name] = ki.prepare_relu(inp, out, isinstance(node, ReLU6))
+        elif isinstance(node, Mul):
+            other = _tq(qmodel, node.inputs[1], node.name)
+            stages[node.name] = ki.prepare_mul(inp, other, out, node.activation)
         elif isinstance(node, Mean):
             h, w = shapes[node.inputs[0]][:2]
             stages[node.name] = ki.prepare_mean(inp, out, h * w)
@@ -290,6 +297,8 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = ki.pad(x, node.pads, stage)
     elif isinstance(node, Concat):
         y = _concat(x, env[node.inputs[1]])
+    elif isinstance(node, Mul):
+        y = ki.mul(x, env[node.inputs[1]], stage, sr["mul"])
     else:
         y = _shape_op(node, x, ki)
     return y

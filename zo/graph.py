@@ -34,6 +34,7 @@ __all__ = [
     "MaxPool",
     "Mean",
     "Model",
+    "Mul",
     "Node",
     "Pad",
     "Padding",
@@ -124,6 +125,14 @@ class GlobalAvgPool(_NodeFields):
 
 
 @dataclass(eq=False)
+class Mul(_NodeFields):
+    """Element-wise product of two tensors (TFLite MUL); the second may be ``(1, 1, C)``
+    against an ``(H, W, C)`` first (a channel gate), broadcast over height and width."""
+
+    activation: Activation = "none"
+
+
+@dataclass(eq=False)
 class Concat(_NodeFields):
     """Two tensors joined along the channel (last) axis (TFLite CONCATENATION); in INT8
     both inputs and the output share one scale and zero point, as TFLite's int8 kernel
@@ -165,6 +174,7 @@ Node: TypeAlias = (
     | Mean
     | Pad
     | Concat
+    | Mul
     | Reshape
 )
 ParamNode: TypeAlias = Conv2D | Dense

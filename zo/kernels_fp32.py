@@ -278,6 +278,11 @@ def max_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Pa
     return out.astype(np.float32, copy=False)
 
 
+def mul(a: F32, b: F32, activation: Activation) -> F32:
+    """Element-wise product (numpy broadcasting: a ``(1, 1, C)`` gate spreads over H, W)."""
+    return apply_activation((a * b).astype(np.float32, copy=False), activation)
+
+
 def pad(x: F32, pads: tuple[tuple[int, int], tuple[int, int]]) -> F32:
     """Zero padding of height and width: ``(S, N, H, W, C)``."""
     (top, bottom), (left, right) = pads

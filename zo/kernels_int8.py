@@ -39,6 +39,7 @@ from qsched.zo.kernels_fp32 import extract_patches, padded_windows, window_tap
 __all__ = [
     "AddParams",
     "MeanParams",
+    "MulParams",
     "OutputStage",
     "activation_range",
     "add",
@@ -50,10 +51,12 @@ __all__ = [
     "int_matmul",
     "max_pool",
     "mean",
+    "mul",
     "pad",
     "patches",
     "prepare_add",
     "prepare_mean",
+    "prepare_mul",
     "prepare_output_stage",
     "prepare_relu",
     "relu",
@@ -449,3 +452,37 @@ def pad(x: I8, pads: tuple[tuple[int, int], tuple[int, int]], value: int) -> I8:
     (top, bottom), (left, right) = pads
     widths = ((0, 0), (0, 0), (top, bottom), (left, right), (0, 0))
     return np.pad(x, widths, constant_values=np.int8(value))
+
+
+def prepare_mul(
+    a: TensorQuant, b: TensorQuant, out: TensorQuant, activation: Activation
+) -> MulParams:
+    """``QuantizeMultiplier(s_a * s_b / s_out)`` in double (TFLite's Prepare for MUL)."""
+    real = float(np.float32(a.scale)) * float(np.float32(b.scale)) / float(np.float32(out.scale))
+    m, e = (int(v) for v in quantize_multiplier(real))
+    lo, hi = activation_range(activation, out)
+    return MulParams(int(a.zero_point), int(b.zero_point), int(out.zero_point), m, e, lo, hi)
+
+
+@dataclass(frozen=True)
+class MulParams:
+    """TFLite MUL's requantisation of the product of two centred int8 inputs."""
+
+    a_zero_point: int
+    b_zero_point: int
+    out_zero_point: int
+    multiplier: int
+    shift: int
+    act_min: int
+    act_max: int
+
+
+def mul(a: I8, b: I8, p: MulParams, single_rounding: bool = False) -> I8:
+    """int8 MUL (``reference_integer_ops::MulElementwise``, broadcast as numpy does):
+    ``out_zp + MultiplyByQuantizedMultiplier((a - zp_a) * (b - zp_b))``, clamped; the
+    product of two centred int8 values is below 2^16, so int32 holds it."""
+    product = (a.astype(np.int64) - p.a_zero_point) * (b.astype(np.int64) - p.b_zero_point)
+    raw = multiply_by_quantized_multiplier(
+        product, p.multiplier, p.shift, single_rounding=single_rounding
+    )
+    return np.clip(raw + p.out_zero_point, p.act_min, p.act_max).astype(np.int8)

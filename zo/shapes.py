@@ -22,6 +22,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Model,
+    Mul,
     Node,
     Pad,
     Reshape,
@@ -121,6 +122,15 @@ def node_shape(node: Node, shapes: Mapping[str, Shape]) -> Shape:
         return (1, 1, c) if node.keep_dims else (c,)
     if isinstance(node, Pad):
         return _pad_shape(node, shape)
+    if isinstance(node, Mul):
+        gate = (
+            len(ins) == 2 and len(ins[1]) == 3 and ins[1][:2] == (1, 1) and ins[1][2] == shape[-1]
+        )
+        if len(ins) != 2 or (ins[0] != ins[1] and not (len(shape) == 3 and gate)):
+            raise GraphError(
+                node.name, f"Mul needs equal shapes or an (H, W, C) x (1, 1, C), got {ins}"
+            )
+        return shape
     if isinstance(node, Concat):
         if len(ins) != 2 or len(ins[0]) != len(ins[1]) or ins[0][:-1] != ins[1][:-1]:
             raise GraphError(

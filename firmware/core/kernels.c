@@ -253,3 +253,16 @@ void qs_concat_s8(uint32_t rows, uint32_t a_channels, const int8_t *a, uint32_t 
         output += a_channels + b_channels;
     }
 }
+
+void qs_mul_s8(const qs_mul_params *p, const int8_t *a, const int8_t *b, int8_t *output)
+{
+    for (uint32_t r = 0; r < p->rows; ++r) {
+        const int8_t *row_b = p->b_is_gate ? b : b + (size_t)r * p->channels;
+        for (uint32_t c = 0; c < p->channels; ++c) {
+            const size_t i = (size_t)r * p->channels + c;
+            const int32_t product = (a[i] + p->a_offset) * (row_b[c] + p->b_offset);
+            const int32_t y = qs_mbqm(product, p->multiplier, p->shift) + p->output_offset;
+            output[i] = (int8_t)qs_clamp(y, p->act_min, p->act_max);
+        }
+    }
+}

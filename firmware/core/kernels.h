@@ -118,6 +118,18 @@ typedef struct {
 /* Constant padding of height and width (TFLite PAD int8): input bytes copied as they are. */
 void qs_pad_s8(const qs_pad_params *p, qs_shape in_shape, const int8_t *input, int8_t *output);
 
+typedef struct {
+    int32_t a_offset, b_offset, output_offset; /* minus the inputs' zero points; the output's */
+    int32_t multiplier, shift;
+    int32_t act_min, act_max;
+    uint32_t rows, channels; /* a is rows x channels */
+    int32_t b_is_gate;       /* b is one row of channels, shared by every row of a */
+} qs_mul_params;
+
+/* MUL of two int8 tensors (TFLite's reference MulElementwise, double rounding). A product
+ * of centred int8 values is at most 2^16 in magnitude, so int32 holds it. */
+void qs_mul_s8(const qs_mul_params *p, const int8_t *a, const int8_t *b, int8_t *output);
+
 /* CONCATENATION on the last axis of rows elements: each row is a's channels then b's. */
 void qs_concat_s8(uint32_t rows, uint32_t a_channels, const int8_t *a, uint32_t b_channels, const int8_t *b,
                   int8_t *output);

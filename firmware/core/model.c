@@ -318,6 +318,23 @@ static qs_status prepare_concat(qs_model *m, qs_op *op, const op_record *o)
     return QS_OK;
 }
 
+/* MUL: b of a's shape, or a (1, 1, C) gate of an (H, W, C) a; aux = multiplier, shift. */
+static qs_status prepare_mul(qs_model *m, qs_op *op, const op_record *o)
+{
+    const qs_tensor *a = &m->tensors[o->in0], *b = &m->tensors[o->in1], *out = &m->tensors[o->out];
+    const int gate = a->rank == 3u && b->rank == 3u && b->dims[0] == 1u && b->dims[1] == 1u &&
+                     b->dims[2] == a->dims[2] && a->size != b->size;
+    if (out->size != a->size || (b->size != a->size && !gate) || a->rank == 0u || !act_ok(o) ||
+        o->aux[0] < 0 || o->aux[1] < -31 || o->aux[1] > 30) {
+        return QS_ERR_ARG;
+    }
+    const uint32_t channels = a->dims[a->rank - 1u];
+    const qs_mul_params p = {-o->in_zp, -o->in1_zp, o->out_zp, o->aux[0], o->aux[1], o->act_min,
+                             o->act_max, a->size / channels, channels, gate};
+    op->mul = p;
+    return QS_OK;
+}
+
 static qs_status prepare_elementwise(qs_model *m, qs_op *op, const op_record *o)
 {
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
@@ -370,6 +387,7 @@ static qs_status prepare_op(qs_model *m, qs_op *op, const op_record *o, const da
     case QS_OP_MEAN: return prepare_mean(m, op, o);
     case QS_OP_PAD: return prepare_pad(m, op, o);
     case QS_OP_CONCAT: return prepare_concat(m, op, o);
+    case QS_OP_MUL: return prepare_mul(m, op, o);
     default: return QS_ERR_UNSUPPORTED;
     }
 }
@@ -414,7 +432,7 @@ static qs_status read_ops(qs_model *m, const uint8_t *rec, const data_section *d
         read_op(rec, &o);
         qs_op *op = &m->ops[i];
         memset(op, 0, sizeof *op);
-        const int binary = o.opcode == QS_OP_ADD || o.opcode == QS_OP_CONCAT;
+        const int binary = o.opcode == QS_OP_ADD || o.opcode == QS_OP_CONCAT || o.opcode == QS_OP_MUL;
         if (o.in0 >= m->n_tensors || o.out >= m->n_tensors || !defined[o.in0] || defined[o.out] ||
             (binary ? (o.in1 >= m->n_tensors || !defined[o.in1]) : o.in1 != NO_TENSOR)) {
             return QS_ERR_ARG;
@@ -556,6 +574,7 @@ static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
     case QS_OP_ADD: qs_add_s8(&op->add, (int32_t)m->tensors[op->out].size, in, slot(m, op->in1), out); break;
     case QS_OP_MEAN: qs_mean_s8(&op->mean, op->in_shape, in, out); break;
     case QS_OP_PAD: qs_pad_s8(&op->pad, op->in_shape, in, out); break;
+    case QS_OP_MUL: qs_mul_s8(&op->mul, in, slot(m, op->in1), out); break;
     case QS_OP_CONCAT:
         qs_concat_s8(m->tensors[op->out].size / (op->concat_a + op->concat_b), op->concat_a, in, op->concat_b,
                      slot(m, op->in1), out);

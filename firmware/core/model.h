@@ -30,7 +30,7 @@
 enum {
     QS_OP_CONV = 1, QS_OP_DEPTHWISE = 2, QS_OP_DENSE = 3, QS_OP_RELU = 4, QS_OP_RELU6 = 5,
     QS_OP_ADD = 6, QS_OP_AVGPOOL = 7, QS_OP_MAXPOOL = 8, QS_OP_GLOBALAVG = 9, QS_OP_RESHAPE = 10,
-    QS_OP_MEAN = 11, QS_OP_PAD = 12, QS_OP_CONCAT = 13
+    QS_OP_MEAN = 11, QS_OP_PAD = 12, QS_OP_CONCAT = 13, QS_OP_MUL = 14
 };
 
 typedef struct {
@@ -44,7 +44,7 @@ typedef struct {
 
 typedef struct {
     uint32_t opcode;
-    uint32_t in0, in1, out; /* tensor indices; in1 only for Add and Concat */
+    uint32_t in0, in1, out; /* tensor indices; in1 only for Add, Concat and Mul */
     uint32_t trainable;
     uint32_t param_offset; /* flat index of the weights (trainable ops) */
     uint32_t weight_count;
@@ -59,6 +59,7 @@ typedef struct {
     qs_mean_params mean;
     qs_pad_params pad;
     uint32_t concat_a, concat_b; /* channels of each input of a Concat */
+    qs_mul_params mul;
     qs_shape in_shape, filter_shape, out_shape;
 } qs_op;
 
