@@ -415,8 +415,13 @@ def _int8_params(
     if isinstance(node, Concat):
         return lo, hi, aux, int(q.tensors[node.inputs[1]].zero_point)
     if isinstance(node, Mul):
-        p = ki.prepare_mul(inp, q.tensors[node.inputs[1]], out, node.activation)
-        return p.act_min, p.act_max, [p.multiplier, p.shift, 0, 0, 0, 0, 0], p.b_zero_point
+        mul = ki.prepare_mul(inp, q.tensors[node.inputs[1]], out, node.activation)
+        return (
+            mul.act_min,
+            mul.act_max,
+            [mul.multiplier, mul.shift, 0, 0, 0, 0, 0],
+            mul.b_zero_point,
+        )
     if isinstance(node, Mean):
         h, w = infer_shapes(q.model)[node.inputs[0]][:2]
         mean = ki.prepare_mean(inp, out, h * w)
