@@ -15,7 +15,6 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from qsched.firmware.budget import model_budget
 from qsched.zo._tflite_common import op_name, schema
@@ -24,7 +23,7 @@ from qsched.zo.blob import blob_name
 from qsched.zo.errors import TFLiteError
 from qsched.zo.graph import QuantModel
 from qsched.zo.tflite_io import import_tflite
-from qsched.zo.zoo import infer_shapes, node_macs
+from qsched.zo.zoo import infer_shapes, model_summary, node_macs
 
 __all__ = ["OperatorRow", "inspect_report", "main", "operator_rows"]
 
@@ -132,18 +131,12 @@ def inspect_report(path: Path) -> tuple[str, bool]:
     if qmodel is None:
         lines += ["", f"Does not import: {problem}"]
         return "\n".join(lines), False
-    params = sum(int(n.weight.size + n.bias.size) for n in qmodel.model.param_nodes())
-    macs = sum(node_macs(n, s) for n, s in _node_shapes(qmodel))
+    params, macs = model_summary(qmodel.model)
     lines += ["", f"## Layers ({params:,} parameters, {macs:,} MACs per sample)", ""]
     lines += _layer_lines(qmodel)
     lines += ["", "## Memory a C board needs (INT8, FP16 accumulation buffer)", ""]
     lines += _memory_lines(qmodel)
     return "\n".join(lines), True
-
-
-def _node_shapes(qmodel: QuantModel) -> list[tuple[Any, tuple[int, ...]]]:
-    shapes = infer_shapes(qmodel.model)
-    return [(node, shapes[node.output]) for node in qmodel.model.nodes]
 
 
 def _edge_lines(qmodel: QuantModel | None) -> list[str]:

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from qsched.daemon.checkpoints import restore_checkpoint
 from qsched.daemon.ctl import CtlError, send_command
 from qsched.daemon.state import StateStore
 from qsched.lab.broker import MosquittoBroker
 from qsched.lab.noisy_line import NoisyLine
 from qsched.lab.procs import Child, Processes, wait_for
+from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.links.config import MqttConfig
 from qsched.protocol.topics import TopicMap
-from qsched.zo.step import EvalRecord, StepRecord
-from qsched.zo.workload import TrainState
 
 __all__ = ["BOARD_IDS", "FLEET", "SERIAL_IDS", "ChaosFleet", "open_fleet", "rss_mib"]
 
@@ -145,12 +145,12 @@ class ChaosFleet:
 
     def final(self, job: str) -> tuple[int, list[object]] | None:
         """The ended job's checksum and history, or None without a checkpoint."""
-        checkpoint = StateStore(self.state).job(job).load_checkpoint()
+        folder = StateStore(self.state).job(job)
+        checkpoint = folder.load_checkpoint()
         if checkpoint is None:
             return None
-        history: list[object] = [StepRecord(**r) for r in checkpoint.metrics]
-        history += [EvalRecord(**e) for e in checkpoint.extra["evals"]]
-        return TrainState.from_bytes(checkpoint.train_state).checksum(), history
+        result, _ = restore_checkpoint(JobSpec.model_validate(folder.spec()), checkpoint)
+        return result.state.checksum(), [*result.steps, *result.evals]
 
 
 def rss_mib(pid: int) -> float:

@@ -37,6 +37,7 @@ from typing import IO, Any, Final, Self, TextIO
 import structlog
 
 from qsched.lab.errors import DemoError
+from qsched.lab.procs import qsched_argv
 from qsched.lab.progress import ProgressLine, format_duration
 from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
@@ -186,7 +187,7 @@ class PtyTransport:
 
 
 def _board_command(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "warning", "board", *args]
+    return qsched_argv("board", *args, log_level="warning")
 
 
 @contextlib.asynccontextmanager

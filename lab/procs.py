@@ -22,9 +22,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["Processes", "wait_for"]
+__all__ = ["Processes", "qsched_argv", "wait_for"]
 
 Child = subprocess.Popen[bytes]
+
+
+def qsched_argv(*args: str, log_level: str = "info") -> list[str]:
+    """The command line of ``qsched ARGS...`` run by this interpreter."""
+    return [sys.executable, "-m", "qsched.daemon.cli", "--log-level", log_level, *args]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> float:
@@ -58,7 +63,7 @@ class Processes:
     def qsched(self, log: str, *args: str) -> Child:
         """Start ``qsched ARGS...`` (info logging, unbuffered) with output in ``log``.log."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "qsched.daemon.cli", "--log-level", "info", *args]
+        command = qsched_argv(*args)
         with open(self.folder / f"{log}.log", "ab") as out:  # the child keeps its own copy
             child = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 from test_daemon_resume import _boards, _ctl, _daemon, _final_state, _reference, _start_job, procs
+from tflite_checks import assert_only_layer_changed
 
 from qsched.lab.broker import MosquittoBroker
 from qsched.lab.procs import Processes
@@ -50,11 +50,8 @@ def test_daemon_trains_an_imported_model_and_exports_its_form(
     reply = _ctl(mqtt_broker, fleet, "export", str(SPEC["name"]))
     assert reply["ok"] is True, reply
     exported = Path(str(reply["path"])).read_bytes()
-    original = RESNET8_CIFAR10.read_bytes()
-    assert len(exported) == len(original) and exported != original
     model = import_tflite(exported)
     assert model.source is not None and model.source.output_ops == ("SOFTMAX",)
-    head = model.model.nodes[-1].name
-    start, length = model.source.weight_bytes[head]
-    differ = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(original, np.uint8))
-    assert start <= differ.min() and differ.max() < start + length
+    assert_only_layer_changed(
+        exported, RESNET8_CIFAR10.read_bytes(), model, model.model.nodes[-1].name
+    )

@@ -8,18 +8,17 @@ import json
 import random
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from qsched.daemon.checkpoints import restore_checkpoint
 from qsched.daemon.state import StateStore
 from qsched.firmware.virtual.faults import CRASH_EXIT_CODE
 from qsched.lab.broker import MosquittoBroker
-from qsched.lab.procs import Child, Processes, wait_for
+from qsched.lab.procs import Child, Processes, qsched_argv, wait_for
 from qsched.protocol.jobspec import JobSpec
-from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import train_zo
 from qsched.zo.workload import TrainState
 
@@ -84,12 +83,7 @@ def _boards(
 
 def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
     child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "qsched.daemon.cli",
-            "--log-level",
-            "warning",
+        qsched_argv(
             "ctl",
             "--mqtt",
             f"{broker.host}:{broker.port}",
@@ -98,7 +92,8 @@ def _ctl(broker: MosquittoBroker, fleet: str, *args: str) -> dict[str, object]:
             "--timeout",
             "20",
             *args,
-        ],
+            log_level="warning",
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -147,10 +142,8 @@ def _final_state(state: Path, name: str, timeout: float = 90) -> tuple[TrainStat
     assert job.status()["status"] == "completed", job.status()
     checkpoint = job.load_checkpoint()
     assert checkpoint is not None
-    history = [StepRecord(**r) for r in checkpoint.metrics] + [
-        EvalRecord(**e) for e in checkpoint.extra["evals"]
-    ]
-    return TrainState.from_bytes(checkpoint.train_state), history
+    result, _ = restore_checkpoint(JobSpec.model_validate(job.spec()), checkpoint)
+    return result.state, [*result.steps, *result.evals]
 
 
 def _reference(spec: dict[str, object]) -> tuple[int, list[object]]:

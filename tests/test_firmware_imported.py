@@ -62,6 +62,40 @@ def _dataset_blob(spec: JobSpec, path: Path) -> Path:
     return path
 
 
+def _held(spec: JobSpec) -> DatasetCatalog:
+    """What the Python board holds: the job's data set under the name the daemon selects."""
+    data = load_dataset(spec.dataset)
+    return DatasetCatalog(preloaded={data.name: data})
+
+
+async def _on_host_board(
+    spec: JobSpec, tmp_path: Path, python_pty: tuple[int, str], *, sanitized: bool = False
+) -> None:
+    """Train ``spec`` on a host C board and a Python board; assert the reference weights."""
+    data = _dataset_blob(spec, tmp_path / "data.qzds")
+    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0", sanitized=sanitized)
+    boards = ["c-0", "py-0"]
+    try:
+        paths = [str(board.link_path), python_pty[1]]
+        result = await _train(paths, [python_pty[0]], boards, spec, _held(spec))
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, train_zo(spec), boards)
+
+
+async def _on_m55(spec: JobSpec, tmp_path: Path, python_pty: tuple[int, str]) -> None:
+    """Train ``spec`` on the emulated Cortex-M55 and a Python board; assert the reference."""
+    data = _dataset_blob(spec, tmp_path / "data.qzds")
+    m55 = start_qemu_board(tmp_path / "m55-0", dataset=data)
+    boards = ["qemu-an547", "py-0"]
+    try:
+        paths = [str(m55.link_path), python_pty[1]]
+        result = await _train(paths, [python_pty[0]], boards, spec, _held(spec))
+    finally:
+        m55.close()
+    _assert_same_training(result, train_zo(spec), boards)
+
+
 async def test_imported_resnet8_on_a_c_board_matches_reference(
     tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
@@ -79,16 +113,7 @@ async def test_imported_resnet8_on_a_c_board_matches_reference(
         lr=100,
         policy=FIXED4,
     )
-    data = _dataset_blob(spec, tmp_path / "eurosat.qzds")
-    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0")
-    try:
-        held = DatasetCatalog(preloaded={"eurosat32x255": load_dataset(spec.dataset)})
-        result = await _train(
-            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec, held
-        )
-    finally:
-        _closed_cleanly(board)
-    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+    await _on_host_board(spec, tmp_path, python_pty)
 
 
 def _mean_pad_spec(tmp_path: Path) -> JobSpec:
@@ -107,18 +132,9 @@ def _mean_pad_spec(tmp_path: Path) -> JobSpec:
 async def test_imported_mean_pad_model_on_a_c_board_matches_reference(
     tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
-    """A model with MEAN and PAD, every layer trained, on a C board (sanitizer build) and a
-    Python board: the single-process weights."""
-    spec = _mean_pad_spec(tmp_path)
-    data = _dataset_blob(spec, tmp_path / "digits.qzds")
-    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0", sanitized=True)
-    try:
-        result = await _train(
-            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec
-        )
-    finally:
-        _closed_cleanly(board)
-    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+    """A model with MEAN, PAD, CONCATENATION and a MUL gate, every layer trained, on a C
+    board (sanitizer build) and a Python board: the single-process weights."""
+    await _on_host_board(_mean_pad_spec(tmp_path), tmp_path, python_pty, sanitized=True)
 
 
 @pytest.mark.qemu
@@ -127,19 +143,10 @@ async def test_imported_mean_pad_model_on_the_emulated_m55_matches_reference(
     tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
     """The same imported model on the emulated Cortex-M55 and a Python board."""
-    spec = _mean_pad_spec(tmp_path)
-    data = _dataset_blob(spec, tmp_path / "digits.qzds")
-    m55 = start_qemu_board(tmp_path / "m55-0", dataset=data)
-    try:
-        result = await _train(
-            [str(m55.link_path), python_pty[1]], [python_pty[0]], ["qemu-an547", "py-0"], spec
-        )
-    finally:
-        m55.close()
-    _assert_same_training(result, train_zo(spec), ["qemu-an547", "py-0"])
+    await _on_m55(_mean_pad_spec(tmp_path), tmp_path, python_pty)
 
 
-def _fixture_spec(name: str, tmp_path: Path) -> tuple[JobSpec, DatasetCatalog]:
+def _fixture_spec(name: str, tmp_path: Path) -> JobSpec:
     """A converter-made fixture's last two layers on a synthetic 16x16x3 data set."""
     rng = np.random.default_rng(0)
     y = np.arange(120) % 10
@@ -147,7 +154,7 @@ def _fixture_spec(name: str, tmp_path: Path) -> tuple[JobSpec, DatasetCatalog]:
     path = tmp_path / "synthetic.npz"
     np.savez(path, x_train=x[:100], y_train=y[:100], x_val=x[100:], y_val=y[100:])
     fixture = Path(__file__).parent / "fixtures" / "tflite" / name
-    spec = JobSpec(
+    return JobSpec(
         name="fixture",
         dataset=str(path),
         backbone=str(fixture),
@@ -159,8 +166,6 @@ def _fixture_spec(name: str, tmp_path: Path) -> tuple[JobSpec, DatasetCatalog]:
         lr=100,
         policy=FIXED4,
     )
-    data = load_dataset(spec.dataset)
-    return spec, DatasetCatalog(preloaded={data.name: data})
 
 
 async def test_converter_fixture_on_a_c_board_matches_reference(
@@ -168,16 +173,8 @@ async def test_converter_fixture_on_a_c_board_matches_reference(
 ) -> None:
     """TensorFlow's float-in, float-out CNN (QUANTIZE, MEAN, SOFTMAX, DEQUANTIZE) on a C
     board and a Python board: the single-process weights."""
-    spec, held = _fixture_spec("cnn_gap_float_io.tflite", tmp_path)
-    data = _dataset_blob(spec, tmp_path / "synthetic.qzds")
-    board = start_host_board(tmp_path / "c-0", dataset=data, board_id="c-0", sanitized=True)
-    try:
-        result = await _train(
-            [str(board.link_path), python_pty[1]], [python_pty[0]], ["c-0", "py-0"], spec, held
-        )
-    finally:
-        _closed_cleanly(board)
-    _assert_same_training(result, train_zo(spec), ["c-0", "py-0"])
+    spec = _fixture_spec("cnn_gap_float_io.tflite", tmp_path)
+    await _on_host_board(spec, tmp_path, python_pty, sanitized=True)
 
 
 @pytest.mark.qemu
@@ -186,13 +183,4 @@ async def test_converter_fixture_on_the_emulated_m55_matches_reference(
     tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
     """TensorFlow's int8 CNN (MEAN, SOFTMAX) on the emulated Cortex-M55 and a Python board."""
-    spec, held = _fixture_spec("cnn_gap_int8.tflite", tmp_path)
-    data = _dataset_blob(spec, tmp_path / "synthetic.qzds")
-    m55 = start_qemu_board(tmp_path / "m55-0", dataset=data)
-    try:
-        result = await _train(
-            [str(m55.link_path), python_pty[1]], [python_pty[0]], ["qemu-an547", "py-0"], spec, held
-        )
-    finally:
-        m55.close()
-    _assert_same_training(result, train_zo(spec), ["qemu-an547", "py-0"])
+    await _on_m55(_fixture_spec("cnn_gap_int8.tflite", tmp_path), tmp_path, python_pty)

@@ -9,37 +9,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import flatbuffers
 import numpy as np
 import pytest
-from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tflite_checks import assert_every_tensor, interpreter, invoke
 
 from qsched.daemon.train import main as train_main
 from qsched.firmware.model_report import main as inspect_main
-from qsched.zo._tflite_common import schema
-from qsched.zo.engine import run_int8
-from qsched.zo.graph import Model, QuantModel
+from qsched.zo._tflite_common import pack_model, schema
+from qsched.zo.graph import QuantModel
 from qsched.zo.quantize import quantize_input
 from qsched.zo.tflite_io import export_tflite, import_tflite, read_tflite
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tflite"
 FILES = sorted(p.name for p in FIXTURES.glob("*.tflite"))
 _BATCH = 3
-
-
-def _interpreter(data: bytes, shape: tuple[int, ...], reference: bool = True) -> Interpreter:
-    it = Interpreter(
-        model_content=data,
-        experimental_op_resolver_type=(
-            OpResolverType.BUILTIN_REF
-            if reference
-            else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-        ),
-        experimental_preserve_all_tensors=True,
-    )
-    it.resize_tensor_input(it.get_input_details()[0]["index"], [_BATCH, *shape])
-    it.allocate_tensors()
-    return it
 
 
 def _file_input(qm: QuantModel, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -67,16 +50,7 @@ def _up_to_logits(data: bytes, qm: QuantModel) -> bytes:
     logits = names.index(qm.model.output_name)
     last = next(i for i, op in enumerate(graph.operators) if logits in list(op.outputs))
     graph.operators, graph.outputs = graph.operators[: last + 1], [logits]
-    builder = flatbuffers.Builder(0)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
-
-
-def _truncated(qm: QuantModel, k: int) -> QuantModel:
-    nodes = qm.model.nodes[: k + 1]
-    m = qm.model
-    sub = Model(m.name, m.input_name, m.input_shape, nodes, nodes[-1].output, m.num_classes)
-    return QuantModel(sub, qm.tensors, qm.layers)
+    return pack_model(model)
 
 
 def test_fixtures_are_all_here() -> None:
@@ -91,14 +65,8 @@ def test_fixture_bit_exact_from_its_own_input(name: str) -> None:
     trained graph equals the engine's."""
     qm = read_tflite(FIXTURES / name)
     fed, x = _file_input(qm, np.random.default_rng(1))
-    it = _interpreter(_up_to_logits((FIXTURES / name).read_bytes(), qm), qm.model.input_shape)
-    it.set_tensor(it.get_input_details()[0]["index"], fed)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    for k, node in enumerate(qm.model.nodes):
-        np.testing.assert_array_equal(
-            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
-        )
+    it = interpreter(_up_to_logits((FIXTURES / name).read_bytes(), qm), fed.shape)
+    assert_every_tensor(qm, invoke(it, fed), x)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -107,7 +75,7 @@ def test_fixture_exports_in_its_own_form(name: str) -> None:
     data = (FIXTURES / name).read_bytes()
     qm = import_tflite(data)
     assert export_tflite(qm) == data
-    it = _interpreter(export_tflite(qm), qm.model.input_shape, reference=False)
+    it = interpreter(export_tflite(qm), (_BATCH, *qm.model.input_shape), reference=False)
     source = qm.source
     assert source is not None
     assert it.get_input_details()[0]["dtype"] == np.dtype(source.input.dtype)

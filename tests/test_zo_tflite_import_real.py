@@ -7,43 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import flatbuffers
 import numpy as np
 import pytest
-from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tflite_checks import assert_every_tensor, assert_only_layer_changed, interpreter, invoke
 
-from qsched.zo._tflite_common import schema
+from qsched.zo._tflite_common import pack_model, schema
 from qsched.zo.data import RESNET8_CIFAR10
 from qsched.zo.engine import run_int8
-from qsched.zo.graph import Model, QuantizedLayer, QuantModel
+from qsched.zo.graph import QuantizedLayer
 from qsched.zo.tflite_io import TFLiteError, export_tflite, import_tflite, read_tflite
 
 RESNET8 = RESNET8_CIFAR10
 _BATCH = 4
 
 
-def _interpreter(data: bytes, batch: int = _BATCH) -> Interpreter:
-    it = Interpreter(
-        model_content=data,
-        experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
-        experimental_preserve_all_tensors=True,
-    )
-    it.resize_tensor_input(it.get_input_details()[0]["index"], [batch, 32, 32, 3])
-    it.allocate_tensors()
-    return it
-
-
 def _images(seed: int = 0) -> np.ndarray:
     """CIFAR-like int8 input: the file's input is pixels 0..255 at scale 1, zero point -128."""
     rng = np.random.default_rng(seed)
     return rng.integers(-128, 128, size=(_BATCH, 32, 32, 3), dtype=np.int8)
-
-
-def _truncated(qm: QuantModel, k: int) -> QuantModel:
-    nodes = qm.model.nodes[: k + 1]
-    m = qm.model
-    sub = Model(m.name, m.input_name, m.input_shape, nodes, nodes[-1].output, m.num_classes)
-    return QuantModel(sub, qm.tensors, qm.layers)
 
 
 def test_import_real_resnet8_signature_and_adapters() -> None:
@@ -63,14 +44,7 @@ def test_import_real_resnet8_bit_exact_every_tensor() -> None:
     """Every activation of the engine equals LiteRT's on the user's own file."""
     qm = read_tflite(RESNET8)
     x = _images()
-    it = _interpreter(RESNET8.read_bytes())
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    for k, node in enumerate(qm.model.nodes):
-        np.testing.assert_array_equal(
-            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
-        )
+    assert_every_tensor(qm, invoke(interpreter(RESNET8.read_bytes(), x.shape), x), x)
     assert len(np.unique(run_int8(qm, x))) > 10
 
 
@@ -86,16 +60,10 @@ def test_import_real_resnet8_exports_its_own_form() -> None:
     moved = np.clip(old.weight.astype(np.int16) + rng.integers(-3, 4, old.weight.shape), -127, 127)
     qm.layers[dense] = QuantizedLayer(moved.astype(np.int8), old.weight_scales, old.bias)
     exported = export_tflite(qm)
-    changed = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(data, np.uint8))
-    start, length = qm.source.weight_bytes[dense]  # type: ignore[union-attr]
-    assert len(exported) == len(data) and changed.size and start <= changed.min()
-    assert changed.max() < start + length
+    assert_only_layer_changed(exported, data, qm, dense)
     x = _images(2)
-    it = _interpreter(exported)
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    np.testing.assert_array_equal(run_int8(qm, x), it.get_tensor(index[qm.model.output_name]))
+    it = interpreter(exported, x.shape)
+    np.testing.assert_array_equal(run_int8(qm, x), invoke(it, x)(qm.model.output_name))
     assert it.get_output_details()[0]["dtype"] == np.int8  # still the file's softmax output
 
 
@@ -115,9 +83,7 @@ def _with_opcodes(data: bytes, renames: dict[int, int]) -> bytes:
         new = renames.get(max(code.builtinCode, code.deprecatedBuiltinCode))
         if new is not None:
             code.builtinCode = code.deprecatedBuiltinCode = new
-    builder = flatbuffers.Builder(0)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
+    return pack_model(model)
 
 
 def test_import_errors_name_the_file_and_every_operator(tmp_path: Path) -> None:
@@ -161,24 +127,16 @@ def test_import_real_resnet8_trains_and_exports_in_its_own_form(
     assert main(["--spec", str(path), "--out", str(tmp_path / "run")]) == 0
     capsys.readouterr()
     exported = (tmp_path / "run" / "export" / "r8.tflite").read_bytes()
-    original = RESNET8.read_bytes()
-    assert exported != original and len(exported) == len(original)
     trained = import_tflite(exported)
-    dense = trained.model.nodes[-1].name
-    start, length = trained.source.weight_bytes[dense]  # type: ignore[union-attr]
-    differ = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(original, np.uint8))
-    assert start <= differ.min() and differ.max() < start + length  # only the head moved
-    it = _interpreter(exported)
+    # Only the head moved.
+    assert_only_layer_changed(exported, RESNET8.read_bytes(), trained, trained.model.nodes[-1].name)
+    x = _images(4)
+    it = interpreter(exported, x.shape)
     details = it.get_input_details()[0], it.get_output_details()[0]
     assert [d["dtype"] for d in details] == [np.int8, np.int8]
     assert details[1]["quantization"] == (0.00390625, -128)  # SOFTMAX's output, as before
-    x = _images(4)
-    it.set_tensor(details[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    np.testing.assert_array_equal(
-        run_int8(trained, x), it.get_tensor(index[trained.model.output_name])
-    )
+    tensor = invoke(it, x)
+    np.testing.assert_array_equal(run_int8(trained, x), tensor(trained.model.output_name))
 
 
 def test_readme_example_spec_resolves() -> None:

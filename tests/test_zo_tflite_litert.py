@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tflite_checks import assert_every_tensor, interpreter, invoke
 
 from qsched.zo import prng
 from qsched.zo.engine import run_int8, run_int8_perturbed
@@ -49,39 +49,13 @@ def _quantised(key: str, seed: int = 0) -> tuple[QuantModel, np.ndarray]:
     return qm, x
 
 
-def _interpreter(data: bytes) -> Interpreter:
-    it = Interpreter(
-        model_content=data,
-        experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
-        experimental_preserve_all_tensors=True,
-    )
-    it.allocate_tensors()
-    return it
-
-
-def _truncated(qm: QuantModel, k: int) -> QuantModel:
-    """The model up to and including node k, whose output becomes the model output."""
-    m = qm.model
-    nodes = m.nodes[: k + 1]
-    sub = Model(m.name, m.input_name, m.input_shape, nodes, nodes[-1].output, m.num_classes)
-    names = {n.name for n in nodes}
-    return QuantModel(sub, qm.tensors, {n: lay for n, lay in qm.layers.items() if n in names})
-
-
 @pytest.mark.parametrize("key", sorted(_ZOO))
 def test_tflite_litert_bit_exact_every_tensor(key: str) -> None:
     """Every activation of the engine equals LiteRT's reference kernels' (int8, bit for bit)."""
     qm, x = _quantised(key)
-    it = _interpreter(export_tflite(qm, batch=_BATCH))
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    for k, node in enumerate(qm.model.nodes):
-        ours = run_int8(_truncated(qm, k), x)
-        theirs = it.get_tensor(index[node.output])
-        assert ours.shape == theirs.shape, node.name
-        np.testing.assert_array_equal(ours, theirs, err_msg=f"layer {node.name}")
-    logits = it.get_tensor(it.get_output_details()[0]["index"])
+    tensor = invoke(interpreter(export_tflite(qm, batch=_BATCH)), x)
+    assert_every_tensor(qm, tensor, x)
+    logits = tensor(qm.model.output_name)
     assert len(np.unique(logits)) > 10  # a saturated output would prove nothing
 
 
@@ -99,7 +73,7 @@ def test_tflite_litert_bit_exact_perturbed() -> None:
                     np.clip(w + sign * 2 * z.astype(np.int16), -127, 127).astype(np.int8)
                 )
     ours = run_int8_perturbed(qm, x, {n: np.stack(v) for n, v in sets.items()})
-    it = _interpreter(export_tflite(qm, batch=_BATCH, weights_as_inputs=True))
+    it = interpreter(export_tflite(qm, batch=_BATCH, weights_as_inputs=True))
     inputs = {d["name"]: d["index"] for d in it.get_input_details()}
     it.set_tensor(inputs[qm.model.input_name], x)
     for p in range(4):
@@ -174,14 +148,7 @@ def test_tflite_litert_mean_and_pad_bit_exact(keep_dims: bool, seed: int) -> Non
     assert qm.tensors["gap"].scale != qm.tensors["c2"].scale  # MEAN really requantises
     x = quantize_input(qm, rng.normal(size=(_BATCH, 9, 9, 3)).astype(np.float32))
     data = export_tflite(qm, batch=_BATCH)
-    it = _interpreter(data)
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    for k, node in enumerate(qm.model.nodes):
-        np.testing.assert_array_equal(
-            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
-        )
+    assert_every_tensor(qm, invoke(interpreter(data), x), x)
     back = import_tflite(data)
     assert [type(n).__name__ for n in back.model.nodes] == [type(n).__name__ for n in model.nodes]
     np.testing.assert_array_equal(run_int8(back, x), run_int8(qm, x))
@@ -203,19 +170,14 @@ def test_tflite_mean_requantises_like_the_reference_for_many_counts() -> None:
             {},
         )
         x = rng.integers(-128, 128, size=(_BATCH, side, side, 4), dtype=np.int8)
-        it = _interpreter(export_tflite(qm, batch=_BATCH))
-        it.set_tensor(it.get_input_details()[0]["index"], x)
-        it.invoke()
-        theirs = it.get_tensor(it.get_output_details()[0]["index"])
+        theirs = invoke(interpreter(export_tflite(qm, batch=_BATCH)), x)("m")
         np.testing.assert_array_equal(run_int8(qm, x), theirs, err_msg=f"{side}x{side}")
 
 
 def test_tflite_concatenation_of_three_becomes_a_chain() -> None:
     """A three-input CONCATENATION (as converters write) imports as two joins and equals
     LiteRT on the logits."""
-    import flatbuffers
-
-    from qsched.zo._tflite_common import schema
+    from qsched.zo._tflite_common import pack_model, schema
 
     rng = np.random.default_rng(4)
     convs = [
@@ -250,18 +212,11 @@ def test_tflite_concatenation_of_three_becomes_a_chain() -> None:
     second = next(op for op in graph.operators if names[op.outputs[0]] == "abc")
     second.inputs = [*first.inputs, names.index("c")]
     graph.operators.remove(first)
-    builder = flatbuffers.Builder(0)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    data = bytes(builder.Output())
+    data = pack_model(model)
     back = import_tflite(data)
     assert [type(n).__name__ for n in back.model.nodes].count("Concat") == 2
     x = quantize_input(qm, rng.normal(size=(_BATCH, 5, 5, 3)).astype(np.float32))
-    it = _interpreter(data)
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    np.testing.assert_array_equal(
-        run_int8(back, x), it.get_tensor(it.get_output_details()[0]["index"])
-    )
+    np.testing.assert_array_equal(run_int8(back, x), invoke(interpreter(data), x)("head"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -298,12 +253,5 @@ def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
     )
     x = quantize_input(qm, rng.normal(size=(_BATCH, 6, 6, 3)).astype(np.float32))
     data = export_tflite(qm, batch=_BATCH)
-    it = _interpreter(data)
-    it.set_tensor(it.get_input_details()[0]["index"], x)
-    it.invoke()
-    index = {d["name"]: d["index"] for d in it.get_tensor_details()}
-    for k, node in enumerate(qm.model.nodes):
-        np.testing.assert_array_equal(
-            run_int8(_truncated(qm, k), x), it.get_tensor(index[node.output]), err_msg=node.name
-        )
+    assert_every_tensor(qm, invoke(interpreter(data), x), x)
     np.testing.assert_array_equal(run_int8(import_tflite(data), x), run_int8(qm, x))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flatbuffers
 from ai_edge_litert import schema_py_generated as _schema
 
 from qsched.zo.errors import TFLiteError, TFLiteFormatError
@@ -22,6 +23,7 @@ __all__ = [
     "activation_code",
     "activation_name",
     "op_name",
+    "pack_model",
     "schema",
 ]
 
@@ -69,3 +71,10 @@ def activation_name(code: int, where: str) -> Activation:
         if value == code:
             return name
     raise TFLiteError(f"{where}: unsupported fused activation (ActivationFunctionType {code})")
+
+
+def pack_model(model: Any) -> bytes:
+    """The ``.tflite`` bytes of a schema ``ModelT`` (object API), file identifier included."""
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
+    return bytes(builder.Output())

@@ -13,16 +13,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import flatbuffers
 import numpy as np
 import numpy.typing as npt
 
 from qsched.zo._tflite_common import (
-    FILE_IDENTIFIER,
     METADATA_NAME,
     SCHEMA_VERSION,
     TFLiteError,
     activation_code,
+    pack_model,
     schema,
 )
 from qsched.zo.graph import (
@@ -499,9 +498,4 @@ def build_tflite(qmodel: QuantModel, batch: int = 1, weights_as_inputs: bool = F
         _write_node(w, qmodel, node)
     if model.output_name not in w.index:
         raise TFLiteError(f"output tensor {model.output_name!r} is produced by no layer")
-    builder = flatbuffers.Builder(1024)
-    builder.Finish(
-        _model(w, qmodel, [inp], w.index[model.output_name]).Pack(builder),
-        file_identifier=FILE_IDENTIFIER,
-    )
-    return bytes(builder.Output())
+    return pack_model(_model(w, qmodel, [inp], w.index[model.output_name]))

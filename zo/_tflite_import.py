@@ -625,9 +625,7 @@ def _source(data: bytes, r: _Reader, edges: _Edges, folded: list[str]) -> Source
         input_ops=tuple(edges.input_ops),
         output_ops=tuple(edges.output_ops),
         folded_ops=tuple(folded),
-        weight_bytes={
-            name: _buffer_span(data, buffer) for name, buffer in r.weight_buffers.items()
-        },
+        weight_bytes=_buffer_spans(data, r.weight_buffers),
     )
 
 
@@ -654,11 +652,15 @@ def _edge_tensor(r: _Reader, index: int) -> EdgeTensor:
     )
 
 
-def _buffer_span(data: bytes, buffer: int) -> tuple[int, int]:
-    """Where buffer ``buffer``'s bytes lie in the file: ``(offset, length)``."""
-    table = schema.Model.GetRootAs(data, 0).Buffers(buffer)._tab
-    field = table.Offset(4)  # Buffer.data, the first field
-    return int(table.Vector(field)), int(table.VectorLen(field))
+def _buffer_spans(data: bytes, buffers: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Where each named buffer's bytes lie in the file: ``(offset, length)``."""
+    root = schema.Model.GetRootAs(data, 0)
+    spans = {}
+    for name, buffer in buffers.items():
+        table = root.Buffers(buffer)._tab
+        field = table.Offset(4)  # Buffer.data, the first field
+        spans[name] = (int(table.Vector(field)), int(table.VectorLen(field)))
+    return spans
 
 
 def _ints(values: Any) -> list[int]:

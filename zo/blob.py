@@ -242,7 +242,7 @@ def encode_blob(
     ops: list[bytes] = []
     flat = 0
     for node in src.model.nodes:
-        record, flat = _op_record(node, src, index, data, flat)
+        record, flat = _op_record(node, src, index, shapes, data, flat)
         ops.append(record)
     body = _table_bytes(src) + tensors + b"".join(ops) + b"".join(data.parts)
     numerics = NUMERICS_INT8 if src.qmodel is not None else NUMERICS_FP32
@@ -295,7 +295,12 @@ def _tensor_record(name: str, shape: tuple[int, ...], qmodel: QuantModel | None)
 
 
 def _op_record(
-    node: Node, src: _Source, index: dict[str, int], data: _Data, flat: int
+    node: Node,
+    src: _Source,
+    index: dict[str, int],
+    shapes: Mapping[str, tuple[int, ...]],
+    data: _Data,
+    flat: int,
 ) -> tuple[bytes, int]:
     """One op record; appends the op's arrays to ``data``; returns the next flat offset."""
     opcode = (
@@ -325,7 +330,7 @@ def _op_record(
     if q is not None:
         inp, out = q.tensors[node.inputs[0]], q.tensors[node.output]
         in_zp, out_zp = int(inp.zero_point), int(out.zero_point)
-        act_min, act_max, aux, in1_zp = _int8_params(node, q, inp, out, aux)
+        act_min, act_max, aux, in1_zp = _int8_params(node, q, inp, out, aux, shapes)
     aux = _shape_aux(node, aux)
     if isinstance(node, (Conv2D, Dense)):
         weight, bias = src.weights[node.name], src.biases[node.name]
@@ -387,7 +392,12 @@ def _shape_aux(node: Node, aux: list[int]) -> list[int]:
 
 
 def _int8_params(
-    node: Node, q: QuantModel, inp: TensorQuant, out: TensorQuant, aux: list[int]
+    node: Node,
+    q: QuantModel,
+    inp: TensorQuant,
+    out: TensorQuant,
+    aux: list[int],
+    shapes: Mapping[str, tuple[int, ...]],
 ) -> tuple[int, int, list[int], int]:
     """Clamp range, auxiliary multipliers (ADD, RELU) and the second input's zero point."""
     activation: Activation = getattr(node, "activation", "none")
@@ -423,7 +433,7 @@ def _int8_params(
             mul.b_zero_point,
         )
     if isinstance(node, Mean):
-        h, w = infer_shapes(q.model)[node.inputs[0]][:2]
+        h, w = shapes[node.inputs[0]][:2]
         mean = ki.prepare_mean(inp, out, h * w)
         return lo, hi, [mean.multiplier, mean.shift, 0, 0, 0, 0, 0], 0
     return lo, hi, aux, 0

@@ -233,10 +233,9 @@ def _tq(qmodel: QuantModel, tensor: str, node: str) -> TensorQuant:
         raise GraphError(node, f"tensor {tensor!r} has no quantisation parameters") from None
 
 
-def _prepare_int8(qmodel: QuantModel) -> dict[str, Any]:
+def _prepare_int8(qmodel: QuantModel, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """TFLite's Prepare for every node: multipliers, shifts, activation ranges."""
     stages: dict[str, Any] = {}
-    shapes = infer_shapes(qmodel.model)
     for node in qmodel.model.nodes:
         inp = _tq(qmodel, node.inputs[0], node.name)
         out = _tq(qmodel, node.output, node.name)
@@ -589,7 +588,8 @@ def prepare_int8(qmodel: QuantModel, *, use_native: bool | None = None) -> Prepa
         raise native.NativeError("native INT8 kernels are not available (see the logged warning)")
     plan = _Plan.of(qmodel.model, lean)
     weights = _int8_weights(qmodel, None, stacked=False)
-    return PreparedInt8(qmodel, plan, _prepare_int8(qmodel), weights, native if lean else ki)
+    stages = _prepare_int8(qmodel, plan.shapes)
+    return PreparedInt8(qmodel, plan, stages, weights, native if lean else ki)
 
 
 def _prepared(model: QuantModel | PreparedInt8) -> PreparedInt8:
