@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_firmware_fleet import _assert_same_training, _closed_cleanly, _train, python_pty
+from tflite_checks import synthetic_images
 
 from qsched.firmware.native import m55_unavailable_reason, start_host_board
 from qsched.firmware.qemu import start_qemu_board
@@ -148,11 +149,7 @@ async def test_imported_mean_pad_model_on_the_emulated_m55_matches_reference(
 
 def _fixture_spec(name: str, tmp_path: Path) -> JobSpec:
     """A converter-made fixture's last two layers on a synthetic 16x16x3 data set."""
-    rng = np.random.default_rng(0)
-    y = np.arange(120) % 10
-    x = rng.random((120, 16, 16, 3), dtype=np.float32) * 0.5 + (y / 20.0).reshape(-1, 1, 1, 1)
-    path = tmp_path / "synthetic.npz"
-    np.savez(path, x_train=x[:100], y_train=y[:100], x_val=x[100:], y_val=y[100:])
+    path = synthetic_images((16, 16, 3), tmp_path / "synthetic.npz", count=120)
     fixture = Path(__file__).parent / "fixtures" / "tflite" / name
     return JobSpec(
         name="fixture",

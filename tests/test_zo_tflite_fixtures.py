@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tflite_checks import assert_every_tensor, interpreter, invoke
+from tflite_checks import assert_every_tensor, interpreter, invoke, synthetic_images
 
 from qsched.daemon.train import main as train_main
 from qsched.firmware.model_report import main as inspect_main
@@ -82,15 +82,6 @@ def test_fixture_exports_in_its_own_form(name: str) -> None:
     assert it.get_output_details()[0]["dtype"] == np.dtype(source.output.dtype)
 
 
-def _npz_for(shape: tuple[int, ...], path: Path) -> Path:
-    """A small synthetic 10-class image set of the model's input shape (.npz)."""
-    rng = np.random.default_rng(0)
-    y = np.arange(200) % 10
-    x = rng.random((200, *shape), dtype=np.float32) * 0.5 + (y / 20.0).reshape(-1, 1, 1, 1)
-    np.savez(path, x_train=x[:160], y_train=y[:160], x_val=x[160:], y_val=y[160:])
-    return path
-
-
 @pytest.mark.parametrize(
     "name",
     ["cnn_gap_float_io.tflite", "cnn_uint8_in_float_out.tflite", "flatten_open_batch_int8.tflite"],
@@ -101,7 +92,7 @@ def test_fixture_trains_last_layer_and_new_head(
     """`qsched train` fine-tunes the last layer (export: the file's form, only the head's
     weights changed) and, with ``head: new``, a fresh head (export: qsched's own form)."""
     shape = read_tflite(FIXTURES / name).model.input_shape
-    data = _npz_for(shape, tmp_path / "data.npz")
+    data = synthetic_images(shape, tmp_path / "data.npz")
     base = {
         "name": "fx",
         "dataset": str(data),

@@ -1,10 +1,12 @@
-"""Checks the ``.tflite`` tests share: the LiteRT interpreter as the oracle (its reference
-kernels, every tensor kept, compared with the engine tensor by tensor), and that an
-export changed nothing of the user's file but one layer's weights."""
+"""What the ``.tflite`` tests share: the LiteRT interpreter as the oracle (its reference
+kernels, every tensor kept, compared with the engine tensor by tensor), the check that
+an export changed nothing of the user's file but one layer's weights, and a synthetic
+image set of any input shape to train imported models on."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
@@ -70,3 +72,14 @@ def assert_only_layer_changed(exported: bytes, original: bytes, qm: QuantModel, 
     start, length = qm.source.weight_bytes[layer]
     changed = np.flatnonzero(np.frombuffer(exported, np.uint8) != np.frombuffer(original, np.uint8))
     assert changed.size and start <= changed.min() and changed.max() < start + length
+
+
+def synthetic_images(shape: Sequence[int], path: Path, count: int = 200) -> Path:
+    """A 10-class image set of ``shape`` written as ``.npz`` (4/5 train, 1/5 val); the
+    class shifts the pixel values, so there is something to learn."""
+    rng = np.random.default_rng(0)
+    y = np.arange(count) % 10
+    x = rng.random((count, *shape), dtype=np.float32) * 0.5 + (y / 20.0).reshape(-1, 1, 1, 1)
+    cut = count * 4 // 5
+    np.savez(path, x_train=x[:cut], y_train=y[:cut], x_val=x[cut:], y_val=y[cut:])
+    return path
