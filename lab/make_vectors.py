@@ -74,6 +74,7 @@ from qsched.zo import accum_int8
 from qsched.zo.blob import encode_blob, trainable_layers
 from qsched.zo.graph import Dense, Model, QuantizedLayer, QuantModel, TensorQuant
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
+from qsched.zo.lookup import hard_swish_table, logistic_table
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.spsa import Estimator, LossPairs, coefficients
 from qsched.zo.update import (
@@ -766,6 +767,39 @@ def _batch_loss_vectors(out: Vectors) -> None:
     out[f"{key}.wire"] = _f32_bits(float(q16_to_float(batch)))
 
 
+# (name, op, input scale, input zero point, output scale, output zero point)
+TABLE_CASES: Final = (
+    ("logistic.0", "logistic", 0.0625, -3, 1.0 / 256, -128),
+    ("logistic.1", "logistic", 0.0012, 40, 1.0 / 256, -128),
+    ("logistic.2", "logistic", 0.7, -128, 1.0 / 256, -128),
+    ("hard_swish.0", "hard_swish", 0.05, -20, 0.03, -110),
+    ("hard_swish.1", "hard_swish", 0.002, 5, 0.0011, -7),  # a right-shifting relu-ish step
+    ("hard_swish.2", "hard_swish", 0.3, 100, 0.5, -128),
+)
+
+
+def table_inputs(case: tuple[str, str, float, int, float, int]) -> tuple[TensorQuant, TensorQuant]:
+    """A table case's input and output parameters (float32 scales)."""
+    _, _, s_in, z_in, s_out, z_out = case
+    return (
+        TensorQuant(float(np.float32(s_in)), z_in),
+        TensorQuant(float(np.float32(s_out)), z_out),
+    )
+
+
+def _table_vectors(out: Vectors) -> None:
+    """LOGISTIC and HARD_SWISH tables (SPEC "Model blob"): parameters and the 256 bytes."""
+    for case in TABLE_CASES:
+        inp, res = table_inputs(case)
+        make = logistic_table if case[1] == "logistic" else hard_swish_table
+        key = f"table.{case[0]}"
+        out[f"{key}.in_scale"] = _f32_bits(inp.scale)
+        out[f"{key}.in_zero_point"] = str(inp.zero_point)
+        out[f"{key}.out_scale"] = _f32_bits(res.scale)
+        out[f"{key}.out_zero_point"] = str(res.zero_point)
+        out[f"{key}.table"] = make(inp, res).view(np.uint8).tobytes().hex()
+
+
 def numeric_vectors() -> Vectors:
     """Perturbations, the INT8 buffer, c_k, model blobs and batch losses (numeric.json)."""
     out: Vectors = {}
@@ -775,6 +809,7 @@ def numeric_vectors() -> Vectors:
     _coefficient_vectors(out)
     _blob_vectors(out)
     _batch_loss_vectors(out)
+    _table_vectors(out)
     return out
 
 

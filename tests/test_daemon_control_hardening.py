@@ -219,14 +219,14 @@ async def test_hardening_unsupported_model_is_one_typed_reply(
 
     op = schema.BuiltinOperator
     model = tmp_path / "odd.tflite"
-    model.write_bytes(_with_opcodes(RESNET8_CIFAR10.read_bytes(), {op.ADD: op.HARD_SWISH}))
+    model.write_bytes(_with_opcodes(RESNET8_CIFAR10.read_bytes(), {op.ADD: op.TANH}))
     spec = {"name": "odd", "backbone": str(model), "numerics": "int8", "dataset": "eurosat:size=32"}
     document = json.dumps({"type": "start_job", "request_id": "u", "spec": spec})
     async with _daemon(mqtt_broker, tmp_path / "state") as daemon:
         (reply,) = await _exchange(mqtt_broker, [document])
         assert reply["code"] == "invalid_command"
         assert (
-            f"{model}: unsupported operators: HARD_SWISH (operators #3, #7, #11)"
+            f"{model}: unsupported operators: TANH (operators #3, #7, #11)"
             in reply["message"]
         )
         assert daemon.job is None

@@ -1,6 +1,6 @@
 """Imported models on the fleet: C boards (host build and the emulated Cortex-M55) train a
 user's .tflite model to the single-process weights, long tensor names and the new
-operators (MEAN, PAD, CONCATENATION, MUL) included."""
+operators (MEAN, PAD, CONCATENATION, MUL, LOGISTIC, HARD_SWISH) included."""
 
 from __future__ import annotations
 
@@ -165,13 +165,14 @@ def _fixture_spec(name: str, tmp_path: Path) -> JobSpec:
     )
 
 
+@pytest.mark.parametrize("name", ["cnn_gap_float_io.tflite", "se_hardswish_int8.tflite"])
 async def test_converter_fixture_on_a_c_board_matches_reference(
-    tmp_path: Path, python_pty: tuple[int, str]
+    name: str, tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
-    """TensorFlow's float-in, float-out CNN (QUANTIZE, MEAN, SOFTMAX, DEQUANTIZE) on a C
-    board and a Python board: the single-process weights."""
-    spec = _fixture_spec("cnn_gap_float_io.tflite", tmp_path)
-    await _on_host_board(spec, tmp_path, python_pty, sanitized=True)
+    """TensorFlow's float-in, float-out CNN (QUANTIZE, MEAN, SOFTMAX, DEQUANTIZE) and its
+    squeeze-and-excite CNN (HARD_SWISH, LOGISTIC, MUL; the gate's layer trains through
+    LOGISTIC) on a C board and a Python board: the single-process weights."""
+    await _on_host_board(_fixture_spec(name, tmp_path), tmp_path, python_pty, sanitized=True)
 
 
 @pytest.mark.qemu
@@ -179,5 +180,6 @@ async def test_converter_fixture_on_a_c_board_matches_reference(
 async def test_converter_fixture_on_the_emulated_m55_matches_reference(
     tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
-    """TensorFlow's int8 CNN (MEAN, SOFTMAX) on the emulated Cortex-M55 and a Python board."""
-    await _on_m55(_fixture_spec("cnn_gap_int8.tflite", tmp_path), tmp_path, python_pty)
+    """TensorFlow's int8 squeeze-and-excite CNN (HARD_SWISH, LOGISTIC, MUL, MEAN, SOFTMAX)
+    on the emulated Cortex-M55 and a Python board."""
+    await _on_m55(_fixture_spec("se_hardswish_int8.tflite", tmp_path), tmp_path, python_pty)

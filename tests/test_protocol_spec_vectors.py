@@ -591,6 +591,65 @@ def test_blob_vectors_from_spec() -> None:
             assert zlib.crc32(flat) == int(fields["initial_fp32_checksum"])
 
 
+def _spec_logistic(v: int, s_i: np.float32, z_i: int, s_o: np.float32, z_o: int) -> int:
+    x = s_i * np.float32(v - z_i)
+    e = np.float32(math.exp(-float(x))) if -float(x) < 89.0 else np.float32(np.inf)
+    y = np.float32(1) / (np.float32(1) + e)
+    t = float(y * (np.float32(1) / s_o))
+    r = math.floor(t + 0.5) if t >= 0 else -math.floor(-t + 0.5)  # exact: t is a float32
+    return min(max(r + z_o, -128), 127)
+
+
+def _i16(v: int) -> int:
+    return ((v + 2**15) & 0xFFFF) - 2**15
+
+
+def _spec_mult16(real: float) -> tuple[int, int]:
+    m, e = math.frexp(real)
+    q = int(Decimal(m * 2**31).to_integral_value("ROUND_HALF_UP"))
+    if q == 2**31:
+        q, e = q // 2, e + 1
+    return (32767 if q >= 2**31 - 1 - 2**15 else (q + 2**15) >> 16), e
+
+
+def _spec_hard_swish(v: int, s_i: np.float32, z_i: int, s_o: np.float32, z_o: int) -> int:
+    def mul(a: int, b: int, nudge: bool) -> int:
+        if a == b == -(2**15):
+            return 2**15 - 1
+        p = a * b + ((2**14 if a * b >= 0 else 1 - 2**14) if nudge else 0)
+        return _i16(int(p / 2**15))  # exact in double; int() truncates toward zero
+
+    def rdbpot(x: int, e: int) -> int:
+        mask = _i16((1 << e) - 1)
+        return _i16((x >> e) + (1 if _i16(x & mask) > (mask >> 1) + (x < 0) else 0))
+
+    def sat(x: int) -> int:
+        return min(max(x, -(2**15)), 2**15 - 1)
+
+    h = np.float32(1 / 128) * s_i
+    mr, er = _spec_mult16(float(h / (np.float32(3) / np.float32(32768))))
+    mo, eo = _spec_mult16(float(h / s_o))
+    u = _i16((v - z_i) * 128)
+    p, r = mul(u, mo, True), u
+    r = sat(r * 2 ** (er - 1)) if er > 0 else r
+    r = mul(r, mr, True)
+    r = sat(2 * r) if er > 0 else (rdbpot(r, -er) if er < 0 else r)
+    r = (r + 2**15) >> 1
+    return min(max(_i16(rdbpot(mul(r, p, False), -eo) + z_o), -128), 127)
+
+
+def test_table_vectors_from_spec() -> None:
+    """LOGISTIC and HARD_SWISH tables recomputed from SPEC "Model blob"'s recipe."""
+    groups = _groups("numeric", "table")
+    assert len(groups) == 6
+    for name, f in groups.items():
+        s_i, s_o = _f32(f["in_scale"]), _f32(f["out_scale"])
+        z_i, z_o = int(f["in_zero_point"]), int(f["out_zero_point"])
+        spec = _spec_logistic if name.startswith("logistic") else _spec_hard_swish
+        table = bytes(spec(v, s_i, z_i, s_o, z_o) & 0xFF for v in range(-128, 128))
+        assert table.hex() == f["table"], name
+
+
 # --------------------------------------------------------------------------- wire.json
 
 

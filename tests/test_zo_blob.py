@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +20,20 @@ from qsched.zo.blob import (
     encode_blob,
     encode_dataset_blob,
 )
-from qsched.zo.graph import AvgPool, Conv2D, Dense, MaxPool, Model, QuantModel, ReLU, ReLU6, Reshape
+from qsched.zo.graph import (
+    AvgPool,
+    Conv2D,
+    Dense,
+    HardSwish,
+    Logistic,
+    MaxPool,
+    Model,
+    QuantModel,
+    ReLU,
+    ReLU6,
+    Reshape,
+)
+from qsched.zo.lookup import unary_table
 from qsched.zo.quantize import quantize_input, quantize_model
 from qsched.zo.workload import Workload
 from qsched.zo.zoo import build_model
@@ -214,3 +228,39 @@ def test_blob_carries_mean_and_pad() -> None:
         assert np.array_equal(engine.run_int8(back, x_q), engine.run_int8(qmodel, x_q))
         fp32 = decode_blob(encode_blob(model))
         assert np.array_equal(engine.run_fp32(fp32, x), engine.run_fp32(model, x))
+
+
+def test_blob_carries_logistic_and_hard_swish_tables() -> None:
+    """LOGISTIC and HARD_SWISH travel as 256-byte tables: the decoded model evaluates as
+    the original (INT8 and FP32), and a table that is not its parameters' is refused."""
+    rng = np.random.default_rng(4)
+    conv_w = rng.normal(0, 0.6, (4, 3, 3, 1)).astype(np.float32)
+    nodes = [
+        Conv2D("conv", ["input"], "conv", conv_w, rng.normal(0, 0.2, 4).astype(np.float32)),
+        HardSwish("hswish", ["conv"], "hswish"),
+        Logistic("sigmoid", ["hswish"], "sigmoid"),
+        Reshape("flatten", ["sigmoid"], "flatten", (256,)),
+        Dense("dense", ["flatten"], "dense", rng.normal(0, 0.1, (10, 256)).astype(np.float32),
+              np.zeros(10, np.float32)),
+    ]  # fmt: skip
+    model = Model("tables", "input", (8, 8, 1), nodes, "dense", 10)
+    x = rng.normal(0, 2, (6, 8, 8, 1)).astype(np.float32)
+    qmodel = quantize_model(model, x)
+    blob = encode_blob(qmodel)
+    back = decode_blob(blob)
+    assert isinstance(back, QuantModel)
+    x_q = quantize_input(qmodel, x)
+    assert np.array_equal(engine.run_int8(back, x_q), engine.run_int8(qmodel, x_q))
+    fp32 = decode_blob(encode_blob(model))
+    assert np.array_equal(engine.run_fp32(fp32, x), engine.run_fp32(model, x))
+    table = unary_table(nodes[2], qmodel.tensors["hswish"], qmodel.tensors["sigmoid"])
+    at = blob.find(table.tobytes())
+    assert at > 0
+    damaged = bytearray(blob)
+    damaged[at + 7] ^= 1
+    header = struct.Struct("<4sHBBHHHHIIIIII24x")
+    fields = list(header.unpack_from(damaged))
+    fields[11] = zlib.crc32(bytes(damaged[header.size :]))
+    header.pack_into(damaged, 0, *fields)
+    with pytest.raises(BlobError, match="table differs"):
+        decode_blob(bytes(damaged))

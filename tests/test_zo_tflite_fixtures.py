@@ -55,7 +55,7 @@ def _up_to_logits(data: bytes, qm: QuantModel) -> bytes:
 
 def test_fixtures_are_all_here() -> None:
     """The six converter-made files, each under 1 MB, with their README."""
-    assert len(FILES) == 6 and (FIXTURES / "README.md").exists()
+    assert len(FILES) == 7 and (FIXTURES / "README.md").exists()
     assert all((FIXTURES / f).stat().st_size < 1 << 20 for f in FILES)
 
 
@@ -84,7 +84,12 @@ def test_fixture_exports_in_its_own_form(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["cnn_gap_float_io.tflite", "cnn_uint8_in_float_out.tflite", "flatten_open_batch_int8.tflite"],
+    [
+        "cnn_gap_float_io.tflite",
+        "cnn_uint8_in_float_out.tflite",
+        "flatten_open_batch_int8.tflite",
+        "se_hardswish_int8.tflite",
+    ],
 )
 def test_fixture_trains_last_layer_and_new_head(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tflite_checks import assert_every_tensor, interpreter, invoke
+from tflite_checks import assert_every_tensor, interpreter, invoke, truncated
 
 from qsched.zo import prng
 from qsched.zo.engine import run_int8, run_int8_perturbed
@@ -14,6 +14,8 @@ from qsched.zo.graph import (
     Concat,
     Conv2D,
     Dense,
+    HardSwish,
+    Logistic,
     Mean,
     Model,
     Mul,
@@ -22,6 +24,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
+from qsched.zo.lookup import LOGISTIC_OUTPUT
 from qsched.zo.quantize import quantize_input, quantize_model
 from qsched.zo.tflite_io import export_tflite, import_tflite, weight_tensor_name
 from qsched.zo.zoo import build_model
@@ -254,4 +257,59 @@ def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
     x = quantize_input(qm, rng.normal(size=(_BATCH, 6, 6, 3)).astype(np.float32))
     data = export_tflite(qm, batch=_BATCH)
     assert_every_tensor(qm, invoke(interpreter(data), x), x)
+    np.testing.assert_array_equal(run_int8(import_tflite(data), x), run_int8(qm, x))
+
+
+@pytest.mark.parametrize("op", [Logistic, HardSwish])
+def test_tflite_table_ops_bit_exact_for_every_input_byte(op: type) -> None:
+    """LOGISTIC and HARD_SWISH tables equal LiteRT's reference kernels on all 256 inputs,
+    over input scales from 3e-4 to 1, every zero point and (HARD_SWISH) output scales
+    around the input's."""
+    rng = np.random.default_rng(7)
+    x = np.arange(-128, 128, dtype=np.int8).reshape(1, 16, 16, 1)
+    for _ in range(40):
+        s_in = float(np.float32(10 ** rng.uniform(-3.5, 0)))
+        inp = TensorQuant(s_in, int(rng.integers(-128, 128)))
+        out = LOGISTIC_OUTPUT
+        if op is HardSwish:
+            s_out = float(np.float32(s_in * 10 ** rng.uniform(-0.5, 0.7)))
+            out = TensorQuant(s_out, int(rng.integers(-128, 128)))
+        model = Model("table", "input", (16, 16, 1), [op("op", ["input"], "op")], "op", 256)
+        qm = QuantModel(model, {"input": inp, "op": out}, {})
+        theirs = invoke(interpreter(export_tflite(qm, batch=1)), x)("op")
+        np.testing.assert_array_equal(run_int8(qm, x), theirs, err_msg=f"{inp} -> {out}")
+
+
+def test_tflite_hard_swish_and_sigmoid_gate_model_bit_exact() -> None:
+    """MobileNetV3's pattern (conv -> HARD_SWISH, a squeeze-and-excite gate through
+    LOGISTIC) after PTQ equals LiteRT on every tensor and survives export and import."""
+    rng = np.random.default_rng(3)
+
+    def conv(name: str, src: str, cout: int, cin: int, act: str = "none") -> Conv2D:
+        w = rng.normal(0, 0.6, (cout, 1, 1, cin)).astype(np.float32)
+        return Conv2D(
+            name, [src], name, w, rng.normal(0, 0.3, cout).astype(np.float32), activation=act
+        )
+
+    nodes: list[Any] = [
+        conv("expand", "input", 6, 3),
+        HardSwish("hswish", ["expand"], "hswish"),
+        Mean("squeeze", ["hswish"], "squeeze", keep_dims=True),
+        conv("reduce", "squeeze", 3, 6, "relu"),
+        conv("gate", "reduce", 6, 3),
+        Logistic("sigmoid", ["gate"], "sigmoid"),
+        Mul("excite", ["hswish", "sigmoid"], "excite"),
+        Mean("gap", ["excite"], "gap"),
+        Dense("head", ["gap"], "head", rng.normal(0, 0.4, (3, 6)).astype(np.float32),
+              np.zeros(3, np.float32)),
+    ]  # fmt: skip
+    qm = quantize_model(
+        Model("se", "input", (6, 6, 3), nodes, "head", 3),
+        rng.normal(0, 2, size=(32, 6, 6, 3)).astype(np.float32),
+    )
+    assert qm.tensors["sigmoid"] == LOGISTIC_OUTPUT
+    x = quantize_input(qm, rng.normal(0, 2, size=(_BATCH, 6, 6, 3)).astype(np.float32))
+    data = export_tflite(qm, batch=_BATCH)
+    assert_every_tensor(qm, invoke(interpreter(data), x), x)
+    assert len(np.unique(run_int8(truncated(qm, 1), x))) > 50  # hard_swish sees a range
     np.testing.assert_array_equal(run_int8(import_tflite(data), x), run_int8(qm, x))

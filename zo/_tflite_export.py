@@ -31,6 +31,8 @@ from qsched.zo.graph import (
     Conv2D,
     Dense,
     GlobalAvgPool,
+    HardSwish,
+    Logistic,
     MaxPool,
     Mean,
     Mul,
@@ -64,6 +66,8 @@ _VERSIONS = {
     _OP.PAD: 2,
     _OP.CONCATENATION: 2,
     _OP.MUL: 2,
+    _OP.LOGISTIC: 2,
+    _OP.HARD_SWISH: 1,
 }
 _GROUPED_CONV_VERSION = 6
 _PADDING = {"same": schema.Padding.SAME, "valid": schema.Padding.VALID}
@@ -409,11 +413,13 @@ def _concat(w: _Writer, qm: QuantModel, node: Concat) -> None:
     w.op(_OP.CONCATENATION, inputs, [oi], o, schema.BuiltinOptions.ConcatenationOptions)
 
 
-def _relu(w: _Writer, qm: QuantModel, node: ReLU | ReLU6) -> None:
+_UNARY_CODES = {ReLU: _OP.RELU, ReLU6: _OP.RELU6, Logistic: _OP.LOGISTIC, HardSwish: _OP.HARD_SWISH}
+
+
+def _unary(w: _Writer, qm: QuantModel, node: ReLU | ReLU6 | Logistic | HardSwish) -> None:
     shape = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
-    code = _OP.RELU if isinstance(node, ReLU) else _OP.RELU6
-    w.op(code, [w.index[node.inputs[0]]], [oi])
+    w.op(_UNARY_CODES[type(node)], [w.index[node.inputs[0]]], [oi])
 
 
 def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
@@ -429,8 +435,8 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
         _global_pool(w, qm, node)
     elif isinstance(node, Reshape):
         _reshape(w, qm, node)
-    elif isinstance(node, ReLU | ReLU6):
-        _relu(w, qm, node)
+    elif isinstance(node, ReLU | ReLU6 | Logistic | HardSwish):
+        _unary(w, qm, node)
     elif isinstance(node, Mean):
         _mean(w, qm, node)
     elif isinstance(node, Pad):

@@ -3,11 +3,12 @@
 Accepts the operators the writer emits (and the same operators from other tools):
 CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, MUL (of activations), AVERAGE_POOL_2D,
 MAX_POOL_2D, MEAN (over height and width), PAD and PADV2 (height and width, with the
-zero point), CONCATENATION (channel axis), RESHAPE, RELU, RELU6. QUANTIZE, SOFTMAX and
-DEQUANTIZE at the file's edges are kept as adapters (``qsched.zo.source``), and shape
-arithmetic feeding a RESHAPE is folded. An AVERAGE_POOL_2D over the whole feature map
-whose only reader is a RESHAPE to ``(batch, C)`` becomes one ``GlobalAvgPool``. Float
-weights on the graph nodes are the dequantised int8 weights.
+zero point), CONCATENATION (channel axis), RESHAPE, RELU, RELU6, LOGISTIC, HARD_SWISH.
+QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as adapters
+(``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
+AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to ``(batch,
+C)`` becomes one ``GlobalAvgPool``. Float weights on the graph nodes are the dequantised
+int8 weights.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from qsched.zo.graph import (
     Conv2D,
     Dense,
     GlobalAvgPool,
+    HardSwish,
+    Logistic,
     MaxPool,
     Mean,
     Model,
@@ -457,6 +460,20 @@ def _node(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[N
         return ReLU(_claim(r, out), [x], out), 1
     if code == _OP.RELU6:
         return ReLU6(_claim(r, out), [x], out), 1
+    if code == _OP.HARD_SWISH:
+        return HardSwish(_claim(r, out), [x], out), 1
+    if code == _OP.LOGISTIC:
+        q = r.tensor(op.outputs[0], where).quantization
+        if (
+            q is None
+            or q.scale is None
+            or list(q.scale) != [1.0 / 256]
+            or list(q.zeroPoint) != [-128]
+        ):
+            raise TFLiteError(
+                f"{where}: LOGISTIC's int8 output must be scale 1/256, zero point -128"
+            )
+        return Logistic(_claim(r, out), [x], out), 1
     raise TFLiteError(f"unsupported operator {op_name(code)}")
 
 
@@ -694,6 +711,8 @@ _SUPPORTED = frozenset(
         _OP.PADV2,
         _OP.CONCATENATION,
         _OP.MUL,
+        _OP.LOGISTIC,
+        _OP.HARD_SWISH,
     }
 )
 

@@ -33,6 +33,8 @@ from qsched.zo.graph import (
     Conv2D,
     Dense,
     GlobalAvgPool,
+    HardSwish,
+    Logistic,
     MaxPool,
     Mean,
     Model,
@@ -286,6 +288,12 @@ def _fwd(node: Node, xs: list[Array]) -> tuple[Array, _Ctx]:
     if isinstance(node, (ReLU, ReLU6)):
         y = _act(xs[0], "relu" if isinstance(node, ReLU) else "relu6")
         return y, (y,)
+    if isinstance(node, Logistic):
+        y = 1.0 / (1.0 + np.exp(-xs[0]))
+        return y, (y,)
+    if isinstance(node, HardSwish):
+        x = xs[0]
+        return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0, (x,)
     if isinstance(node, GlobalAvgPool):
         return xs[0].mean(axis=(1, 2)), (xs[0].shape,)
     if isinstance(node, Reshape):
@@ -316,6 +324,13 @@ def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
         return [dz, dz], None
     if isinstance(node, (ReLU, ReLU6)):
         return [_act_grad(ctx[0], dy, "relu" if isinstance(node, ReLU) else "relu6")], None
+    if isinstance(node, Logistic):
+        y = ctx[0]
+        return [dy * y * (1.0 - y)], None
+    if isinstance(node, HardSwish):
+        x = ctx[0]  # 0 below -3, 1 above 3, (2x + 3) / 6 between
+        slope = np.where(x < -3.0, 0.0, np.where(x > 3.0, 1.0, (2.0 * x + 3.0) / 6.0))
+        return [dy * slope], None
     if isinstance(node, GlobalAvgPool):
         n, h, w, c = ctx[0]
         return [np.broadcast_to(dy[:, None, None, :] / (h * w), (n, h, w, c))], None

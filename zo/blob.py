@@ -37,6 +37,8 @@ from qsched.zo.graph import (
     Conv2D,
     Dense,
     GlobalAvgPool,
+    HardSwish,
+    Logistic,
     MaxPool,
     Mean,
     Model,
@@ -51,6 +53,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
+from qsched.zo.lookup import TABLE_SIZE, unary_table
 
 if TYPE_CHECKING:
     from qsched.zo.workload import TrainState, Workload
@@ -111,6 +114,8 @@ OPCODES: Final[dict[type, int]] = {
     Pad: 12,
     Concat: 13,
     Mul: 14,
+    Logistic: 15,
+    HardSwish: 16,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -352,6 +357,10 @@ def _op_record(
         if trainable:
             param_offset = flat
             flat += w_count + (0 if q is not None else int(bias.size))
+    elif isinstance(node, (Logistic, HardSwish)) and q is not None:
+        # The int8 function as its 256 values: a board looks them up (zo.lookup).
+        table = unary_table(node, q.tensors[node.inputs[0]], q.tensors[node.output])
+        arrays[0], w_count = data.add(table), TABLE_SIZE
     record = _OP.pack(
         blob_name(node.name),
         opcode,
@@ -636,10 +645,31 @@ def _decode_op(
         OPCODES[Concat]: Concat(name, inputs, output),
         OPCODES[Mul]: Mul(name, inputs, output, activation),
         OPCODES[Pad]: Pad(name, inputs, output, pads=((f.aux0, f.aux1), (f.aux2, f.aux3))),
+        OPCODES[Logistic]: Logistic(name, inputs, output),
+        OPCODES[HardSwish]: HardSwish(name, inputs, output),
     }
     if f.opcode not in simple:
         raise BlobError(f"model blob: op {name!r} has unknown opcode {f.opcode}")
-    return simple[f.opcode], None
+    node = simple[f.opcode]
+    if int8 and isinstance(node, (Logistic, HardSwish)):
+        _check_table(node, f, quants, data)
+    return node, None
+
+
+def _check_table(
+    node: Logistic | HardSwish, f: _OpFields, quants: list[TensorQuant], data: bytes
+) -> None:
+    """A table op's 256 bytes must be its function of its tensors' parameters: a Python
+    board computes them, a C board reads them, and both must give the same bits."""
+    if f.weight_count != TABLE_SIZE:
+        raise BlobError(f"model blob: op {node.name!r} needs a {TABLE_SIZE}-entry table")
+    table = _read(data, f.weight_offset, np.int8, TABLE_SIZE)
+    try:
+        expected = unary_table(node, quants[f.in0], quants[f.out])
+    except ValueError as exc:
+        raise BlobError(f"model blob: op {node.name!r}: {exc}") from None
+    if not np.array_equal(table, expected):
+        raise BlobError(f"model blob: op {node.name!r}: table differs from its parameters'")
 
 
 def _decode_weights(

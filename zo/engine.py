@@ -42,6 +42,8 @@ from qsched.zo.graph import (
     Dense,
     GlobalAvgPool,
     GraphError,
+    HardSwish,
+    Logistic,
     MaxPool,
     Mean,
     Model,
@@ -54,6 +56,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
+from qsched.zo.lookup import look_up, unary_table
 from qsched.zo.shapes import infer_shapes
 
 __all__ = [
@@ -184,6 +187,10 @@ def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kf.relu(x)
     elif isinstance(node, ReLU6):
         y = kf.relu6(x)
+    elif isinstance(node, Logistic):
+        y = kf.logistic(x)
+    elif isinstance(node, HardSwish):
+        y = kf.hard_swish(x)
     elif isinstance(node, Mean):
         y = kf.global_avg_pool(x)
         y = y.reshape(*y.shape[:2], 1, 1, -1) if node.keep_dims else y
@@ -252,6 +259,8 @@ def _prepare_int8(qmodel: QuantModel, shapes: Mapping[str, tuple[int, ...]]) -> 
         elif isinstance(node, Mul):
             other = _tq(qmodel, node.inputs[1], node.name)
             stages[node.name] = ki.prepare_mul(inp, other, out, node.activation)
+        elif isinstance(node, (Logistic, HardSwish)):
+            stages[node.name] = unary_table(node, inp, out)
         elif isinstance(node, Mean):
             h, w = shapes[node.inputs[0]][:2]
             stages[node.name] = ki.prepare_mean(inp, out, h * w)
@@ -290,6 +299,8 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kernels.add(x, env[node.inputs[1]], stage, sr["add"])
     elif isinstance(node, (ReLU, ReLU6)):
         y = ki.relu(x, stage, sr["relu"])
+    elif isinstance(node, (Logistic, HardSwish)):
+        y = look_up(x, stage)
     elif isinstance(node, Mean):
         y = ki.mean(x, stage, node.keep_dims)
     elif isinstance(node, Pad):

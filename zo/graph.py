@@ -31,6 +31,8 @@ __all__ = [
     "Dense",
     "GlobalAvgPool",
     "GraphError",
+    "HardSwish",
+    "Logistic",
     "MaxPool",
     "Mean",
     "Model",
@@ -91,6 +93,16 @@ class ReLU(_NodeFields):
 @dataclass(eq=False)
 class ReLU6(_NodeFields):
     """min(max(x, 0), 6)."""
+
+
+@dataclass(eq=False)
+class Logistic(_NodeFields):
+    """1 / (1 + exp(-x)); in INT8 the output is fixed at scale 1/256, zero point -128."""
+
+
+@dataclass(eq=False)
+class HardSwish(_NodeFields):
+    """x * relu6(x + 3) / 6 (MobileNetV3's activation)."""
 
 
 @dataclass(eq=False)
@@ -167,6 +179,8 @@ Node: TypeAlias = (
     | Dense
     | ReLU
     | ReLU6
+    | Logistic
+    | HardSwish
     | Add
     | AvgPool
     | MaxPool

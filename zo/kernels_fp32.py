@@ -278,6 +278,20 @@ def max_pool(x: F32, pool: tuple[int, int], stride: tuple[int, int], padding: Pa
     return out.astype(np.float32, copy=False)
 
 
+def logistic(x: F32) -> F32:
+    """1 / (1 + exp(-x)) in float32."""
+    one = np.float32(1.0)
+    y: F32 = (one / (one + np.exp(-x))).astype(np.float32, copy=False)
+    return y
+
+
+def hard_swish(x: F32) -> F32:
+    """x * relu6(x + 3) / 6 in float32, in that order (TFLite's reference)."""
+    gate = np.minimum(np.maximum(x + np.float32(3.0), np.float32(0.0)), _RELU6_MAX)
+    y: F32 = (x * gate / np.float32(6.0)).astype(np.float32, copy=False)
+    return y
+
+
 def mul(a: F32, b: F32, activation: Activation) -> F32:
     """Element-wise product (numpy broadcasting: a ``(1, 1, C)`` gate spreads over H, W)."""
     return apply_activation((a * b).astype(np.float32, copy=False), activation)

@@ -23,6 +23,7 @@ from qsched.zo.graph import (
     Concat,
     Conv2D,
     GlobalAvgPool,
+    Logistic,
     MaxPool,
     Model,
     Pad,
@@ -32,6 +33,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
+from qsched.zo.lookup import LOGISTIC_OUTPUT
 
 __all__ = [
     "asymmetric_params",
@@ -160,6 +162,8 @@ def quantize_model(model: Model, calibration_inputs: npt.ArrayLike) -> QuantMode
     for node in model.nodes:
         if isinstance(node, _PASSTHROUGH):
             tensors[node.output] = tensors[node.inputs[0]]
+        elif isinstance(node, Logistic):
+            tensors[node.output] = LOGISTIC_OUTPUT  # fixed by TFLite's int8 kernel
         else:
             tensors[node.output] = asymmetric_params(*ranges[node.output])
     for node in model.nodes:

@@ -266,3 +266,10 @@ void qs_mul_s8(const qs_mul_params *p, const int8_t *a, const int8_t *b, int8_t 
         }
     }
 }
+
+void qs_lut_s8(const int8_t *table, uint32_t size, const int8_t *input, int8_t *output)
+{
+    for (uint32_t i = 0; i < size; ++i) {
+        output[i] = table[input[i] + 128];
+    }
+}

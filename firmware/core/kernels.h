@@ -130,6 +130,10 @@ typedef struct {
  * of centred int8 values is at most 2^16 in magnitude, so int32 holds it. */
 void qs_mul_s8(const qs_mul_params *p, const int8_t *a, const int8_t *b, int8_t *output);
 
+/* An int8 function of one int8 input as its 256 values (LOGISTIC, HARD_SWISH): the
+ * model blob carries the table, computed as TFLite's reference kernels compute. */
+void qs_lut_s8(const int8_t *table, uint32_t size, const int8_t *input, int8_t *output);
+
 /* CONCATENATION on the last axis of rows elements: each row is a's channels then b's. */
 void qs_concat_s8(uint32_t rows, uint32_t a_channels, const int8_t *a, uint32_t b_channels, const int8_t *b,
                   int8_t *output);

@@ -335,6 +335,17 @@ static qs_status prepare_mul(qs_model *m, qs_op *op, const op_record *o)
     return QS_OK;
 }
 
+/* LOGISTIC, HARD_SWISH: a 256-byte table at the weight offset; shapes kept. */
+static qs_status prepare_table(qs_model *m, qs_op *op, const op_record *o, const data_section *d)
+{
+    const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
+    if (in->size != out->size || o->weight_count != 256u || !act_ok(o)) {
+        return QS_ERR_ARG;
+    }
+    op->table = (const int8_t *)data_array(d, o->weight_off, 256u, 1);
+    return op->table != NULL ? QS_OK : QS_ERR_FORMAT;
+}
+
 static qs_status prepare_elementwise(qs_model *m, qs_op *op, const op_record *o)
 {
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
@@ -388,6 +399,8 @@ static qs_status prepare_op(qs_model *m, qs_op *op, const op_record *o, const da
     case QS_OP_PAD: return prepare_pad(m, op, o);
     case QS_OP_CONCAT: return prepare_concat(m, op, o);
     case QS_OP_MUL: return prepare_mul(m, op, o);
+    case QS_OP_LOGISTIC:
+    case QS_OP_HARD_SWISH: return prepare_table(m, op, o, d);
     default: return QS_ERR_UNSUPPORTED;
     }
 }
@@ -575,6 +588,8 @@ static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
     case QS_OP_MEAN: qs_mean_s8(&op->mean, op->in_shape, in, out); break;
     case QS_OP_PAD: qs_pad_s8(&op->pad, op->in_shape, in, out); break;
     case QS_OP_MUL: qs_mul_s8(&op->mul, in, slot(m, op->in1), out); break;
+    case QS_OP_LOGISTIC:
+    case QS_OP_HARD_SWISH: qs_lut_s8(op->table, m->tensors[op->out].size, in, out); break;
     case QS_OP_CONCAT:
         qs_concat_s8(m->tensors[op->out].size / (op->concat_a + op->concat_b), op->concat_a, in, op->concat_b,
                      slot(m, op->in1), out);
