@@ -50,6 +50,9 @@ COMMANDS: dict[str, Command] = {
     "experiment-merge": Command(
         "qsched.lab.experiment_merge:main", "pool result folders run on other seeds"
     ),
+    "lr-defaults": Command(
+        "qsched.lab.lr_defaults:main", "train with each INT8 learning-rate unit's default"
+    ),
     "bench engine": Command("qsched.lab.bench_engine:main", "time the forward engine (FP32, INT8)"),
     "bench fleet": Command("qsched.lab.bench_fleet:main", "time steps on fleets of virtual boards"),
     "chaos": Command(

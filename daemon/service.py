@@ -307,7 +307,7 @@ class Daemon:
         if candidates:
             folder = candidates[-1]
             try:
-                spec = JobSpec.model_validate(folder.spec())
+                spec = JobSpec.from_stored(folder.spec())
                 paused = folder.status().get("status") == "paused"
                 self._launch(spec, folder, paused=paused)
                 _log.info(
@@ -695,7 +695,7 @@ class Daemon:
 
 def _stored_spec(folder: JobDir) -> JobSpec:
     try:
-        return JobSpec.model_validate(folder.spec())
+        return JobSpec.from_stored(folder.spec())
     except (StateDirError, ValueError) as exc:
         raise ControlError("internal", f"job {folder.job_id!r}: unreadable spec: {exc}") from exc
 

@@ -68,7 +68,7 @@ class RunFolder(JobDir):
             StateDirError: the spec or the checkpoint cannot be read.
         """
         try:
-            spec = JobSpec.model_validate(self.spec())
+            spec = JobSpec.from_stored(self.spec())
         except ValidationError as exc:
             raise StateDirError(self.path / "spec.json", f"not a valid job spec: {exc}") from exc
         checkpoint = self.load_checkpoint()

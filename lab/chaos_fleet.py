@@ -149,7 +149,7 @@ class ChaosFleet:
         checkpoint = folder.load_checkpoint()
         if checkpoint is None:
             return None
-        result, _ = restore_checkpoint(JobSpec.model_validate(folder.spec()), checkpoint)
+        result, _ = restore_checkpoint(JobSpec.from_stored(folder.spec()), checkpoint)
         return result.state.checksum(), [*result.steps, *result.evals]
 
 

@@ -22,7 +22,7 @@ import json
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -81,6 +81,7 @@ from qsched.zo.update import (
     accumulate_delta,
     apply_fp32,
     apply_int8_fp16,
+    channel_gains,
     perturb_fp32,
     perturb_int8,
     to_fp16_saturating,
@@ -211,6 +212,7 @@ def _messages() -> list[tuple[str, DataMessage]]:
                 accumulator="fp16",
                 batch_size=64,
                 eps=1.0,
+                lr_unit="weight",
             ),
         ),
         (
@@ -606,6 +608,45 @@ def _fp16_signed_zero_vectors(out: Vectors) -> None:
     _int8_fp16_fields("int8_fp16_zero.0", seed, step, pairs, weights, buffer, out)
 
 
+# (channel-minor layout, per-channel float32 scales, pairs): a zero scale (gain 0), a
+# tiny one (gain FLT_MAX, a saturated buffer) and ordinary ones.
+GAIN_CASES: Final = (
+    (False, (0.0125, 0.5, 0.0), [(0, 0.004), (2, -0.0015), (3, 0.0002)]),
+    (True, (0.02, 1e-30, 0.003, 0.25), [(1, 2e-4), (4, -7e-5)]),
+)
+
+
+def element_gains(
+    scales: Sequence[float], count: int, channel_minor: bool
+) -> npt.NDArray[np.float32]:
+    """Each element's channel gain (SPEC 4.2) in a tensor of ``count`` elements."""
+    gains = channel_gains(np.asarray(scales, dtype=np.float32))
+    if channel_minor:
+        return np.tile(gains, count // len(gains))
+    return np.repeat(gains, count // len(gains))
+
+
+def _gain_vectors(out: Vectors) -> None:
+    """INT8 + FP16 updates of one tensor with a weight-unit learning rate (SPEC 4.2)."""
+    rng = np.random.Generator(np.random.Philox(83))
+    for i, (minor, scales, pairs) in enumerate(GAIN_CASES):
+        count = 4 * len(scales)
+        weights = rng.integers(-127, 128, count).astype(np.int8)
+        buffer = rng.uniform(-0.5, 0.5, count).astype("<f2")
+        gain = element_gains(scales, count, minor)
+        seed, step = 11 + i, 5
+        new_w, new_b = apply_int8_fp16(weights, buffer, seed, step, pairs, gain)
+        key = f"gain.{i}"
+        _pairs_fields(key, seed, step, pairs, out)
+        out[f"{key}.channel_minor"] = str(int(minor))
+        out[f"{key}.scales"] = np.asarray(scales, dtype="<f4").tobytes().hex()
+        out[f"{key}.gains"] = channel_gains(np.float32(scales)).astype("<f4").tobytes().hex()
+        out[f"{key}.weights"] = weights.tobytes().hex()
+        out[f"{key}.buffer"] = buffer.tobytes().hex()
+        out[f"{key}.expected_weights"] = new_w.tobytes().hex()
+        out[f"{key}.expected_buffer"] = new_b.astype("<f2").tobytes().hex()
+
+
 def _coefficient_vectors(out: Vectors) -> None:
     """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided."""
     rng = np.random.Generator(np.random.Philox(59))
@@ -810,6 +851,7 @@ def numeric_vectors() -> Vectors:
     _blob_vectors(out)
     _batch_loss_vectors(out)
     _table_vectors(out)
+    _gain_vectors(out)
     return out
 
 
@@ -985,7 +1027,7 @@ _JOB_SPECS: Final = [
         "trainable": "last:2",
     },
     # CRC-32 of this one's JSON is 0, so its job id is 1.
-    {"name": "crc-zero", "dataset": "digitsxgdnqs`"},
+    {"name": "crc-zero", "dataset": "digitsylJpti~b"},
 ]
 
 

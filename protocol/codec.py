@@ -36,6 +36,7 @@ from qsched.protocol.messages import (
     JobConfig,
     Loaded,
     LoadModel,
+    LrUnit,
     NpuKind,
     Numerics,
     Ping,
@@ -356,6 +357,7 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Enum("accumulator", get_args(Accumulator)),
         _Scalar("batch_size", "H"),
         _Scalar("eps", "f", "INT8: a whole number of steps"),
+        _Enum("lr_unit", get_args(LrUnit)),
     ),
     EvalRequest: (
         _JOB,

@@ -7,14 +7,18 @@ one document the daemon stores, boards receive and users write.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["FP32_DEFAULTS", "JobSpec", "PolicySpec"]
+__all__ = ["FP32_DEFAULTS", "INT8_STEP_DEFAULTS", "JobSpec", "PolicySpec"]
 
 # Defaults of an FP32 job for the fields whose unit depends on the numerics.
 FP32_DEFAULTS: dict[str, float] = {"lr": 0.02, "eps": 0.001}
+# The learning rate of an INT8 job in int8 steps per unit gradient (lr_unit "int8_step",
+# the only unit before weight units; the committed results of that time used it).
+INT8_STEP_DEFAULTS: dict[str, float] = {"lr": 3000.0}
 
 _LAST_N = re.compile(r"last:([1-9][0-9]*)")
 
@@ -51,10 +55,15 @@ class JobSpec(_Frozen):
     steps: int = Field(default=1000, gt=0, lt=2**32)
     batch_size: int = Field(default=64, ge=1, le=4096)
     lr: float = Field(
-        default=3000.0,
+        default=0.03,
         gt=0,
-        description="learning rate; INT8: in int8 steps per unit gradient "
-        "(default 3000; FP32 default 0.02)",
+        description="learning rate in the weights' real units (INT8 default 0.03, FP32 0.02); "
+        "with lr_unit 'int8_step' in int8 steps per unit gradient (default 3000)",
+    )
+    lr_unit: Literal["weight", "int8_step"] = Field(
+        default="weight",
+        description="INT8: 'weight' converts lr per channel with the weight scale "
+        "(one default for any scale); 'int8_step' applies it in int8 steps",
     )
     eps: float = Field(
         default=1.0,
@@ -71,6 +80,14 @@ class JobSpec(_Frozen):
     policy: PolicySpec = Field(default_factory=PolicySpec)
     eval_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> JobSpec:
+        """A spec the daemon stored (complete: every field written). One stored before
+        ``lr_unit`` existed ran its INT8 learning rate in int8 steps, and goes on so."""
+        if data.get("numerics") == "int8" and "lr_unit" not in data:
+            data = {**data, "lr_unit": "int8_step"}
+        return cls.model_validate(data)
 
     @field_validator("trainable")
     @classmethod
@@ -92,7 +109,15 @@ class JobSpec(_Frozen):
         # an FP32 job that leaves them out gets FP32-sized defaults.
         if isinstance(data, dict) and data.get("numerics") == "fp32":
             data = {**FP32_DEFAULTS, **data}
+        elif isinstance(data, dict) and data.get("lr_unit") == "int8_step":
+            data = {**INT8_STEP_DEFAULTS, **data}
         return data
+
+    @model_validator(mode="after")
+    def _check_lr_unit(self) -> JobSpec:
+        if self.numerics == "fp32" and self.lr_unit != "weight":
+            raise ValueError("FP32 learning rates are in weight units: lr_unit must be 'weight'")
+        return self
 
     @model_validator(mode="after")
     def _check_int8_eps(self) -> JobSpec:

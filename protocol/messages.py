@@ -44,6 +44,7 @@ __all__ = [
     "JobConfig",
     "LoadModel",
     "Loaded",
+    "LrUnit",
     "NpuKind",
     "Numerics",
     "Ping",
@@ -95,6 +96,7 @@ BOARD_ERROR_CODES: tuple[str, ...] = get_args(BoardErrorCode)
 Estimator = Literal["two_sided", "one_sided"]
 Numerics = Literal["fp32", "int8"]
 Accumulator = Literal["fp16", "int8"]
+LrUnit = Literal["int8_step", "weight"]
 NpuKind = Literal["none", "neural_art", "virtual"]
 ReportedState = Literal["idle", "loading", "ready", "busy", "fault"]
 Resource = Literal["model", "weights", "dataset", "job_config"]
@@ -308,6 +310,7 @@ class JobConfig(WireModel):
     accumulator: Accumulator
     batch_size: U16
     eps: F32
+    lr_unit: LrUnit
 
 
 class EvalRequest(WireModel):
@@ -443,4 +446,5 @@ def job_config(spec: JobSpec) -> JobConfig:
         accumulator=spec.accumulator,
         batch_size=spec.batch_size,
         eps=spec.eps,
+        lr_unit=spec.lr_unit,
     )

@@ -225,9 +225,6 @@ async def test_hardening_unsupported_model_is_one_typed_reply(
     async with _daemon(mqtt_broker, tmp_path / "state") as daemon:
         (reply,) = await _exchange(mqtt_broker, [document])
         assert reply["code"] == "invalid_command"
-        assert (
-            f"{model}: unsupported operators: TANH (operators #3, #7, #11)"
-            in reply["message"]
-        )
+        assert f"{model}: unsupported operators: TANH (operators #3, #7, #11)" in reply["message"]
         assert daemon.job is None
         await _alive(daemon, mqtt_broker)

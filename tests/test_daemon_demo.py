@@ -199,7 +199,6 @@ def test_demo_fine_tunes_a_users_model(tmp_path: Path, capsys: pytest.CaptureFix
         "dataset": "eurosat:size=32,scale=255,limit_per_class=6",
         "numerics": "int8",
         "trainable": "last:1",
-        "lr": 100,
         "eval_every": 3,
         "batch_size": 8,
     }

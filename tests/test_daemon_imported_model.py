@@ -29,7 +29,6 @@ SPEC = {
     "eval_every": 4,
     "checkpoint_every": 4,
     "batch_size": 16,
-    "lr": 100,
     "policy": {"name": "fixed", "config": {"q": 4}},
 }
 

@@ -314,9 +314,13 @@ def test_board_answers_ping_while_computing(board: Board, job: Job) -> None:
     assert isinstance(board.client.recv(timeout=120), EvalResult)
 
 
-def test_board_int8_accumulator_job_matches_python(board: Board, job: Job) -> None:
-    """With the INT8 accumulation buffer, checksums equal Python's across two rescales."""
-    spec = job.spec.model_copy(update={"accumulator": "int8"})
+@pytest.mark.parametrize(("lr_unit", "unit_scale"), [("int8_step", 1.0), ("weight", 1e-5)])
+def test_board_int8_accumulator_job_matches_python(
+    board: Board, job: Job, lr_unit: str, unit_scale: float
+) -> None:
+    """With the INT8 accumulation buffer, checksums equal Python's across two rescales,
+    with the learning rate in int8 steps and in weight units (channel gains)."""
+    spec = job.spec.model_copy(update={"accumulator": "int8", "lr_unit": lr_unit})
     config = job_config(spec)
     _load(board, job)
     assert isinstance(board.client.request(config), Loaded)
@@ -331,7 +335,7 @@ def test_board_int8_accumulator_job_matches_python(board: Board, job: Job) -> No
     rng = np.random.default_rng(4)
     for step in range(33):
         ks = (0, 1, 2)
-        scale = 2e-3 if step < 16 else 3.0
+        scale = (2e-3 if step < 16 else 3.0) * unit_scale
         coefficients = tuple(float(np.float32(c)) for c in rng.standard_normal(3) * scale)
         ack = board.client.request(
             ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients)

@@ -111,7 +111,6 @@ async def test_imported_resnet8_on_a_c_board_matches_reference(
         steps=4,
         eval_every=4,
         batch_size=8,
-        lr=100,
         policy=FIXED4,
     )
     await _on_host_board(spec, tmp_path, python_pty)
@@ -160,7 +159,6 @@ def _fixture_spec(name: str, tmp_path: Path) -> JobSpec:
         steps=4,
         eval_every=4,
         batch_size=8,
-        lr=100,
         policy=FIXED4,
     )
 

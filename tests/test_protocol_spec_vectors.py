@@ -266,6 +266,30 @@ def test_update_vectors_from_spec() -> None:
         assert zlib.crc32(bytes.fromhex(expected)) == int(fields["checksum"]), name
 
 
+def _spec_gain(scale: np.float32) -> np.float32:
+    square = float(scale) * float(scale)
+    if not square > 0:
+        return np.float32(0.0)
+    return np.float32(min(1.0 / square, float(np.finfo(np.float32).max)))
+
+
+def test_gain_vectors_from_spec() -> None:
+    """SPEC 4.2's weight-unit learning rate: delta times the element's channel gain."""
+    for name, fields in _groups("numeric", "gain").items():
+        w = _i8(fields["weights"])
+        buf = np.frombuffer(bytes.fromhex(fields["buffer"]), "<f2").copy()
+        scales = np.frombuffer(bytes.fromhex(fields["scales"]), "<f4")
+        gains = np.array([_spec_gain(s) for s in scales], dtype=np.float32)
+        assert gains.astype("<f4").tobytes().hex() == fields["gains"], name
+        channel = np.arange(w.size)
+        channel = channel % scales.size if fields["channel_minor"] == "1" else channel // 4
+        z, cs = _update_inputs(fields, w.size)
+        b = _f16(buf.astype(np.float32) + (_spec_delta(z, cs) * gains[channel]).astype(np.float32))
+        moved, rest = _int8_fp16_from_spec(w, b)
+        assert moved.tobytes().hex() == fields["expected_weights"], name
+        assert rest.astype("<f2").tobytes().hex() == fields["expected_buffer"], name
+
+
 def test_fp16_signed_zero_vector_from_library() -> None:
     """numeric.json int8_fp16_zero: apply_int8_fp16 gives +0.0 remainders where b = -0.0."""
     for fields in _groups("numeric", "int8_fp16_zero").values():
@@ -773,6 +797,7 @@ _SPEC_KEYS = [
     "steps",
     "batch_size",
     "lr",
+    "lr_unit",
     "eps",
     "trainable",
     "backbone",

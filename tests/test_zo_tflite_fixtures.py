@@ -107,7 +107,6 @@ def test_fixture_trains_last_layer_and_new_head(
         "steps": 6,
         "eval_every": 3,
         "batch_size": 8,
-        "lr": 100,
         "policy": {"name": "fixed", "config": {"q": 2}},
     }
     for head, form in (("keep", "source"), ("new", "own")):

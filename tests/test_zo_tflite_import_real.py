@@ -119,7 +119,6 @@ def test_import_real_resnet8_trains_and_exports_in_its_own_form(
         "steps": 12,
         "eval_every": 6,
         "batch_size": 16,
-        "lr": 100,
         "policy": {"name": "fixed", "config": {"q": 4}},
     }
     path = tmp_path / "spec.json"

@@ -236,3 +236,51 @@ def test_workload_loss_pairs_are_exact_q16(int8_workload: Workload) -> None:
     losses: LossPairs = int8_workload.perturbed_losses(int8_workload.initial_state(), 0, [0])
     for value in (*losses.plus.values(), *losses.minus.values()):
         assert (value * 65536).is_integer()
+
+
+def test_learning_rate_units_and_their_defaults() -> None:
+    """INT8 learning rates are in weight units by default (0.03); int8 steps keep 3000;
+    FP32 rates are weight units only; a stored spec from before lr_unit ran in steps."""
+    assert (JobSpec().lr, JobSpec().lr_unit) == (0.03, "weight")
+    assert JobSpec(lr_unit="int8_step").lr == 3000.0
+    assert JobSpec.model_validate({"lr_unit": "int8_step", "lr": 7}).lr == 7.0
+    assert JobSpec(numerics="fp32").lr == 0.02
+    with pytest.raises(ValueError, match="weight units"):
+        JobSpec(numerics="fp32", lr_unit="int8_step")
+    old = JobSpec().model_dump()
+    del old["lr_unit"]
+    old["lr"] = 3000.0
+    assert JobSpec.from_stored(old).lr_unit == "int8_step"
+    assert JobSpec.from_stored({**old, "numerics": "fp32", "lr": 0.02}).lr_unit == "weight"
+
+
+def test_update_gain_is_each_weights_channel_gain() -> None:
+    """Per element, 1 / s^2 of its channel: output channels of dense and conv weights, the
+    last axis of depthwise ones; an update moves a weight by delta times that gain."""
+    spec = JobSpec(model="mobilenetv2", dataset="eurosat:size=16", trainable="all", batch_size=4)
+    wl = Workload.from_spec(spec)
+    gain = wl.update_gain
+    assert gain is not None and gain.dtype == np.float32 and gain.size == wl.num_params
+    assert Workload.from_spec(spec.model_copy(update={"lr_unit": "int8_step"})).update_gain is None
+    kinds = set()
+    for seg in wl.segments:
+        node, layer = wl.model.node(seg.layer), wl.qmodel.layers[seg.layer]  # type: ignore[union-attr]
+        part = gain[seg.start : seg.stop].reshape(layer.weight.shape)
+        s = layer.weight_scales.astype(np.float64)
+        expected = (1.0 / (s * s)).astype(np.float32)
+        depthwise = getattr(node, "depthwise", False)
+        kinds.add((type(node).__name__, depthwise))
+        if depthwise:
+            np.testing.assert_array_equal(part, np.broadcast_to(expected, part.shape))
+        else:
+            np.testing.assert_array_equal(
+                part, expected.reshape(-1, *[1] * (part.ndim - 1)) * np.ones_like(part)
+            )
+    assert kinds >= {("Conv2D", True), ("Conv2D", False), ("Dense", False)}
+    delta = update.accumulate_delta(spec.seed, 0, [(0, 1e-6)], wl.num_params)
+    np.testing.assert_array_equal(
+        update.accumulate_delta(spec.seed, 0, [(0, 1e-6)], wl.num_params, gain), delta * gain
+    )
+    assert update.channel_gains([0.0, np.nan, 1e-30, 0.5]).tolist() == [
+        0.0, 0.0, float(np.finfo(np.float32).max), 4.0
+    ]  # fmt: skip

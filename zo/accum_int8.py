@@ -6,7 +6,7 @@ names an INT8 buffer with periodic rescaling as future work; this is that option
 accumulation buffer". Each trainable tensor t has a shift ``sigma_t`` in [7, 15]: a
 buffer value ``b`` means ``b * 2**-sigma_t`` int8 weight steps. A step:
 
-    delta_i = sum_k c_k z_ki                       (float32, as update.accumulate_delta)
+    delta_i = sum_k c_k z_ki  (* gain_i)           (float32, as update.accumulate_delta)
     r       = rint(clamp(delta_i * 2**sigma, -2**24, 2**24))     nearest, ties to even
     acc     = b_i + r                              (int32)
     m       = sign(acc) * (|acc| >> sigma)         whole steps, toward zero
@@ -92,6 +92,7 @@ def apply(
     seed: int,
     step: int,
     pairs: Sequence[tuple[int, float]],
+    gain: npt.NDArray[np.float32] | None = None,
 ) -> tuple[I8, I8]:
     """One update with the INT8 buffer (module docstring); returns new (weights, state).
 
@@ -102,6 +103,7 @@ def apply(
         seed: job seed.
         step: the step the pairs belong to.
         pairs: (k, c_k) float32 coefficients.
+        gain: per-element channel gains (weight-unit learning rate), else none.
 
     Returns:
         The new weights and state (new arrays).
@@ -109,7 +111,7 @@ def apply(
     buffer, shifts = split_state(state, tensor_sizes)
     if weights.shape != buffer.shape:
         raise ValueError("weights and INT8 accumulator differ in size")
-    delta = accumulate_delta(seed, step, pairs, weights.size)
+    delta = accumulate_delta(seed, step, pairs, weights.size, gain)
     sigma = _per_element(shifts, tensor_sizes)
     # Scaling by a power of two is exact in float32 (short of overflow, which the clamp
     # absorbs); the clamp keeps rint's result exact in int32.

@@ -13,7 +13,11 @@ of floating-point operations is part of the protocol (``protocol/SPEC.md``, sect
         w_i    = clamp(w_i + m, -127, 127)
         buf_i  = b - m                              exact in FP16 (|result| < 1)
 
-z_ki = +1 or -1 comes from ``prng.rademacher_bits``; c is a float32.
+z_ki = +1 or -1 comes from ``prng.rademacher_bits``; c is a float32. In INT8 jobs whose
+learning rate is in weight units (``lr_unit = "weight"``, the default) ``delta_i`` is
+then multiplied by its channel's gain ``1 / s_c^2`` (``channel_gains``), one float32
+rounding: an int8 step of channel c is ``s_c`` in real units, so the float SGD step
+``-lr * dL/dw`` is ``-lr / s_c^2 * dL/dq`` in int8 steps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "accumulate_delta",
     "apply_fp32",
     "apply_int8_fp16",
+    "channel_gains",
     "perturb_fp32",
     "perturb_int8",
     "to_fp16_saturating",
@@ -70,8 +75,23 @@ def _bits_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArra
     return bits[:, :size].astype(np.bool_)
 
 
-def accumulate_delta(seed: int, step: int, pairs: Sequence[tuple[int, float]], size: int) -> F32:
-    """delta = sum_k c_k z_k in float32, summed in ascending k."""
+def channel_gains(scales: npt.ArrayLike) -> F32:
+    """``float32(1 / (s * s))`` per channel, in double from the float32 scales; 0 for a
+    scale whose square is not positive (0 or NaN), ``FLT_MAX`` where the quotient is
+    above it (SPEC section 4.2)."""
+    s = np.asarray(scales, dtype=np.float32).astype(np.float64)
+    square = s * s
+    positive = square > 0
+    quotient = 1.0 / np.where(positive, square, 1.0)
+    limit = float(np.finfo(np.float32).max)
+    return np.where(positive, np.minimum(quotient, limit), 0.0).astype(np.float32)
+
+
+def accumulate_delta(
+    seed: int, step: int, pairs: Sequence[tuple[int, float]], size: int, gain: F32 | None = None
+) -> F32:
+    """delta = sum_k c_k z_k in float32, summed in ascending k; times ``gain`` (one
+    value per element) when given."""
     delta = np.zeros(size, dtype=np.float32)
     ordered = _sorted_pairs(pairs)
     # The bits of many k come from one Philox call (per-call overhead dominates small
@@ -83,6 +103,8 @@ def accumulate_delta(seed: int, step: int, pairs: Sequence[tuple[int, float]], s
         for negative, (_, c) in zip(rows, chunk, strict=True):
             # z is +-1, so c*z is exact; only the sums round, in the specified order.
             delta += np.where(negative, -c, c).astype(np.float32)
+    if gain is not None:
+        delta *= gain
     return delta
 
 
@@ -104,9 +126,11 @@ def apply_int8_fp16(
     seed: int,
     step: int,
     pairs: Sequence[tuple[int, float]],
+    gain: F32 | None = None,
 ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float16]]:
-    """INT8 weights with an FP16 accumulation buffer; returns new (weights, buffer)."""
-    delta = accumulate_delta(seed, step, pairs, weights.size)
+    """INT8 weights with an FP16 accumulation buffer; returns new (weights, buffer).
+    ``gain``: per-element channel gains (weight-unit learning rate), else none."""
+    delta = accumulate_delta(seed, step, pairs, weights.size, gain)
     summed = to_fp16_saturating(buffer.astype(np.float32) + delta)
     moves = np.trunc(summed.astype(np.float32))
     new_weights = np.clip(

@@ -14,6 +14,7 @@ Construction is a pure function of the :class:`JobSpec` (and an optional backbon
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -27,13 +28,14 @@ from qsched.protocol.jobspec import JobSpec
 from qsched.zo import accum_int8, engine, intloss, prng, update
 from qsched.zo.datasets import Dataset, load_dataset
 from qsched.zo.errors import StateError, WorkloadError, ZooError
-from qsched.zo.graph import Dense, Model, QuantizedLayer, QuantModel
+from qsched.zo.graph import Conv2D, Dense, Model, QuantizedLayer, QuantModel
 from qsched.zo.quantize import (
     asymmetric_params,
     dequantize_weights,
     quantize_input,
     quantize_model,
     quantize_weight,
+    weight_channel_axis,
 )
 from qsched.zo.spsa import LossPairs
 from qsched.zo.zoo import build_model, replace_classifier
@@ -379,6 +381,25 @@ class Workload:
         """True in INT8 mode."""
         return bool(self.spec.numerics == "int8")
 
+    @functools.cached_property
+    def update_gain(self) -> npt.NDArray[np.float32] | None:
+        """Per-element gains of an INT8 job with a weight-unit learning rate (SPEC 4.2):
+        each weight's channel gain ``1 / s_c^2``, channels along the weight's channel
+        axis (output channels; the last axis of a depthwise weight). None otherwise."""
+        if self.qmodel is None or self.spec.lr_unit != "weight":
+            return None
+        parts = []
+        for s in self.segments:
+            layer = self.qmodel.layers[s.layer]
+            gains = update.channel_gains(layer.weight_scales)
+            node = self.model.node(s.layer)
+            assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
+            axis = weight_channel_axis(node)
+            shape = [1] * layer.weight.ndim
+            shape[axis] = -1
+            parts.append(np.broadcast_to(gains.reshape(shape), layer.weight.shape).ravel())
+        return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+
     @property
     def tensor_sizes(self) -> list[int]:
         """Sizes of the flat vector's tensors, in order (the INT8 accumulator's per-tensor
@@ -532,12 +553,18 @@ class Workload:
         if self.spec.accumulator == "int8":
             assert state.buffer is not None
             new_w, new_b = accum_int8.apply(
-                weights, state.buffer.astype(np.int8), self.tensor_sizes, seed, step, pairs
+                weights,
+                state.buffer.astype(np.int8),
+                self.tensor_sizes,
+                seed,
+                step,
+                pairs,
+                self.update_gain,
             )
             return TrainState(step + 1, new_w, new_b)
         assert state.buffer is not None
         new_w, new_f16 = update.apply_int8_fp16(
-            weights, state.buffer.astype(np.float16), seed, step, pairs
+            weights, state.buffer.astype(np.float16), seed, step, pairs, self.update_gain
         )
         return TrainState(step + 1, new_w, new_f16)
 

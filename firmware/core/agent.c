@@ -321,8 +321,11 @@ static qs_status install_model(qs_agent *a, uint32_t len)
     }
     a->ntensors = 0;
     for (uint32_t i = 0; st == QS_OK && i < a->model.n_ops; ++i) {
-        if (a->model.ops[i].trainable) {
-            a->tensor_sizes[a->ntensors++] = a->model.ops[i].weight_count;
+        const qs_op *op = &a->model.ops[i];
+        if (op->trainable) {
+            const qs_gain g = {op->scales, op->channels, op->opcode == QS_OP_DEPTHWISE};
+            a->gains[a->ntensors] = g;
+            a->tensor_sizes[a->ntensors++] = op->weight_count;
         }
     }
     return st;
@@ -413,7 +416,7 @@ static int same_config(const qs_msg *x, const qs_msg *y)
 {
     return x->job_id == y->job_id && x->seed == y->seed && x->numerics == y->numerics &&
            x->estimator == y->estimator && x->accumulator == y->accumulator && x->batch_size == y->batch_size &&
-           memcmp(&x->eps, &y->eps, sizeof x->eps) == 0;
+           x->lr_unit == y->lr_unit && memcmp(&x->eps, &y->eps, sizeof x->eps) == 0;
 }
 
 static void on_job_config(qs_agent *a, const qs_msg *m, const uint8_t *raw, size_t raw_len)
@@ -602,6 +605,32 @@ static void send_update_ack(qs_agent *a, uint32_t job_id, uint32_t step, uint32_
     send_msg(a, &a->tx);
 }
 
+/* The update of one step (SPEC 4.2): the whole flat vector, or tensor by tensor when
+ * each tensor's channels scale it (lr_unit "weight"). */
+static qs_status apply_pairs(qs_agent *a, uint32_t step, const qs_pair *pairs, uint32_t npairs)
+{
+    const qs_stream s = {a->config.seed, step};
+    const int weight_units = a->config.lr_unit == QS_LR_WEIGHT;
+    if (acc8(a)) {
+        int8_t *buf8 = (int8_t *)a->buffer;
+        return qs_apply_int8_acc8(a->weights, buf8, buf8 + a->model.num_params, a->tensor_sizes, a->ntensors, s,
+                                  pairs, npairs, weight_units ? a->gains : NULL);
+    }
+    if (!weight_units) {
+        return qs_apply_int8_fp16(a->weights, a->buffer, a->model.num_params, 0, s, pairs, npairs, NULL);
+    }
+    uint32_t first = 0;
+    for (uint32_t t = 0; t < a->ntensors; ++t) {
+        const qs_status st = qs_apply_int8_fp16(a->weights + first, a->buffer + first, a->tensor_sizes[t], first, s,
+                                                pairs, npairs, &a->gains[t]);
+        if (st != QS_OK) {
+            return st;
+        }
+        first += a->tensor_sizes[t];
+    }
+    return QS_OK;
+}
+
 static void on_apply_update(qs_agent *a, const qs_msg *m)
 {
     static qs_pair pairs[QS_MAX_KS];
@@ -621,11 +650,7 @@ static void on_apply_update(qs_agent *a, const qs_msg *m)
         pairs[i].k = m->ks[i];
         pairs[i].c = m->seq_a[i];
     }
-    const qs_stream s = {a->config.seed, m->step};
-    int8_t *buf8 = (int8_t *)a->buffer;
-    const qs_status st = acc8(a) ? qs_apply_int8_acc8(a->weights, buf8, buf8 + a->model.num_params, a->tensor_sizes,
-                                                      a->ntensors, s, pairs, m->nks)
-                                 : qs_apply_int8_fp16(a->weights, a->buffer, a->model.num_params, 0, s, pairs, m->nks);
+    const qs_status st = apply_pairs(a, m->step, pairs, m->nks);
     if (st != QS_OK) {
         reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "update refused");
         return;

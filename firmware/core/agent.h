@@ -24,6 +24,7 @@
 #include "frame.h"
 #include "model.h"
 #include "qs_status.h"
+#include "update.h"
 
 #define QS_MAX_BATCH 4096u
 #define QS_RX_QUEUE 4u                      /* data frames acknowledged but not yet handled */
@@ -90,6 +91,7 @@ typedef struct {
     int8_t *weights;
     uint16_t *buffer; /* FP16 buffer (2P bytes); INT8 accumulator: P int8 values + T shifts */
     uint32_t tensor_sizes[QS_MODEL_MAX_OPS]; /* the flat vector's tensors (trainable ops) */
+    qs_gain gains[QS_MODEL_MAX_OPS];         /* their channel gains (lr_unit "weight") */
     uint32_t ntensors;
     int8_t *work;
     uint8_t *staging;

@@ -18,6 +18,7 @@ typedef struct {
 static const char *const kEstimator[] = {"two_sided", "one_sided"};
 static const char *const kNumerics[] = {"fp32", "int8"};
 static const char *const kAccumulator[] = {"fp16", "int8"};
+static const char *const kLrUnit[] = {"int8_step", "weight"};
 static const char *const kNpu[] = {"none", "neural_art", "virtual"};
 static const char *const kState[] = {"idle", "loading", "ready", "busy", "fault"};
 static const char *const kResource[] = {"model", "weights", "dataset", "job_config"};
@@ -70,7 +71,7 @@ static const field kSelectDataset[] = {
 static const field kJobConfig[] = {
     JOB, SCALAR("seed", F_U64, seed), ENUM("numerics", numerics, kNumerics), ENUM("estimator", estimator, kEstimator),
     ENUM("accumulator", accumulator, kAccumulator), SCALAR("batch_size", F_U16, batch_size),
-    SCALAR("eps", F_F32, eps), END};
+    SCALAR("eps", F_F32, eps), ENUM("lr_unit", lr_unit, kLrUnit), END};
 static const field kEvalRequest[] = {
     JOB, STEP, SCALAR("batch_size", F_U16, batch_size), SCALAR("eps", F_F32, eps),
     ENUM("estimator", estimator, kEstimator), KSET, END};

@@ -42,6 +42,7 @@ enum {
 enum { QS_EST_TWO_SIDED = 0, QS_EST_ONE_SIDED = 1 };
 enum { QS_NUM_FP32 = 0, QS_NUM_INT8 = 1 };
 enum { QS_ACC_FP16 = 0, QS_ACC_INT8 = 1 };
+enum { QS_LR_INT8_STEP = 0, QS_LR_WEIGHT = 1 };
 enum { QS_NPU_NONE = 0, QS_NPU_NEURAL_ART = 1, QS_NPU_VIRTUAL = 2 };
 enum { QS_STATE_IDLE = 0, QS_STATE_LOADING, QS_STATE_READY, QS_STATE_BUSY, QS_STATE_FAULT };
 enum { QS_RES_MODEL = 0, QS_RES_WEIGHTS, QS_RES_DATASET, QS_RES_JOB_CONFIG };
@@ -66,7 +67,7 @@ typedef enum {
 /* Every field of every message; a message uses the ones its layout names. */
 typedef struct {
     uint8_t type;
-    uint8_t npu, state, estimator, resource, code, ref_type, numerics, accumulator, scope;
+    uint8_t npu, state, estimator, resource, code, ref_type, numerics, accumulator, scope, lr_unit;
     uint16_t protocol_version, max_batch, batch_size;
     uint32_t job_id, step, nonce, uptime_ms, compute_us, checksum, crc32, size, total, offset;
     uint32_t start, count, correct, ram_kib, max_payload, train_size, val_size;

@@ -114,7 +114,10 @@ static qs_status prepare_requant(qs_op *op, const op_record *o, const data_secti
     op->rq.shift = (const int32_t *)data_array(d, o->shift_off, o->channels, 4);
     op->bias = (const int32_t *)data_array(d, o->bias_off, o->channels, 4);
     op->weight = (const int8_t *)data_array(d, o->weight_off, o->weight_count, 1);
-    if (op->rq.multiplier == NULL || op->rq.shift == NULL || op->bias == NULL || op->weight == NULL) {
+    op->scales = (const float *)data_array(d, o->scales_off, o->channels, 4);
+    op->channels = o->channels;
+    if (op->rq.multiplier == NULL || op->rq.shift == NULL || op->bias == NULL || op->weight == NULL ||
+        op->scales == NULL) {
         return QS_ERR_FORMAT;
     }
     for (uint32_t c = 0; c < o->channels; ++c) {

@@ -51,6 +51,8 @@ typedef struct {
     uint32_t weight_count;
     const int8_t *weight;  /* the blob's weights (initial values of trainable ones) */
     const int32_t *bias;
+    const float *scales; /* per-channel weight scales (conv, dense): the weight-unit lr's gains */
+    uint32_t channels;
     qs_requant rq;
     qs_conv_params conv;
     qs_fc_params fc;

@@ -1,5 +1,6 @@
 #include "update.h"
 
+#include <float.h>
 #include <string.h>
 
 #include "crc32.h"
@@ -101,6 +102,39 @@ static void block_delta(float delta[QS_PERTURB_BLOCK], uint32_t block, uint32_t 
     }
 }
 
+float qs_channel_gain(float scale)
+{
+    const double square = (double)scale * (double)scale;
+    if (!(square > 0.0)) {
+        return 0.0f;
+    }
+    const double quotient = 1.0 / square;
+    return quotient > (double)FLT_MAX ? FLT_MAX : (float)quotient;
+}
+
+/* Multiplies delta[lo, hi) by the gains of tensor elements base + lo .. base + hi
+ * (count elements in all); the last channel's gain is kept, as runs share it. */
+static void apply_gain(float delta[QS_PERTURB_BLOCK], uint32_t lo, uint32_t hi, uint32_t base, uint32_t count,
+                       const qs_gain *g, uint32_t *cached_channel, float *cached_gain)
+{
+    const uint32_t run = g->channel_minor ? 1u : count / g->channels;
+    for (uint32_t r = lo; r < hi; ++r) {
+        const uint32_t j = base + r;
+        const uint32_t c = g->channel_minor ? j % g->channels : j / run;
+        if (c != *cached_channel) {
+            *cached_channel = c;
+            *cached_gain = qs_channel_gain(g->scales[c]);
+        }
+        delta[r] = delta[r] * *cached_gain;
+    }
+}
+
+/* A gain fits a tensor of count elements: channels divide it (or repeat in it). */
+static int gain_ok(const qs_gain *g, uint32_t count)
+{
+    return g == NULL || (g->scales != NULL && g->channels != 0u && count % g->channels == 0u);
+}
+
 /* Calls visit(first_j, lo, hi, block) for each Philox block overlapping the range. */
 #define FOR_EACH_BLOCK(first, count, BODY)                                                     \
     do {                                                                                       \
@@ -140,9 +174,9 @@ qs_status qs_apply_f32(float *theta, uint32_t count, uint32_t first, qs_stream s
 }
 
 qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t first,
-                             qs_stream stream, const qs_pair *pairs, uint32_t npairs)
+                             qs_stream stream, const qs_pair *pairs, uint32_t npairs, const qs_gain *gain)
 {
-    if (!range_ok(first, count)) {
+    if (!range_ok(first, count) || !gain_ok(gain, count)) {
         return QS_ERR_ARG;
     }
     qs_status st = qs_pairs_check(pairs, npairs);
@@ -150,8 +184,13 @@ qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
         return st;
     }
     float delta[QS_PERTURB_BLOCK];
+    uint32_t channel = UINT32_MAX;
+    float channel_gain = 0.0f;
     FOR_EACH_BLOCK(first, count, {
         block_delta(delta, block, lo, hi, stream, pairs, npairs);
+        if (gain != NULL) {
+            apply_gain(delta, lo, hi, base, count, gain, &channel, &channel_gain);
+        }
         for (uint32_t r = lo; r < hi; ++r) {
             const uint32_t j = base + r;
             const uint16_t summed = qs_f16_from_f32(qs_f16_to_f32(buf[j]) + delta[r]);
@@ -210,12 +249,17 @@ static int32_t clamp_buffer(int32_t v)
 
 /* One tensor's elements [first, first + count) with shift sigma. */
 static void apply_acc8_tensor(int8_t *w, int8_t *buf, uint32_t count, uint32_t first, int32_t sigma,
-                              qs_stream stream, const qs_pair *pairs, uint32_t npairs)
+                              qs_stream stream, const qs_pair *pairs, uint32_t npairs, const qs_gain *gain)
 {
     float delta[QS_PERTURB_BLOCK];
     const float scale = pow2f(sigma);
+    uint32_t channel = UINT32_MAX;
+    float channel_gain = 0.0f;
     FOR_EACH_BLOCK(first, count, {
         block_delta(delta, block, lo, hi, stream, pairs, npairs);
+        if (gain != NULL) {
+            apply_gain(delta, lo, hi, base, count, gain, &channel, &channel_gain);
+        }
         for (uint32_t r = lo; r < hi; ++r) {
             const uint32_t j = base + r;
             /* delta * 2^sigma is exact in float32 (or overflows to inf, clamped away). */
@@ -255,12 +299,14 @@ static void rescale_tensor(int8_t *buf, uint32_t count, int8_t *shift)
 }
 
 qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint32_t *tensor_sizes,
-                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs)
+                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs,
+                             const qs_gain *gains)
 {
     uint64_t total = 0;
     for (uint32_t t = 0; t < ntensors; ++t) {
         total += tensor_sizes[t];
-        if (shifts[t] < QS_ACC8_SHIFT_MIN || shifts[t] > QS_ACC8_SHIFT_MAX) {
+        if (shifts[t] < QS_ACC8_SHIFT_MIN || shifts[t] > QS_ACC8_SHIFT_MAX ||
+            !gain_ok(gains == NULL ? NULL : &gains[t], tensor_sizes[t])) {
             return QS_ERR_ARG;
         }
     }
@@ -273,7 +319,8 @@ qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint3
     }
     uint32_t start = 0;
     for (uint32_t t = 0; t < ntensors; ++t) {
-        apply_acc8_tensor(w + start, buf + start, tensor_sizes[t], start, shifts[t], stream, pairs, npairs);
+        apply_acc8_tensor(w + start, buf + start, tensor_sizes[t], start, shifts[t], stream, pairs, npairs,
+                          gains == NULL ? NULL : &gains[t]);
         start += tensor_sizes[t];
     }
     if ((stream.step + 1u) % QS_ACC8_RESCALE_EVERY == 0u) {

@@ -39,27 +39,45 @@ qs_status qs_perturb_int8(const int8_t *w, int8_t *out, uint32_t count, uint32_t
 qs_status qs_perturb_f32(const float *theta, float *out, uint32_t count, uint32_t first,
                          qs_stream stream, uint32_t k, float eps, int32_t sign);
 
+/*
+ * The channel gains of one trainable tensor (SPEC 4.2, lr_unit "weight"): element j of
+ * the tensor is in channel j mod channels (channel_minor: depthwise 1HWC) or j div
+ * (count / channels), and its delta is multiplied by qs_channel_gain(scales[channel]).
+ * A NULL gain pointer (lr_unit "int8_step") multiplies by nothing.
+ */
+typedef struct {
+    const float *scales; /* the blob's per-channel float32 weight scales */
+    uint32_t channels;
+    uint32_t channel_minor;
+} qs_gain;
+
+/* (float)(1 / (s * s)) in double; 0 when s * s is not positive, FLT_MAX above it. */
+float qs_channel_gain(float scale);
+
 /* theta += sum_k c_k z_k, summed per element in ascending k (SPEC section 4). */
 qs_status qs_apply_f32(float *theta, uint32_t count, uint32_t first, qs_stream stream,
                        const qs_pair *pairs, uint32_t npairs);
 
-/* INT8 weights with the FP16 accumulation buffer (binary16 bits), SPEC section 4. */
+/* INT8 weights with the FP16 accumulation buffer (binary16 bits), SPEC section 4. With
+ * a gain, w and buf hold exactly one tensor (count elements) of the flat vector. */
 qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t first,
-                             qs_stream stream, const qs_pair *pairs, uint32_t npairs);
+                             qs_stream stream, const qs_pair *pairs, uint32_t npairs, const qs_gain *gain);
 
 /*
  * The INT8 accumulation buffer (SPEC "INT8 accumulation buffer", qsched.zo.accum_int8):
  * an int8 buffer per element and a power-of-two shift sigma_t in [7, 15] per tensor of
  * the flat vector. tensor_sizes[t] elements belong to tensor t, in order; w, buf span
  * all of them (flat indices from 0). Rescales after the update when (step + 1) is a
- * multiple of QS_ACC8_RESCALE_EVERY. QS_ERR_ARG for a shift outside [7, 15].
+ * multiple of QS_ACC8_RESCALE_EVERY. QS_ERR_ARG for a shift outside [7, 15]. gains: one
+ * per tensor, or NULL (lr_unit "int8_step").
  */
 #define QS_ACC8_SHIFT_MIN 7
 #define QS_ACC8_SHIFT_MAX 15
 #define QS_ACC8_RESCALE_EVERY 16u
 #define QS_ACC8_SATURATION_DIVISOR 64u
 qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint32_t *tensor_sizes,
-                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs);
+                             uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs,
+                             const qs_gain *gains);
 
 /* Continue the weight checksum over binary16 values, little-endian bytes. */
 uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count);

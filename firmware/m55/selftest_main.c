@@ -71,7 +71,7 @@ static uint32_t update_digest(void)
             pairs[k].c = f32_from_bits(0x3E000000u + k * 0x123457u + t * 0x7771u + ((k & 1u) << 31));
         }
         const qs_stream s = {DIGEST_SEED, t};
-        if (qs_apply_int8_fp16(w, buf, DIGEST_WEIGHTS, 0, s, pairs, DIGEST_PAIRS) != QS_OK) {
+        if (qs_apply_int8_fp16(w, buf, DIGEST_WEIGHTS, 0, s, pairs, DIGEST_PAIRS, NULL) != QS_OK) {
             return 0;
         }
     }
@@ -100,7 +100,7 @@ static uint32_t acc8_digest(void)
             pairs[k].c = f32_from_bits(exponent + k * 0x12345u + t * 0x777u + ((k & 1u) << 31));
         }
         const qs_stream s = {DIGEST_SEED, t};
-        if (qs_apply_int8_acc8(w, buf, shifts, sizes, 3u, s, pairs, DIGEST_PAIRS) != QS_OK) {
+        if (qs_apply_int8_acc8(w, buf, shifts, sizes, 3u, s, pairs, DIGEST_PAIRS, NULL) != QS_OK) {
             return 0;
         }
     }

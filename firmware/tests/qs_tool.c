@@ -194,7 +194,7 @@ static void cmd_apply(int is_f32)
             printf("err buffer size\n");
             return;
         }
-        st = qs_apply_int8_fp16((int8_t *)g_a, (uint16_t *)(void *)g_b, (uint32_t)n, first, s, g_pairs, npairs);
+        st = qs_apply_int8_fp16((int8_t *)g_a, (uint16_t *)(void *)g_b, (uint32_t)n, first, s, g_pairs, npairs, NULL);
     }
     if (st != QS_OK) {
         printf("err %s\n", qs_status_name(st));
@@ -233,7 +233,7 @@ static void cmd_apply_acc8(void)
         return;
     }
     const qs_status st = qs_apply_int8_acc8((int8_t *)g_a, (int8_t *)g_b, (int8_t *)g_b + n, sizes, nt, s, g_pairs,
-                                            npairs);
+                                            npairs, NULL);
     if (st != QS_OK) {
         printf("err %s\n", qs_status_name(st));
         return;

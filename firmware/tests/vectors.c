@@ -361,7 +361,7 @@ static int case_update(const vcase *c, int int8)
         return 0;
     }
     memcpy(half, g_bytes_b, nb);
-    if (qs_apply_int8_fp16((int8_t *)g_bytes_a, half, (uint32_t)n, 0, s, pairs, npairs) != QS_OK ||
+    if (qs_apply_int8_fp16((int8_t *)g_bytes_a, half, (uint32_t)n, 0, s, pairs, npairs, NULL) != QS_OK ||
         !value_hex(get(c, "expected_weights"), g_bytes_b, sizeof g_bytes_b, &ne) || ne != n ||
         memcmp(g_bytes_a, g_bytes_b, n) != 0 ||
         !value_hex(get(c, "expected_buffer"), g_bytes_b, sizeof g_bytes_b, &ne) || ne != nb ||

@@ -751,6 +751,7 @@ class BoardAgent:
             seed=cfg.seed,
             batch_size=cfg.batch_size,
             eps=cfg.eps,
+            lr_unit=cfg.lr_unit,
             trainable=self._trainable,
         )
         return Workload(spec, graph, qmodel, dataset, list(self._trainable))
