@@ -640,7 +640,7 @@ def _gain_vectors(out: Vectors) -> None:
         _pairs_fields(key, seed, step, pairs, out)
         out[f"{key}.channel_minor"] = str(int(minor))
         out[f"{key}.scales"] = np.asarray(scales, dtype="<f4").tobytes().hex()
-        out[f"{key}.gains"] = channel_gains(np.float32(scales)).astype("<f4").tobytes().hex()
+        out[f"{key}.gains"] = channel_gains(np.asarray(scales, dtype=np.float32)).astype("<f4").tobytes().hex()
         out[f"{key}.weights"] = weights.tobytes().hex()
         out[f"{key}.buffer"] = buffer.tobytes().hex()
         out[f"{key}.expected_weights"] = new_w.tobytes().hex()
