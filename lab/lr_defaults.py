@@ -5,8 +5,9 @@ takes in real units then grows with its scale squared, so no one value suits a f
 head (scales ~1e-2) and a fresh head (~1e-3) alike. In weight units (``lr_unit:
 weight``, SPEC 4.2) each channel's step is converted with its own scale. This command
 trains a few settings with each unit's default and the rate that once had to be tuned
-by hand, and prints the final validation accuracies (mean over seeds) with the median
-channel gain ``1 / s^2`` of the trained layers, so the spread of scales is visible.
+by hand, and FP32 with its default for comparison, and prints the final validation
+accuracies (mean over seeds) with the median channel gain ``1 / s^2`` of the trained
+layers, so the spread of scales is visible.
 
 Each run is ``train_zo`` in this process (the fleet gives the same bits).
 """
@@ -60,13 +61,14 @@ SETTINGS: tuple[Setting, ...] = (
 UNITS: dict[str, dict[str, Any]] = {
     "int8 steps, default 3000": {"lr_unit": "int8_step"},
     "int8 steps, lr 100": {"lr_unit": "int8_step", "lr": 100.0},
-    "weight units, default 0.03": {},
+    "weight units, default 0.05": {},
+    "FP32, default 0.02": {"numerics": "fp32"},
 }
 
 
-def _median_gain(spec: JobSpec) -> float:
-    workload = Workload.from_spec(spec.model_copy(update={"lr_unit": "weight"}))
-    gain = workload.update_gain
+def _median_gain(setting: Setting) -> float:
+    spec = JobSpec.model_validate({"numerics": "int8", **setting.spec})
+    gain = Workload.from_spec(spec).update_gain
     return float(np.median(gain)) if gain is not None else float("nan")
 
 
@@ -83,7 +85,7 @@ def run(seeds: Sequence[int], steps: int | None) -> list[dict[str, Any]]:
                 spec = JobSpec.model_validate(data)
                 accuracies.append(train_zo(spec).final_accuracy)
             row[label] = float(np.mean(accuracies))
-        row["median 1/s^2"] = _median_gain(spec)
+        row["median 1/s^2"] = _median_gain(setting)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows

@@ -72,9 +72,9 @@ from qsched.protocol.messages import (
 )
 from qsched.zo import accum_int8
 from qsched.zo.blob import encode_blob, trainable_layers
-from qsched.zo.graph import Dense, Model, QuantizedLayer, QuantModel, TensorQuant
+from qsched.zo.graph import Dense, Model, MulConstant, QuantizedLayer, QuantModel, TensorQuant
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
-from qsched.zo.lookup import hard_swish_table, logistic_table
+from qsched.zo.lookup import hard_swish_table, logistic_table, mul_constant_table
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.spsa import Estimator, LossPairs, coefficients
 from qsched.zo.update import (
@@ -640,7 +640,9 @@ def _gain_vectors(out: Vectors) -> None:
         _pairs_fields(key, seed, step, pairs, out)
         out[f"{key}.channel_minor"] = str(int(minor))
         out[f"{key}.scales"] = np.asarray(scales, dtype="<f4").tobytes().hex()
-        out[f"{key}.gains"] = channel_gains(np.asarray(scales, dtype=np.float32)).astype("<f4").tobytes().hex()
+        out[f"{key}.gains"] = (
+            channel_gains(np.asarray(scales, dtype=np.float32)).astype("<f4").tobytes().hex()
+        )
         out[f"{key}.weights"] = weights.tobytes().hex()
         out[f"{key}.buffer"] = buffer.tobytes().hex()
         out[f"{key}.expected_weights"] = new_w.tobytes().hex()
@@ -828,8 +830,32 @@ def table_inputs(case: tuple[str, str, float, int, float, int]) -> tuple[TensorQ
     )
 
 
+# MUL by a constant: (input, output, constant value, its scale and zero point).
+MUL_CONSTANT_CASE: Final = ((0.0125, 6), (0.002, -128), 127, 0.00065359, -128)
+
+
+def _mul_constant_vector(out: Vectors) -> None:
+    (s_in, z_in), (s_out, z_out), c, s_c, z_c = MUL_CONSTANT_CASE
+    node = MulConstant("m", ["x"], "m", constant=c, constant_scale=float(np.float32(s_c)),
+                       constant_zero_point=z_c)  # fmt: skip
+    inp, res = (
+        TensorQuant(float(np.float32(s_in)), z_in),
+        TensorQuant(float(np.float32(s_out)), z_out),
+    )
+    key = "table.mul_constant.0"
+    out[f"{key}.in_scale"] = _f32_bits(inp.scale)
+    out[f"{key}.in_zero_point"] = str(inp.zero_point)
+    out[f"{key}.out_scale"] = _f32_bits(res.scale)
+    out[f"{key}.out_zero_point"] = str(res.zero_point)
+    out[f"{key}.constant"] = str(c)
+    out[f"{key}.constant_scale"] = _f32_bits(node.constant_scale)
+    out[f"{key}.constant_zero_point"] = str(z_c)
+    out[f"{key}.table"] = mul_constant_table(node, inp, res).view(np.uint8).tobytes().hex()
+
+
 def _table_vectors(out: Vectors) -> None:
-    """LOGISTIC and HARD_SWISH tables (SPEC "Model blob"): parameters and the 256 bytes."""
+    """LOGISTIC, HARD_SWISH and MUL-by-constant tables (SPEC "Model blob"): parameters
+    and the 256 bytes."""
     for case in TABLE_CASES:
         inp, res = table_inputs(case)
         make = logistic_table if case[1] == "logistic" else hard_swish_table
@@ -839,6 +865,7 @@ def _table_vectors(out: Vectors) -> None:
         out[f"{key}.out_scale"] = _f32_bits(res.scale)
         out[f"{key}.out_zero_point"] = str(res.zero_point)
         out[f"{key}.table"] = make(inp, res).view(np.uint8).tobytes().hex()
+    _mul_constant_vector(out)
 
 
 def numeric_vectors() -> Vectors:
@@ -1027,7 +1054,7 @@ _JOB_SPECS: Final = [
         "trainable": "last:2",
     },
     # CRC-32 of this one's JSON is 0, so its job id is 1.
-    {"name": "crc-zero", "dataset": "digitsylJpti~b"},
+    {"name": "crc-zero", "dataset": "digitsylN^H}nE"},
 ]
 
 

@@ -55,9 +55,9 @@ class JobSpec(_Frozen):
     steps: int = Field(default=1000, gt=0, lt=2**32)
     batch_size: int = Field(default=64, ge=1, le=4096)
     lr: float = Field(
-        default=0.03,
+        default=0.05,
         gt=0,
-        description="learning rate in the weights' real units (INT8 default 0.03, FP32 0.02); "
+        description="learning rate in the weights' real units (INT8 default 0.05, FP32 0.02); "
         "with lr_unit 'int8_step' in int8 steps per unit gradient (default 3000)",
     )
     lr_unit: Literal["weight", "int8_step"] = Field(

@@ -163,13 +163,16 @@ def _fixture_spec(name: str, tmp_path: Path) -> JobSpec:
     )
 
 
-@pytest.mark.parametrize("name", ["cnn_gap_float_io.tflite", "se_hardswish_int8.tflite"])
+@pytest.mark.parametrize(
+    "name", ["cnn_gap_float_io.tflite", "se_hardswish_int8.tflite", "mobilenetv3_block_int8.tflite"]
+)
 async def test_converter_fixture_on_a_c_board_matches_reference(
     name: str, tmp_path: Path, python_pty: tuple[int, str]
 ) -> None:
     """TensorFlow's float-in, float-out CNN (QUANTIZE, MEAN, SOFTMAX, DEQUANTIZE) and its
-    squeeze-and-excite CNN (HARD_SWISH, LOGISTIC, MUL; the gate's layer trains through
-    LOGISTIC) on a C board and a Python board: the single-process weights."""
+    squeeze-and-excite CNNs (HARD_SWISH, LOGISTIC, MUL; MobileNetV3's hard_sigmoid gate,
+    a MUL by 1/6; the gate's layer trains through them) on a C board and a Python board:
+    the single-process weights."""
     await _on_host_board(_fixture_spec(name, tmp_path), tmp_path, python_pty, sanitized=True)
 
 

@@ -628,12 +628,25 @@ def _i16(v: int) -> int:
     return ((v + 2**15) & 0xFFFF) - 2**15
 
 
-def _spec_mult16(real: float) -> tuple[int, int]:
+def _spec_quantize_multiplier(real: float) -> tuple[int, int]:
     m, e = math.frexp(real)
     q = int(Decimal(m * 2**31).to_integral_value("ROUND_HALF_UP"))
-    if q == 2**31:
-        q, e = q // 2, e + 1
+    return (q // 2, e + 1) if q == 2**31 else (q, e)
+
+
+def _spec_mult16(real: float) -> tuple[int, int]:
+    q, e = _spec_quantize_multiplier(real)
     return (32767 if q >= 2**31 - 1 - 2**15 else (q + 2**15) >> 16), e
+
+
+def _spec_mbqm(x: int, m: int, e: int) -> int:
+    """MultiplyByQuantizedMultiplier, double rounding, for a shift e <= 0."""
+    high = (x * m + (1 << 30)) >> 31  # SaturatingRoundingDoublingHighMul (no saturation here)
+    shift = -e
+    if shift == 0:
+        return high
+    mask, remainder = (1 << shift) - 1, high & ((1 << shift) - 1)
+    return (high >> shift) + (1 if remainder > (mask >> 1) + (high < 0) else 0)
 
 
 def _spec_hard_swish(v: int, s_i: np.float32, z_i: int, s_o: np.float32, z_o: int) -> int:
@@ -663,9 +676,18 @@ def _spec_hard_swish(v: int, s_i: np.float32, z_i: int, s_o: np.float32, z_o: in
 
 
 def test_table_vectors_from_spec() -> None:
-    """LOGISTIC and HARD_SWISH tables recomputed from SPEC "Model blob"'s recipe."""
+    """LOGISTIC, HARD_SWISH and MUL-by-constant tables from SPEC "Model blob"'s recipe."""
     groups = _groups("numeric", "table")
-    assert len(groups) == 6
+    assert len(groups) == 7
+    f = groups.pop("mul_constant.0")
+    s_i, s_o, s_c = (_f32(f[k]) for k in ("in_scale", "out_scale", "constant_scale"))
+    z_i, z_o, c, z_c = (int(f[k]) for k in ("in_zero_point", "out_zero_point", "constant",
+                                            "constant_zero_point"))  # fmt: skip
+    m, e = _spec_quantize_multiplier(float(s_i) * float(s_c) / float(s_o))
+    table = [
+        min(max(_spec_mbqm((v - z_i) * (c - z_c), m, e) + z_o, -128), 127) for v in range(-128, 128)
+    ]
+    assert bytes(t & 0xFF for t in table).hex() == f["table"]
     for name, f in groups.items():
         s_i, s_o = _f32(f["in_scale"]), _f32(f["out_scale"])
         z_i, z_o = int(f["in_zero_point"]), int(f["out_zero_point"])

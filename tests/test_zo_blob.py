@@ -28,6 +28,7 @@ from qsched.zo.graph import (
     Logistic,
     MaxPool,
     Model,
+    MulConstant,
     QuantModel,
     ReLU,
     ReLU6,
@@ -231,15 +232,18 @@ def test_blob_carries_mean_and_pad() -> None:
 
 
 def test_blob_carries_logistic_and_hard_swish_tables() -> None:
-    """LOGISTIC and HARD_SWISH travel as 256-byte tables: the decoded model evaluates as
-    the original (INT8 and FP32), and a table that is not its parameters' is refused."""
+    """LOGISTIC, HARD_SWISH and MUL by a constant travel as 256-byte tables: the decoded
+    model evaluates as the original (INT8 and FP32), and a table that is not its
+    parameters' is refused."""
     rng = np.random.default_rng(4)
     conv_w = rng.normal(0, 0.6, (4, 3, 3, 1)).astype(np.float32)
     nodes = [
         Conv2D("conv", ["input"], "conv", conv_w, rng.normal(0, 0.2, 4).astype(np.float32)),
         HardSwish("hswish", ["conv"], "hswish"),
         Logistic("sigmoid", ["hswish"], "sigmoid"),
-        Reshape("flatten", ["sigmoid"], "flatten", (256,)),
+        MulConstant("sixth", ["sigmoid"], "sixth", constant=-90, constant_scale=0.002,
+                    constant_zero_point=-128, activation="relu"),
+        Reshape("flatten", ["sixth"], "flatten", (256,)),
         Dense("dense", ["flatten"], "dense", rng.normal(0, 0.1, (10, 256)).astype(np.float32),
               np.zeros(10, np.float32)),
     ]  # fmt: skip

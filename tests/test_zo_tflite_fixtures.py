@@ -54,8 +54,8 @@ def _up_to_logits(data: bytes, qm: QuantModel) -> bytes:
 
 
 def test_fixtures_are_all_here() -> None:
-    """The six converter-made files, each under 1 MB, with their README."""
-    assert len(FILES) == 7 and (FIXTURES / "README.md").exists()
+    """The converter-made files, each under 1 MB, with their README."""
+    assert len(FILES) == 9 and (FIXTURES / "README.md").exists()
     assert all((FIXTURES / f).stat().st_size < 1 << 20 for f in FILES)
 
 
@@ -89,6 +89,8 @@ def test_fixture_exports_in_its_own_form(name: str) -> None:
         "cnn_uint8_in_float_out.tflite",
         "flatten_open_batch_int8.tflite",
         "se_hardswish_int8.tflite",
+        "mobilenetv3_block_int8.tflite",
+        "mobilenetv3small_a075_int8.tflite",
     ],
 )
 def test_fixture_trains_last_layer_and_new_head(

@@ -19,6 +19,7 @@ from qsched.zo.graph import (
     Mean,
     Model,
     Mul,
+    MulConstant,
     Pad,
     QuantModel,
     Reshape,
@@ -260,21 +261,35 @@ def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
     np.testing.assert_array_equal(run_int8(import_tflite(data), x), run_int8(qm, x))
 
 
-@pytest.mark.parametrize("op", [Logistic, HardSwish])
+def _table_node(op: type, rng: np.random.Generator) -> Any:
+    if op is not MulConstant:
+        return op("op", ["input"], "op")
+    return MulConstant(
+        "op",
+        ["input"],
+        "op",
+        constant=int(rng.integers(-128, 128)),
+        constant_scale=float(np.float32(10 ** rng.uniform(-3, 0))),
+        constant_zero_point=int(rng.integers(-128, 128)),
+        activation=str(rng.choice(["none", "relu", "relu6"])),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("op", [Logistic, HardSwish, MulConstant])
 def test_tflite_table_ops_bit_exact_for_every_input_byte(op: type) -> None:
-    """LOGISTIC and HARD_SWISH tables equal LiteRT's reference kernels on all 256 inputs,
-    over input scales from 3e-4 to 1, every zero point and (HARD_SWISH) output scales
-    around the input's."""
+    """LOGISTIC, HARD_SWISH and MUL-by-constant tables equal LiteRT's reference kernels on
+    all 256 inputs, over input scales from 3e-4 to 1, every zero point, output scales
+    around the input's and (MUL) constants of any value, scale and fused activation."""
     rng = np.random.default_rng(7)
     x = np.arange(-128, 128, dtype=np.int8).reshape(1, 16, 16, 1)
     for _ in range(40):
         s_in = float(np.float32(10 ** rng.uniform(-3.5, 0)))
         inp = TensorQuant(s_in, int(rng.integers(-128, 128)))
         out = LOGISTIC_OUTPUT
-        if op is HardSwish:
+        if op is not Logistic:
             s_out = float(np.float32(s_in * 10 ** rng.uniform(-0.5, 0.7)))
             out = TensorQuant(s_out, int(rng.integers(-128, 128)))
-        model = Model("table", "input", (16, 16, 1), [op("op", ["input"], "op")], "op", 256)
+        model = Model("table", "input", (16, 16, 1), [_table_node(op, rng)], "op", 256)
         qm = QuantModel(model, {"input": inp, "op": out}, {})
         theirs = invoke(interpreter(export_tflite(qm, batch=1)), x)("op")
         np.testing.assert_array_equal(run_int8(qm, x), theirs, err_msg=f"{inp} -> {out}")

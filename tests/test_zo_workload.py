@@ -239,9 +239,9 @@ def test_workload_loss_pairs_are_exact_q16(int8_workload: Workload) -> None:
 
 
 def test_learning_rate_units_and_their_defaults() -> None:
-    """INT8 learning rates are in weight units by default (0.03); int8 steps keep 3000;
+    """INT8 learning rates are in weight units by default (0.05); int8 steps keep 3000;
     FP32 rates are weight units only; a stored spec from before lr_unit ran in steps."""
-    assert (JobSpec().lr, JobSpec().lr_unit) == (0.03, "weight")
+    assert (JobSpec().lr, JobSpec().lr_unit) == (0.05, "weight")
     assert JobSpec(lr_unit="int8_step").lr == 3000.0
     assert JobSpec.model_validate({"lr_unit": "int8_step", "lr": 7}).lr == 7.0
     assert JobSpec(numerics="fp32").lr == 0.02

@@ -36,6 +36,7 @@ from qsched.zo.graph import (
     MaxPool,
     Mean,
     Mul,
+    MulConstant,
     Node,
     Pad,
     QuantizedLayer,
@@ -402,6 +403,17 @@ def _mul(w: _Writer, qm: QuantModel, node: Mul) -> None:
     w.op(_OP.MUL, inputs, [oi], o, schema.BuiltinOptions.MulOptions)
 
 
+def _mul_constant(w: _Writer, qm: QuantModel, node: MulConstant) -> None:
+    shape = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
+    oi = w.activation(node.output, shape, _qparams(qm, node.output, node.name))
+    cq = _quant([float(np.float32(node.constant_scale))], [node.constant_zero_point])
+    value = np.array(node.constant, dtype=np.int8)
+    ci = w.tensor(f"{node.name}/constant", (), schema.TensorType.INT8, cq, value)
+    o = schema.MulOptionsT()
+    o.fusedActivationFunction = activation_code(node.activation)
+    w.op(_OP.MUL, [w.index[node.inputs[0]], ci], [oi], o, schema.BuiltinOptions.MulOptions)
+
+
 def _concat(w: _Writer, qm: QuantModel, node: Concat) -> None:
     a = _input_shape(w, node, len(w.shapes.get(node.inputs[0], ())))
     b = w.shapes[node.inputs[1]]
@@ -445,6 +457,8 @@ def _write_node(w: _Writer, qm: QuantModel, node: Node) -> None:
         _concat(w, qm, node)
     elif isinstance(node, Mul):
         _mul(w, qm, node)
+    elif isinstance(node, MulConstant):
+        _mul_constant(w, qm, node)
     else:
         raise TFLiteError(f"layer {node.name!r}: no .tflite form for {type(node).__name__}")
 

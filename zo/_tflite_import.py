@@ -1,9 +1,10 @@
 """Read an int8 ``.tflite`` flatbuffer back into a ``QuantModel``.
 
 Accepts the operators the writer emits (and the same operators from other tools):
-CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, MUL (of activations), AVERAGE_POOL_2D,
-MAX_POOL_2D, MEAN (over height and width), PAD and PADV2 (height and width, with the
-zero point), CONCATENATION (channel axis), RESHAPE, RELU, RELU6, LOGISTIC, HARD_SWISH.
+CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, ADD, MUL (of activations, or by one int8
+constant), AVERAGE_POOL_2D, MAX_POOL_2D, MEAN (over height and width), PAD and PADV2
+(height and width, with the zero point), CONCATENATION (channel axis), RESHAPE, RELU,
+RELU6, LOGISTIC, HARD_SWISH.
 QUANTIZE, SOFTMAX and DEQUANTIZE at the file's edges are kept as adapters
 (``qsched.zo.source``), and shape arithmetic feeding a RESHAPE is folded. An
 AVERAGE_POOL_2D over the whole feature map whose only reader is a RESHAPE to ``(batch,
@@ -42,6 +43,7 @@ from qsched.zo.graph import (
     Mean,
     Model,
     Mul,
+    MulConstant,
     Node,
     Pad,
     Padding,
@@ -390,19 +392,41 @@ def _pad(r: _Reader, op: Any, where: str) -> Node:
     return Pad(_claim(r, out), [x], out, pads=((top, bottom), (left, right)))
 
 
+def _is_constant(r: _Reader, index: int, where: str) -> bool:
+    buffer = r.tensor(index, where).buffer
+    return 0 < buffer < len(r.model.buffers or []) and r.model.buffers[buffer].data is not None
+
+
 def _mul(r: _Reader, op: Any, where: str) -> Node:
-    """MUL of two activations (a constant operand, as Keras's Rescaling writes, is not
-    supported); broadcast only as a (1, 1, C) channel gate."""
+    """MUL of two activations, broadcast only as a (1, 1, C) channel gate, or of an
+    activation by a one-element int8 constant (hard_sigmoid's 1/6)."""
     _check_arity(op, where, 2)
     o = _options(op, schema.BuiltinOptions.MulOptions, where)
-    for i in op.inputs[:2]:
-        buffer = r.tensor(i, where).buffer
-        if 0 < buffer < len(r.model.buffers or []) and r.model.buffers[buffer].data is not None:
-            raise TFLiteError(f"{where}: MUL by a constant is not supported")
-    xs = [r.activation(i, where) for i in op.inputs[:2]]
-    out = r.activation(op.outputs[0], where)
     act = activation_name(o.fusedActivationFunction, where)
-    return Mul(_claim(r, out), xs, out, activation=act)
+    constants = [i for i in op.inputs[:2] if _is_constant(r, i, where)]
+    if not constants:
+        xs = [r.activation(i, where) for i in op.inputs[:2]]
+        out = r.activation(op.outputs[0], where)
+        return Mul(_claim(r, out), xs, out, activation=act)
+    c = constants[0]
+    t = r.tensor(c, where)
+    one_value = int(np.prod(t.shape if t.shape is not None else [1])) == 1
+    if len(constants) != 1 or t.type != schema.TensorType.INT8 or not one_value:
+        raise TFLiteError(f"{where}: MUL by a constant is supported for one int8 value only")
+    q = t.quantization
+    if q is None or q.scale is None or len(q.scale) != 1:
+        raise TFLiteError(f"{where}: MUL's constant has no per-tensor quantisation")
+    (x,) = [r.activation(i, where) for i in op.inputs[:2] if i != c]
+    out = r.activation(op.outputs[0], where)
+    return MulConstant(
+        _claim(r, out),
+        [x],
+        out,
+        constant=int(r.data(c, where, np.int8).reshape(-1)[0]),
+        constant_scale=float(np.float32(q.scale[0])),
+        constant_zero_point=int(q.zeroPoint[0]) if q.zeroPoint is not None else 0,
+        activation=act,
+    )
 
 
 def _concatenation(r: _Reader, op: Any, where: str) -> Node:

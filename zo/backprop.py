@@ -39,6 +39,7 @@ from qsched.zo.graph import (
     Mean,
     Model,
     Mul,
+    MulConstant,
     Node,
     Pad,
     Padding,
@@ -291,6 +292,9 @@ def _fwd(node: Node, xs: list[Array]) -> tuple[Array, _Ctx]:
     if isinstance(node, Logistic):
         y = 1.0 / (1.0 + np.exp(-xs[0]))
         return y, (y,)
+    if isinstance(node, MulConstant):
+        y = _act(xs[0] * node.value.astype(xs[0].dtype), node.activation)
+        return y, (y,)
     if isinstance(node, HardSwish):
         x = xs[0]
         return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0, (x,)
@@ -327,6 +331,9 @@ def _bwd(node: Node, ctx: _Ctx, dy: Array, need_dx: bool = True) -> _Back:
     if isinstance(node, Logistic):
         y = ctx[0]
         return [dy * y * (1.0 - y)], None
+    if isinstance(node, MulConstant):
+        dz = _act_grad(ctx[0], dy, node.activation)
+        return [dz * node.value.astype(dz.dtype)], None
     if isinstance(node, HardSwish):
         x = ctx[0]  # 0 below -3, 1 above 3, (2x + 3) / 6 between
         slope = np.where(x < -3.0, 0.0, np.where(x > 3.0, 1.0, (2.0 * x + 3.0) / 6.0))

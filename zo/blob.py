@@ -43,6 +43,7 @@ from qsched.zo.graph import (
     Mean,
     Model,
     Mul,
+    MulConstant,
     Node,
     Pad,
     Padding,
@@ -53,7 +54,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
-from qsched.zo.lookup import TABLE_SIZE, unary_table
+from qsched.zo.lookup import TABLE_NODES, TABLE_SIZE, TableNode, unary_table
 
 if TYPE_CHECKING:
     from qsched.zo.workload import TrainState, Workload
@@ -116,6 +117,7 @@ OPCODES: Final[dict[type, int]] = {
     Mul: 14,
     Logistic: 15,
     HardSwish: 16,
+    MulConstant: 17,
 }
 OPCODE_DEPTHWISE: Final = 2
 ACTIVATIONS: Final[dict[str, int]] = {"none": 0, "relu": 1, "relu6": 2}
@@ -357,7 +359,7 @@ def _op_record(
         if trainable:
             param_offset = flat
             flat += w_count + (0 if q is not None else int(bias.size))
-    elif isinstance(node, (Logistic, HardSwish)) and q is not None:
+    elif isinstance(node, TABLE_NODES) and q is not None:
         # The int8 function as its 256 values: a board looks them up (zo.lookup).
         table = unary_table(node, q.tensors[node.inputs[0]], q.tensors[node.output])
         arrays[0], w_count = data.add(table), TABLE_SIZE
@@ -391,12 +393,16 @@ def _op_record(
 
 
 def _shape_aux(node: Node, aux: list[int]) -> list[int]:
-    """The aux words that describe a MEAN's or PAD's shape, in both numerics."""
+    """The aux words that describe a MEAN's or PAD's shape or a MUL's constant, in both
+    numerics."""
     if isinstance(node, Mean):
         return [*aux[:2], int(node.keep_dims), 0, 0, 0, 0]
     if isinstance(node, Pad):
         (top, bottom), (left, right) = node.pads
         return [top, bottom, left, right, 0, 0, 0]
+    if isinstance(node, MulConstant):
+        bits = struct.unpack("<i", struct.pack("<f", node.constant_scale))[0]
+        return [node.constant, node.constant_zero_point, bits, 0, 0, 0, 0]
     return aux
 
 
@@ -647,18 +653,25 @@ def _decode_op(
         OPCODES[Pad]: Pad(name, inputs, output, pads=((f.aux0, f.aux1), (f.aux2, f.aux3))),
         OPCODES[Logistic]: Logistic(name, inputs, output),
         OPCODES[HardSwish]: HardSwish(name, inputs, output),
+        OPCODES[MulConstant]: MulConstant(
+            name,
+            inputs,
+            output,
+            constant=f.aux0,
+            constant_scale=struct.unpack("<f", struct.pack("<i", f.aux2))[0],
+            constant_zero_point=f.aux1,
+            activation=activation,
+        ),
     }
     if f.opcode not in simple:
         raise BlobError(f"model blob: op {name!r} has unknown opcode {f.opcode}")
     node = simple[f.opcode]
-    if int8 and isinstance(node, (Logistic, HardSwish)):
+    if int8 and isinstance(node, TABLE_NODES):
         _check_table(node, f, quants, data)
     return node, None
 
 
-def _check_table(
-    node: Logistic | HardSwish, f: _OpFields, quants: list[TensorQuant], data: bytes
-) -> None:
+def _check_table(node: TableNode, f: _OpFields, quants: list[TensorQuant], data: bytes) -> None:
     """A table op's 256 bytes must be its function of its tensors' parameters: a Python
     board computes them, a C board reads them, and both must give the same bits."""
     if f.weight_count != TABLE_SIZE:

@@ -48,6 +48,7 @@ from qsched.zo.graph import (
     Mean,
     Model,
     Mul,
+    MulConstant,
     Node,
     Pad,
     QuantModel,
@@ -56,7 +57,7 @@ from qsched.zo.graph import (
     Reshape,
     TensorQuant,
 )
-from qsched.zo.lookup import look_up, unary_table
+from qsched.zo.lookup import TABLE_NODES, look_up, unary_table
 from qsched.zo.shapes import infer_shapes
 
 __all__ = [
@@ -191,6 +192,8 @@ def _fp32_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kf.logistic(x)
     elif isinstance(node, HardSwish):
         y = kf.hard_swish(x)
+    elif isinstance(node, MulConstant):
+        y = kf.apply_activation((x * node.value).astype(np.float32), node.activation)
     elif isinstance(node, Mean):
         y = kf.global_avg_pool(x)
         y = y.reshape(*y.shape[:2], 1, 1, -1) if node.keep_dims else y
@@ -259,7 +262,7 @@ def _prepare_int8(qmodel: QuantModel, shapes: Mapping[str, tuple[int, ...]]) -> 
         elif isinstance(node, Mul):
             other = _tq(qmodel, node.inputs[1], node.name)
             stages[node.name] = ki.prepare_mul(inp, other, out, node.activation)
-        elif isinstance(node, (Logistic, HardSwish)):
+        elif isinstance(node, TABLE_NODES):
             stages[node.name] = unary_table(node, inp, out)
         elif isinstance(node, Mean):
             h, w = shapes[node.inputs[0]][:2]
@@ -299,7 +302,7 @@ def _int8_node(node: Node, env: Env, ctx: _Ctx) -> Array:
         y = kernels.add(x, env[node.inputs[1]], stage, sr["add"])
     elif isinstance(node, (ReLU, ReLU6)):
         y = ki.relu(x, stage, sr["relu"])
-    elif isinstance(node, (Logistic, HardSwish)):
+    elif isinstance(node, TABLE_NODES):
         y = look_up(x, stage)
     elif isinstance(node, Mean):
         y = ki.mean(x, stage, node.keep_dims)

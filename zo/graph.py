@@ -37,6 +37,7 @@ __all__ = [
     "Mean",
     "Model",
     "Mul",
+    "MulConstant",
     "Node",
     "Pad",
     "Padding",
@@ -145,6 +146,25 @@ class Mul(_NodeFields):
 
 
 @dataclass(eq=False)
+class MulConstant(_NodeFields):
+    """Product with one constant (TFLite MUL by a one-element tensor, as converters write
+    hard_sigmoid's 1/6). The constant is kept as the file holds it: the int8
+    ``constant`` with its scale and zero point; its real value is ``value``."""
+
+    constant: int = 127
+    constant_scale: float = 1.0 / 127.0
+    constant_zero_point: int = 0
+    activation: Activation = "none"
+
+    @property
+    def value(self) -> np.float32:
+        """The constant in real units (float32)."""
+        return np.float32(self.constant_scale) * np.float32(
+            self.constant - self.constant_zero_point
+        )
+
+
+@dataclass(eq=False)
 class Concat(_NodeFields):
     """Two tensors joined along the channel (last) axis (TFLite CONCATENATION); in INT8
     both inputs and the output share one scale and zero point, as TFLite's int8 kernel
@@ -189,6 +209,7 @@ Node: TypeAlias = (
     | Pad
     | Concat
     | Mul
+    | MulConstant
     | Reshape
 )
 ParamNode: TypeAlias = Conv2D | Dense

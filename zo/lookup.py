@@ -1,4 +1,4 @@
-"""int8 unary operators as 256-entry tables: LOGISTIC and HARD_SWISH.
+"""int8 unary operators as 256-entry tables: LOGISTIC, HARD_SWISH, MUL by a constant.
 
 An int8 operator of one int8 input is a function of 256 values, so it is computed once
 per layer, at Prepare, for every input byte, and a forward pass is one lookup per
@@ -12,6 +12,8 @@ element. The tables equal TFLite's reference kernels bit for bit:
 - HARD_SWISH: ``reference_ops::HardSwish`` on int16 fixed point (a high-resolution
   input, a "relu-ish" multiplier in [0, 1], one truncating high multiplication), each
   step here as it is there, for all 256 inputs.
+- MUL by a one-element constant: TFLite's int8 MUL (``kernels_int8.mul``) with the
+  constant as its second input, for all 256 inputs.
 
 Tables are ``int8[256]`` indexed by ``x + 128``. The model blob carries them (SPEC
 "Model blob"), so a C board looks values up and never needs ``expf``.
@@ -26,17 +28,21 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo import kernels_int8 as ki
 from qsched.zo.fixedpoint import quantize_multiplier, round_half_away
-from qsched.zo.graph import HardSwish, Logistic, TensorQuant
+from qsched.zo.graph import HardSwish, Logistic, MulConstant, TensorQuant
 
 __all__ = [
     "LOGISTIC_OUTPUT",
+    "TABLE_NODES",
     "TABLE_SIZE",
     "HardSwishParams",
+    "TableNode",
     "hard_swish_params",
     "hard_swish_table",
     "logistic_table",
     "look_up",
+    "mul_constant_table",
     "unary_table",
 ]
 
@@ -53,11 +59,26 @@ def look_up(x: I8, table: I8) -> I8:
     return table[x.astype(np.int16) + 128]
 
 
-def unary_table(node: Logistic | HardSwish, inp: TensorQuant, out: TensorQuant) -> I8:
-    """The table of a LOGISTIC or HARD_SWISH node for its tensors' parameters."""
+TableNode = Logistic | HardSwish | MulConstant
+TABLE_NODES: Final = (Logistic, HardSwish, MulConstant)
+
+
+def unary_table(node: TableNode, inp: TensorQuant, out: TensorQuant) -> I8:
+    """The table of a LOGISTIC, HARD_SWISH or MUL-by-constant node for its tensors'
+    parameters."""
     if isinstance(node, Logistic):
         return logistic_table(inp, out)
+    if isinstance(node, MulConstant):
+        return mul_constant_table(node, inp, out)
     return hard_swish_table(inp, out)
+
+
+def mul_constant_table(node: MulConstant, inp: TensorQuant, out: TensorQuant) -> I8:
+    """TFLite's int8 MUL of every input byte by the node's constant."""
+    constant = TensorQuant(node.constant_scale, node.constant_zero_point)
+    params = ki.prepare_mul(inp, constant, out, node.activation)
+    x = np.arange(-128, 128, dtype=np.int8)
+    return ki.mul(x, np.full(TABLE_SIZE, node.constant, dtype=np.int8), params)
 
 
 def logistic_table(inp: TensorQuant, out: TensorQuant) -> I8:

@@ -130,7 +130,8 @@ typedef struct {
  * of centred int8 values is at most 2^16 in magnitude, so int32 holds it. */
 void qs_mul_s8(const qs_mul_params *p, const int8_t *a, const int8_t *b, int8_t *output);
 
-/* An int8 function of one int8 input as its 256 values (LOGISTIC, HARD_SWISH): the
+/* An int8 function of one int8 input as its 256 values (LOGISTIC, HARD_SWISH, MUL by a
+ * constant): the
  * model blob carries the table, computed as TFLite's reference kernels compute. */
 void qs_lut_s8(const int8_t *table, uint32_t size, const int8_t *input, int8_t *output);
 

@@ -338,7 +338,7 @@ static qs_status prepare_mul(qs_model *m, qs_op *op, const op_record *o)
     return QS_OK;
 }
 
-/* LOGISTIC, HARD_SWISH: a 256-byte table at the weight offset; shapes kept. */
+/* LOGISTIC, HARD_SWISH, MUL by a constant: a 256-byte table at the weight offset. */
 static qs_status prepare_table(qs_model *m, qs_op *op, const op_record *o, const data_section *d)
 {
     const qs_tensor *in = &m->tensors[o->in0], *out = &m->tensors[o->out];
@@ -403,7 +403,8 @@ static qs_status prepare_op(qs_model *m, qs_op *op, const op_record *o, const da
     case QS_OP_CONCAT: return prepare_concat(m, op, o);
     case QS_OP_MUL: return prepare_mul(m, op, o);
     case QS_OP_LOGISTIC:
-    case QS_OP_HARD_SWISH: return prepare_table(m, op, o, d);
+    case QS_OP_HARD_SWISH:
+    case QS_OP_MUL_CONSTANT: return prepare_table(m, op, o, d);
     default: return QS_ERR_UNSUPPORTED;
     }
 }
@@ -592,7 +593,8 @@ static void run_op(qs_model *m, qs_op *op, const int8_t *flat)
     case QS_OP_PAD: qs_pad_s8(&op->pad, op->in_shape, in, out); break;
     case QS_OP_MUL: qs_mul_s8(&op->mul, in, slot(m, op->in1), out); break;
     case QS_OP_LOGISTIC:
-    case QS_OP_HARD_SWISH: qs_lut_s8(op->table, m->tensors[op->out].size, in, out); break;
+    case QS_OP_HARD_SWISH:
+    case QS_OP_MUL_CONSTANT: qs_lut_s8(op->table, m->tensors[op->out].size, in, out); break;
     case QS_OP_CONCAT:
         qs_concat_s8(m->tensors[op->out].size / (op->concat_a + op->concat_b), op->concat_a, in, op->concat_b,
                      slot(m, op->in1), out);

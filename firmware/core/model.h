@@ -31,7 +31,7 @@ enum {
     QS_OP_CONV = 1, QS_OP_DEPTHWISE = 2, QS_OP_DENSE = 3, QS_OP_RELU = 4, QS_OP_RELU6 = 5,
     QS_OP_ADD = 6, QS_OP_AVGPOOL = 7, QS_OP_MAXPOOL = 8, QS_OP_GLOBALAVG = 9, QS_OP_RESHAPE = 10,
     QS_OP_MEAN = 11, QS_OP_PAD = 12, QS_OP_CONCAT = 13, QS_OP_MUL = 14,
-    QS_OP_LOGISTIC = 15, QS_OP_HARD_SWISH = 16
+    QS_OP_LOGISTIC = 15, QS_OP_HARD_SWISH = 16, QS_OP_MUL_CONSTANT = 17
 };
 
 typedef struct {
@@ -63,7 +63,7 @@ typedef struct {
     qs_pad_params pad;
     uint32_t concat_a, concat_b; /* channels of each input of a Concat */
     qs_mul_params mul;
-    const int8_t *table; /* LOGISTIC, HARD_SWISH: the blob's 256 outputs, by input + 128 */
+    const int8_t *table; /* LOGISTIC, HARD_SWISH, MUL by a constant: 256 outputs, by input + 128 */
     qs_shape in_shape, filter_shape, out_shape;
 } qs_op;
 
