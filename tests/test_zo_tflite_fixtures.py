@@ -82,17 +82,7 @@ def test_fixture_exports_in_its_own_form(name: str) -> None:
     assert it.get_output_details()[0]["dtype"] == np.dtype(source.output.dtype)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "cnn_gap_float_io.tflite",
-        "cnn_uint8_in_float_out.tflite",
-        "flatten_open_batch_int8.tflite",
-        "se_hardswish_int8.tflite",
-        "mobilenetv3_block_int8.tflite",
-        "mobilenetv3small_a075_int8.tflite",
-    ],
-)
+@pytest.mark.parametrize("name", FILES)
 def test_fixture_trains_last_layer_and_new_head(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -133,3 +123,18 @@ def test_fixture_mobilenetv2_inspect(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "DEPTHWISE_CONV_2D" in out and "MEAN" in out and "| last layer |" in out
     assert "UNSUPPORTED" not in out
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_fixture_inspect_lists_every_operator(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """qsched inspect on every fixture: one row per operator of the file, none refused,
+    and the board memory of the trained layers."""
+    data = (FIXTURES / name).read_bytes()
+    model = schema.Model.GetRootAs(data, 0)
+    count = model.Subgraphs(0).OperatorsLength()
+    assert inspect_main([str(FIXTURES / name)]) == 0
+    out = capsys.readouterr().out
+    assert "UNSUPPORTED" not in out and "Does not import" not in out
+    assert f"| {count - 1} |" in out and "| last layer |" in out
