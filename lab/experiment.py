@@ -389,10 +389,11 @@ def _transfer_workload(spec: JobSpec, prepared: _Prepared) -> Any:
 def _baseline(
     setting: Setting, base: JobSpec, seeds: Sequence[int], prepared: _Prepared | None
 ) -> dict[str, Any]:
-    """FP32 backprop (Adam) with the grid's steps, batch size and trainable layers, per seed."""
+    """FP32 backprop (Adam) with the grid's steps, batch size and trainable layers, per seed,
+    from the model an FP32 ZO run of that seed starts from (zoo, backbone file, new head)."""
     from qsched.zo.backprop import train_backprop
     from qsched.zo.datasets import load_dataset
-    from qsched.zo.zoo import build_model
+    from qsched.zo.workload import Workload
 
     finals, bests, walls = [], [], []
     data = prepared.target if prepared is not None else load_dataset(base.dataset)
@@ -400,9 +401,8 @@ def _baseline(
         if prepared is not None:
             model = _transfer_model(prepared, seed)
         else:
-            model = build_model(
-                base.model, data.input_shape, data.num_classes, seed=seed, **base.model_options
-            )
+            fields = {**base.model_dump(), "seed": seed, "numerics": "fp32", "lr_unit": "weight"}
+            model = Workload.from_spec(JobSpec.model_validate(fields)).model
         started = time.perf_counter()
         _, history = train_backprop(
             model,
@@ -1062,7 +1062,8 @@ def main(argv: list[str], *, stream: Any = None) -> int:
             stream=out,
             command=_command(argv),
         )
-    except ExperimentError as exc:
+    except (ExperimentError, OSError, ValueError) as exc:
+        # ValueError: the zo errors (a model, data set or backbone that does not resolve).
         print(f"qsched experiment: {exc}", file=out)
         return 2
     files = write_results(result, args.out, plots=not args.no_plots)

@@ -161,13 +161,16 @@ def test_run_transfer_setting(tmp_path: Path) -> None:
         (["--transfer", "0,1"], "SOURCE/TARGET"),
         (["--set", "steps=0"], "invalid experiment"),
         (["--policies", "nosuchpolicy"], "unknown policy"),
+        (["--set", 'model_options={"head":"x"}', "--steps", "2"], "has no option(s)"),
+        (["--set", "backbone=missing.tflite", "--steps", "2"], "missing.tflite"),
     ],
 )
 def test_run_bad_arguments(tmp_path: Path, argv: list[str], message: str) -> None:
-    """Bad overrides, transfer classes, specs or policy names exit 2 with the reason."""
+    """Bad overrides, transfer classes, specs, policy names, model options or backbone
+    files exit 2 with the reason, in one line."""
     stream = io.StringIO()
     assert experiment.main([*argv, "--out", str(tmp_path)], stream=stream) == 2
-    assert message in stream.getvalue()
+    assert message in stream.getvalue() and "Traceback" not in stream.getvalue()
     assert not (tmp_path / "results.json").exists()
 
 
@@ -220,3 +223,22 @@ def test_run_fleet_refuses_transfer(tmp_path: Path) -> None:
     argv = ["--transfer", "0,1/2,3", "--fleet", "2", "--out", str(tmp_path)]
     assert experiment.main(argv, stream=stream) == 2
     assert "--fleet" in stream.getvalue()
+
+
+def test_run_baseline_starts_from_the_backbone(tmp_path: Path) -> None:
+    """With a backbone file and a new head, the first-order baseline trains the model the
+    ZO runs start from (before, it built the zoo's model and refused the head option)."""
+    from tflite_checks import synthetic_images
+
+    from qsched.zo.data import RESNET8_CIFAR10
+
+    data = synthetic_images((32, 32, 3), tmp_path / "images.npz", count=60)
+    argv = ["--grid", "custom", "--policies", "fixed:2", "--numerics", "int8", "--seeds", "0"]
+    argv += ["--steps", "4", "--dataset", str(data), "--set", f"backbone={RESNET8_CIFAR10}"]
+    argv += ["--set", 'model_options={"head":"new"}', "--set", "trainable=last:1"]
+    argv += ["--set", "batch_size=8", "--set", "eval_every=2", "--no-plots", "--quiet"]
+    stream = io.StringIO()
+    assert experiment.main([*argv, "--out", str(tmp_path / "out")], stream=stream) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["baseline"]["trainable"] == "last:1"
+    assert len(doc["baseline"]["final_accuracy"]["values"]) == 1
