@@ -903,6 +903,7 @@ def results_markdown(doc: dict[str, Any]) -> str:
                 f"{100 * m['best_fixed_final_accuracy']:.2f} | {m['difference_pp']:+.2f} | {sem} | "
                 f"{100 * m['forward_pass_share']:.1f}% | {'met' if m['floor_met'] else 'NOT met'} |"
             )
+    lines += _equal_budget_lines(doc["configs"])
     if doc.get("baseline"):
         b = doc["baseline"]
         lines += [
@@ -922,6 +923,58 @@ def results_markdown(doc: dict[str, Any]) -> str:
         ]
     lines += ["", *_environment_lines(doc["environment"])]
     return "\n".join(lines) + "\n"
+
+
+def accuracy_within_budget(config: dict[str, Any], budget: float) -> float | None:
+    """Mean validation accuracy of a configuration at its last validation that used at
+    most ``budget`` forward passes (mean over seeds); None if its first one used more."""
+    curve = config["curve"]
+    within = [
+        acc
+        for acc, passes in zip(
+            curve["val_accuracy_mean"], curve["forward_passes_mean"], strict=True
+        )
+        if passes <= budget * (1 + 1e-9)
+    ]
+    return float(within[-1]) if within else None
+
+
+def _equal_budget_lines(configs: list[dict[str, Any]]) -> list[str]:
+    """Each adaptive policy's final accuracy against every fixed q stopped at the same
+    number of forward passes (the policy's mean), per numerics."""
+    fixed = [c for c in configs if c["policy"]["name"] == "fixed"]
+    adaptive = [c for c in configs if c["policy"]["name"] != "fixed"]
+    qs = sorted({int(c["policy"]["config"]["q"]) for c in fixed})
+    if not fixed or not adaptive:
+        return []
+    lines = [
+        "",
+        "## At an equal budget of forward passes",
+        "",
+        "Each fixed q at its last validation within the policy's mean forward passes B "
+        "(mean accuracy over seeds, %; - when its first validation already used more; "
+        "* when its whole run used fewer than B, so the value is its final one).",
+        "",
+        "| policy | numerics | B | policy acc | " + " | ".join(f"q={q}" for q in qs) + " |",
+        "| --- | --- | ---: | ---: |" + " ---: |" * len(qs),
+    ]
+    for c in adaptive:
+        budget = float(c["forward_passes"]["mean"])
+        same = {
+            int(f["policy"]["config"]["q"]): f
+            for f in fixed
+            if f["numerics_token"] == c["numerics_token"]
+        }
+        cells = []
+        for q in qs:
+            acc = accuracy_within_budget(same[q], budget) if q in same else None
+            short = q in same and same[q]["forward_passes"]["mean"] < budget
+            cells.append("-" if acc is None else f"{100 * acc:.2f}" + ("*" if short else ""))
+        lines.append(
+            f"| {c['label']} | {c['numerics_token']} | {budget:,.0f} | "
+            f"{100 * c['final_accuracy']['mean']:.2f} | " + " | ".join(cells) + " |"
+        )
+    return lines
 
 
 def _environment_lines(env: dict[str, Any]) -> list[str]:
