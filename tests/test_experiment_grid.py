@@ -112,7 +112,9 @@ def test_comparison_against_best_fixed() -> None:
     assert paired["standard_error"] == pytest.approx(0.0, abs=1e-9)
 
 
-def _config(name: str, q: int | None, passes: list[float], acc: list[float]) -> dict[str, Any]:
+def _curve_config(
+    name: str, q: int | None, passes: list[float], acc: list[float]
+) -> dict[str, Any]:
     policy = {"name": "fixed", "config": {"q": q}} if q else {"name": name, "config": {}}
     return {
         "label": name,
@@ -129,10 +131,10 @@ def test_equal_budget_table_stops_each_fixed_q_at_the_policys_passes() -> None:
     run is shorter (marked *), q=64's first validation is already past B (-)."""
     from qsched.lab.experiment import _equal_budget_lines, accuracy_within_budget
 
-    q1 = _config("fixed q=1", 1, [20, 40, 60], [0.1, 0.2, 0.3])
-    q4 = _config("fixed q=4", 4, [80, 160, 240], [0.4, 0.5, 0.6])
-    q64 = _config("fixed q=64", 64, [1280, 2560, 3840], [0.7, 0.8, 0.9])
-    policy = _config("qscheduler", None, [20, 100, 170], [0.2, 0.4, 0.55])
+    q1 = _curve_config("fixed q=1", 1, [20, 40, 60], [0.1, 0.2, 0.3])
+    q4 = _curve_config("fixed q=4", 4, [80, 160, 240], [0.4, 0.5, 0.6])
+    q64 = _curve_config("fixed q=64", 64, [1280, 2560, 3840], [0.7, 0.8, 0.9])
+    policy = _curve_config("qscheduler", None, [20, 100, 170], [0.2, 0.4, 0.55])
     assert accuracy_within_budget(q4, 170) == 0.5
     assert accuracy_within_budget(q64, 170) is None
     lines = _equal_budget_lines([q1, q4, q64, policy])
