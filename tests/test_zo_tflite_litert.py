@@ -223,6 +223,22 @@ def test_tflite_concatenation_of_three_becomes_a_chain() -> None:
     np.testing.assert_array_equal(run_int8(back, x), invoke(interpreter(data), x)("head"))
 
 
+def _pointwise_conv(
+    rng: np.random.Generator,
+    name: str,
+    src: str,
+    channels: tuple[int, int],
+    act: str,
+    stds: tuple[float, float],
+) -> Conv2D:
+    """A 1x1 convolution ``channels = (out, in)`` with normal weights and biases of the
+    given standard deviations (weights drawn first)."""
+    cout, cin = channels
+    w = rng.normal(0, stds[0], (cout, 1, 1, cin)).astype(np.float32)
+    b = rng.normal(0, stds[1], cout).astype(np.float32)
+    return Conv2D(name, [src], name, w, b, activation=act)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
     """MUL of two activations, and of an (H, W, C) map by a (1, 1, C) gate (squeeze-and-
@@ -230,10 +246,7 @@ def test_tflite_mul_elementwise_and_channel_gate_bit_exact(seed: int) -> None:
     rng = np.random.default_rng(seed)
 
     def conv(name: str, src: str, cout: int, cin: int, act: str = "none") -> Conv2D:
-        w = rng.normal(0, 0.5, (cout, 1, 1, cin)).astype(np.float32)
-        return Conv2D(
-            name, [src], name, w, rng.normal(0, 0.2, cout).astype(np.float32), activation=act
-        )
+        return _pointwise_conv(rng, name, src, (cout, cin), act, stds=(0.5, 0.2))
 
     nodes: list[Any] = [
         conv("a", "input", 4, 3),
@@ -301,10 +314,7 @@ def test_tflite_hard_swish_and_sigmoid_gate_model_bit_exact() -> None:
     rng = np.random.default_rng(3)
 
     def conv(name: str, src: str, cout: int, cin: int, act: str = "none") -> Conv2D:
-        w = rng.normal(0, 0.6, (cout, 1, 1, cin)).astype(np.float32)
-        return Conv2D(
-            name, [src], name, w, rng.normal(0, 0.3, cout).astype(np.float32), activation=act
-        )
+        return _pointwise_conv(rng, name, src, (cout, cin), act, stds=(0.6, 0.3))
 
     nodes: list[Any] = [
         conv("expand", "input", 6, 3),
