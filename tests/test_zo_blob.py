@@ -262,9 +262,20 @@ def test_blob_carries_logistic_and_hard_swish_tables() -> None:
     assert at > 0
     damaged = bytearray(blob)
     damaged[at + 7] ^= 1
-    header = struct.Struct("<4sHBBHHHHIIIIII24x")
-    fields = list(header.unpack_from(damaged))
-    fields[11] = zlib.crc32(bytes(damaged[header.size :]))
-    header.pack_into(damaged, 0, *fields)
     with pytest.raises(BlobError, match="table differs"):
-        decode_blob(bytes(damaged))
+        decode_blob(_with_body_crc(damaged))
+    # The MUL's constant (aux word 0 of its op record) past int8: refused, typed.
+    record = blob.rfind(b"sixth".ljust(32, b"\0"))  # the op record, after the tensors
+    damaged = bytearray(blob)
+    struct.pack_into("<i", damaged, record + 108, 300)
+    with pytest.raises(BlobError, match="outside int8"):
+        decode_blob(_with_body_crc(damaged))
+
+
+def _with_body_crc(blob: bytearray) -> bytes:
+    """The blob with its header's CRC of the body recomputed (damage that passes it)."""
+    header = struct.Struct("<4sHBBHHHHIIIIII24x")
+    fields = list(header.unpack_from(blob))
+    fields[11] = zlib.crc32(bytes(blob[header.size :]))
+    header.pack_into(blob, 0, *fields)
+    return bytes(blob)

@@ -666,6 +666,8 @@ def _decode_op(
     if f.opcode not in simple:
         raise BlobError(f"model blob: op {name!r} has unknown opcode {f.opcode}")
     node = simple[f.opcode]
+    if isinstance(node, MulConstant) and not all(-128 <= v <= 127 for v in (f.aux0, f.aux1)):
+        raise BlobError(f"model blob: op {name!r}: constant or zero point outside int8")
     if int8 and isinstance(node, TABLE_NODES):
         _check_table(node, f, quants, data)
     return node, None
