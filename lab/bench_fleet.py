@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import struct
 import sys
 import time
 from collections import Counter
@@ -51,6 +52,7 @@ __all__ = [
     "BenchConfig",
     "BenchRow",
     "ByteCounter",
+    "CountingChannel",
     "CountingLink",
     "CountingTransport",
     "bench_one",
@@ -68,6 +70,7 @@ DEFAULT_BATCH: Final = (
     4  # samples per perturbed forward pass: a realistic minibatch (1: the worst case)
 )
 DEFAULT_BATCHES: Final = (DEFAULT_BATCH, 1)
+MAX_BOARDS: Final = 512
 EFFICIENCY_FLOOR: Final = 0.9
 FLOOR_BOARDS: Final = 8
 # Type codes of the step's own messages (protocol/messages.py TYPE_CODES).
@@ -76,6 +79,7 @@ STEP_TYPES: Final = {
     0x03: "eval_result",
     0x46: "apply_update",
     0x04: "update_ack",
+    0x4A: "step_order",
 }
 
 
@@ -98,6 +102,8 @@ class BenchConfig:
         processes: ``qsched board`` processes hosting the boards (more spreads their
             message handling over cores, on hosts that have them).
         pipeline: the engine's pipelining (next step's requests sent with the update).
+        fleet_topic: MQTT boards take each step as one StepOrder on the fleet topic;
+            off, every board gets its own update and request (the design before).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -113,6 +119,7 @@ class BenchConfig:
     mqtt: str | None = None
     processes: int = 1
     pipeline: bool = True
+    fleet_topic: bool = True
 
 
 @dataclass
@@ -129,6 +136,9 @@ class BenchRow:
     bytes_by_type: dict[str, float] = field(default_factory=dict)
     work: dict[str, int] = field(default_factory=dict)
     efficiency: float | None = None
+    daemon_cpu_s_per_step: float = 0.0
+    messages_per_step: float = 0.0
+    broker_publishes_per_s: float | None = None
 
     @property
     def overhead_s(self) -> float:
@@ -151,26 +161,49 @@ class ByteCounter:
         self.active = False
         self.steps: range | None = None
         self.bytes: Counter[str] = Counter()
+        self.messages = 0  # every message counted, both ways (a fleet publish once)
+        self._channels: dict[int, CountingChannel] = {}
+
+    def channel(self, inner: Any) -> CountingChannel:
+        """The one counting view of a fleet channel (the engine groups boards by it)."""
+        view = self._channels.get(id(inner))
+        if view is None:
+            view = self._channels[id(inner)] = CountingChannel(inner, self)
+        return view
 
     def add(self, payload: bytes) -> None:
         """Count one message (its type from the header's fourth byte)."""
         code = payload[3] if len(payload) >= 4 else -1
         kind = STEP_TYPES.get(code, "other")
         if self.steps is not None and kind != "other":
-            if _step_of(payload) in self.steps:
+            step = _step_of(payload)
+            if kind == "step_order" and step is not None:
+                step += 1  # it opens the next step (its update ends this one)
+            if step in self.steps:
                 self.bytes[kind] += len(payload)
+                self.messages += 1
         elif self.active:
             self.bytes[kind] += len(payload)
+            self.messages += 1
 
 
 def _step_of(payload: bytes) -> int | None:
-    from qsched.protocol.codec import decode
-    from qsched.protocol.errors import ProtocolError
+    # Every step message starts with job_id (u32) and step (u32) after the header: read
+    # the step from its bytes, so counting costs the daemon no decode.
+    return struct.unpack_from("<I", payload, 8)[0] if len(payload) >= 12 else None
 
-    try:
-        return getattr(decode(payload), "step", None)
-    except ProtocolError:
-        return None
+
+class CountingChannel:
+    """A fleet channel (one publish for many boards) that counts what it publishes once."""
+
+    def __init__(self, inner: Any, counter: ByteCounter) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    async def publish_fleet(self, payload: bytes) -> None:
+        """Count, then publish."""
+        self._counter.add(payload)
+        await self._inner.publish_fleet(payload)
 
 
 class CountingLink:
@@ -185,6 +218,12 @@ class CountingLink:
     def closed(self) -> bool:
         """Whether the wrapped link is gone."""
         return bool(self._link.closed)
+
+    @property
+    def fleet_channel(self) -> CountingChannel | None:
+        """The wrapped link's fleet channel, counted (None when it has none)."""
+        inner = getattr(self._link, "fleet_channel", None)
+        return None if inner is None else self._counter.channel(inner)
 
     async def send(self, payload: bytes) -> None:
         """Count, then send."""
@@ -270,6 +309,7 @@ class _Clock:
     def __init__(self, warmup: int, measured: int, counter: ByteCounter) -> None:
         self.warmup, self.measured, self.counter = warmup, measured, counter
         self.times: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}  # this process's CPU seconds: the daemon's
         self.engine: Any = None
 
     def on_event(self, event: Any) -> None:
@@ -277,6 +317,7 @@ class _Clock:
             return
         done = event.step + 1
         self.times[done] = time.perf_counter()
+        self.cpu[done] = time.process_time()
         if done == self.warmup:
             self.counter.active = True
         elif done == self.warmup + self.measured:
@@ -335,7 +376,11 @@ async def bench_one(
     clock = _Clock(config.warmup_steps, measured, counter)
     fleet_name = f"bench-{link}-{boards}-{int(time.time() * 1000) % 10**9}"
     extra = ["--model-latency", config.model_latency]
+    if not config.fleet_topic:
+        extra.append("--no-fleet-topic")
+    meter = BrokerMeter(broker) if link == "mqtt" and broker is not None else None
     async with (
+        _metering(meter),
         board_processes(
             boards,
             mqtt=broker if link == "mqtt" else None,
@@ -355,7 +400,8 @@ async def bench_one(
         engine = StepEngine(spec, fleet, config=knobs, on_event=clock.on_event)
         clock.engine = engine
         result = await engine.run()
-    start, end = clock.times[config.warmup_steps], clock.times[config.warmup_steps + measured]
+    first, last = config.warmup_steps, config.warmup_steps + measured
+    start, end = clock.times[first], clock.times[last]
     step_s = (end - start) / measured
     per_type = {kind: count / measured for kind, count in sorted(counter.bytes.items())}
     return BenchRow(
@@ -368,7 +414,68 @@ async def bench_one(
         payload_bytes_per_step=sum(v for k, v in per_type.items() if k != "other"),
         bytes_by_type=per_type,
         work=dict(sorted(result.work.items())),
+        daemon_cpu_s_per_step=(clock.cpu[last] - clock.cpu[first]) / measured,
+        messages_per_step=counter.messages / measured,
+        broker_publishes_per_s=None if meter is None else meter.rate(start, end),
     )
+
+
+class BrokerMeter:
+    """The broker's own count of PUBLISH packets, read from its ``$SYS`` topics.
+
+    Mosquitto publishes ``$SYS/broker/publish/messages/received`` and ``.../sent``
+    every ``sys_interval`` seconds (1 on the private broker of this benchmark); the
+    rate over a window is the counters' growth between the first and last reading in it.
+
+    Args:
+        broker: ``HOST:PORT``.
+    """
+
+    TOPIC: Final = "$SYS/broker/publish/messages/+"
+
+    def __init__(self, broker: str) -> None:
+        self.broker = broker
+        self.readings: dict[str, list[tuple[float, int]]] = {"received": [], "sent": []}
+
+    async def run(self) -> None:
+        """Collect readings until cancelled (a broker without ``$SYS`` gives none)."""
+        from qsched.protocol.links.config import MqttConfig, parse_host_port
+        from qsched.protocol.links.mqtt import build_client
+
+        host, port = parse_host_port(self.broker)
+        client = build_client(MqttConfig(host=host, port=port), f"qsched-bench-meter-{port}")
+        async with client:
+            await client.subscribe(self.TOPIC, qos=0)
+            async for message in client.messages:
+                kind = message.topic.value.rsplit("/", 1)[-1]
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    value = int(bytes(message.payload).decode())
+                    self.readings[kind].append((time.perf_counter(), value))
+
+    def rate(self, start: float, end: float) -> float | None:
+        """PUBLISH packets in and out per second between ``start`` and ``end``
+        (``time.perf_counter``), None with fewer than two readings of each inside."""
+        total = 0.0
+        for readings in self.readings.values():
+            inside = [r for r in readings if start <= r[0] <= end]
+            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+                return None
+            total += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+        return total
+
+
+@contextlib.asynccontextmanager
+async def _metering(meter: BrokerMeter | None) -> AsyncIterator[None]:
+    if meter is None:
+        yield
+        return
+    task = asyncio.create_task(meter.run(), name="bench.broker-meter")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 @contextlib.asynccontextmanager
@@ -380,7 +487,8 @@ async def _broker(config: BenchConfig) -> AsyncIterator[str | None]:
     else:
         from qsched.lab.broker import MosquittoBroker
 
-        async with MosquittoBroker() as broker:
+        # $SYS counters every second: the broker's message rate per configuration.
+        async with MosquittoBroker(conf=["sys_interval 1"]) as broker:
             yield f"{broker.host}:{broker.port}"
 
 
@@ -504,18 +612,21 @@ def format_row(row: BenchRow, facts: ModelFacts) -> str:
     """One table line (see ``format_report`` for the columns)."""
     gradient = 2 * row.boards * facts.modelled_params
     efficiency = "" if row.efficiency is None else f"{row.efficiency:.3f}"
+    rate = row.broker_publishes_per_s
+    broker = "" if rate is None else f"{rate:,.0f}"
     return (
         f"{row.link:<7}{row.boards:>6}{row.steps:>6}"
         f"{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
         f"{row.overhead_s * 1e3:>10.1f}{row.forward_passes_per_s:>10.1f}{efficiency:>8}"
-        f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}{gradient:>14,}"
+        f"{row.daemon_cpu_s_per_step * 1e3:>8.1f}{row.messages_per_step:>7.0f}{broker:>10}"
+        f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}"
     )
 
 
 _COLUMNS: Final = (
     f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}"
-    f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}"
-    f"{'payload B':>12}{'grad fp32 B':>15}{'grad int8 B':>14}"
+    f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}{'cpu ms':>8}{'msgs':>7}{'broker/s':>10}"
+    f"{'payload B':>12}{'grad fp32 B':>15}"
 )
 
 
@@ -528,10 +639,14 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         "(without a one-board row: the modelled one-board rate)",
         "batch: samples per forward pass "
         "(--batch; 1 is the worst case, every pass pays its fixed costs alone)",
-        "payload B: codec bytes of eval requests and results, updates and acks per step "
-        "(all boards, both ways)",
-        f"grad B: shipping gradients instead, 2 x boards x {facts.modelled_params:,} parameters "
-        "x 4 (fp32) or 1 (int8)",
+        "cpu ms: the daemon's CPU time per step (this process; boards and broker run in others)",
+        "msgs: step messages the daemon sends and receives per step (a step order once)",
+        "broker/s: PUBLISH packets the broker received and sent per second ($SYS; "
+        "a step order counts once in, once per board out)",
+        "payload B: codec bytes of eval requests and results, updates (or step orders) and "
+        "acks per step that the daemon sends and receives",
+        f"grad B: shipping fp32 gradients instead, 2 x boards x {facts.modelled_params:,} "
+        "parameters x 4",
     ]
     floor = _floor(rows)
     if floor is not None:
@@ -559,9 +674,9 @@ def _floor(rows: Sequence[BenchRow]) -> float | None:
 
 def _int_list(text: str) -> tuple[int, ...]:
     values = tuple(int(part) for part in text.split(","))
-    if not values or any(v < 1 or v > 64 for v in values):
+    if not values or any(v < 1 or v > MAX_BOARDS for v in values):
         raise argparse.ArgumentTypeError(
-            f"want a comma list of board counts in 1..64, got {text!r}"
+            f"want a comma list of board counts in 1..{MAX_BOARDS}, got {text!r}"
         )
     return values
 
@@ -614,6 +729,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wait for every update ack before the next step's requests (the engine's old way)",
     )
     p.add_argument(
+        "--no-fleet-topic",
+        action="store_true",
+        help="send every board its own update and request instead of one step order",
+    )
+    p.add_argument(
         "--mqtt", metavar="HOST:PORT", help="use this broker instead of a private Mosquitto"
     )
     p.add_argument(
@@ -652,6 +772,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         mqtt=args.mqtt,
         processes=args.board_processes,
         pipeline=not args.no_pipeline,
+        fleet_topic=not args.no_fleet_topic,
     )
 
 

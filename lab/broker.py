@@ -23,6 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -67,6 +68,8 @@ class MosquittoBroker:
             and a password file is generated with ``mosquitto_passwd``.
         tls: optional ``(certfile, keyfile)``: the listener speaks TLS only.
         acl_file: optional Mosquitto ACL file (with ``users``: who may publish what).
+        conf: more lines for its ``mosquitto.conf`` (a bridge to another broker, the
+            ``$SYS`` interval).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class MosquittoBroker:
         users: dict[str, str] | None = None,
         tls: tuple[str | Path, str | Path] | None = None,
         acl_file: str | Path | None = None,
+        conf: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -85,6 +89,7 @@ class MosquittoBroker:
         self._users = dict(users or {})
         self._tls = tls
         self._acl_file = acl_file
+        self._conf = tuple(conf)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -150,6 +155,7 @@ class MosquittoBroker:
                 lines.append(f"acl_file {self._acl_file}")
         else:
             lines.append("allow_anonymous true")
+        lines += self._conf
         conf = folder / "mosquitto.conf"
         conf.write_text("\n".join(lines) + "\n")
         return conf

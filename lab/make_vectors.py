@@ -65,6 +65,8 @@ from qsched.protocol.messages import (
     Reset,
     SelectDataset,
     SetWeights,
+    Shard,
+    StepOrder,
     UpdateAck,
     ValidateRequest,
     ValidateResult,
@@ -115,6 +117,8 @@ def _f64_bits(value: float) -> str:
 
 
 def _field_value(cls: type, name: str, value: Any) -> str:
+    if (cls, name) == (StepOrder, "shards"):  # board:k k k;board:  (no keys: the update alone)
+        return ";".join(f"{s.board_id}:" + " ".join(map(str, s.ks)) for s in value)
     if isinstance(value, bool):
         raise TypeError("no boolean fields on the data plane")
     if isinstance(value, float):
@@ -250,6 +254,24 @@ def _messages() -> list[tuple[str, DataMessage]]:
         ("validate_request", ValidateRequest(job_id=0xCAFEF00D, step=50, start=100, count=50)),
         ("ping", Ping(nonce=0xA5A5A5A5)),
         ("reset", Reset(scope="hard")),
+        (
+            "step_order",
+            StepOrder(
+                job_id=0xCAFEF00D,
+                step=42,
+                ks=(0, 1, 2, 3, 4),
+                coefficients=(0.5, -0.25, 1e-3, -3.0, 0.0625),
+                batch_size=4,
+                eps=1.0,
+                estimator="two_sided",
+                shards=(
+                    Shard(board_id="n6-01", ks=(0, 1, 2)),
+                    Shard(board_id="n6-02", ks=(2, 3, 4)),
+                    Shard(board_id="n6-03", ks=(1, 4)),
+                    Shard(board_id="n6-04"),
+                ),
+            ),
+        ),
     ]
 
 

@@ -21,6 +21,7 @@ from qsched.protocol.messages import (
     MAX_CHUNK,
     MAX_KS,
     MAX_PAYLOAD,
+    MAX_SHARDS,
     PROTOCOL_VERSION,
     TYPE_CODES,
     Accumulator,
@@ -46,6 +47,8 @@ from qsched.protocol.messages import (
     Resource,
     SelectDataset,
     SetWeights,
+    Shard,
+    StepOrder,
     UpdateAck,
     ValidateRequest,
     ValidateResult,
@@ -187,10 +190,13 @@ class _KSet:
     """Strictly ascending uint16 keys: a range (start, count) when contiguous, else a list."""
 
     name: str = "ks"
+    fewest: int = 1  # a StepOrder's shard may hold none
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
         ks: tuple[int, ...] = getattr(msg, self.name)
-        if ks[-1] - ks[0] + 1 == len(ks):
+        if not ks:
+            out += struct.pack("<BHH", KSET_RANGE, 0, 0)
+        elif ks[-1] - ks[0] + 1 == len(ks):
             out += struct.pack("<BHH", KSET_RANGE, len(ks), ks[0])
         else:
             out += struct.pack(f"<BH{len(ks)}H", KSET_LIST, len(ks), *ks)
@@ -198,8 +204,8 @@ class _KSet:
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         mode = reader.unpack("B")
         count = reader.unpack("H")
-        if not 1 <= count <= MAX_KS:
-            raise reader.invalid(f"k count {count} outside [1, {MAX_KS}]")
+        if not self.fewest <= count <= MAX_KS:
+            raise reader.invalid(f"k count {count} outside [{self.fewest}, {MAX_KS}]")
         if mode == KSET_RANGE:
             start = reader.unpack("H")
             fields[self.name] = tuple(range(start, start + count))
@@ -213,7 +219,7 @@ class _KSet:
             "k set",
             None,
             "u8 mode, u16 n; mode 0 (range): u16 start, keys start..start+n-1; "
-            f"mode 1 (list): n x u16, strictly ascending; 1 <= n <= {MAX_KS}",
+            f"mode 1 (list): n x u16, strictly ascending; {self.fewest} <= n <= {MAX_KS}",
         )
 
 
@@ -256,6 +262,44 @@ class _OptF32:
 
     def describe(self) -> tuple[str, int | None, str]:
         return "f32 or nothing", None, self.note
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """u16 count, then per shard the board id (as ``_Text``) and its k set."""
+
+    name: str = "shards"
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        shards: tuple[Shard, ...] = getattr(msg, self.name)
+        out += struct.pack("<H", len(shards))
+        for shard in shards:
+            _BOARD_ID.encode(shard, out)
+            _SHARD_KS.encode(shard, out)
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        count = reader.unpack("H")
+        if count > MAX_SHARDS:
+            raise reader.invalid(f"{count} shards, at most {MAX_SHARDS}")
+        shards = []
+        for _ in range(count):
+            part: dict[str, Any] = {}
+            _BOARD_ID.decode(reader, part)
+            _SHARD_KS.decode(reader, part)
+            shards.append(part)
+        fields[self.name] = tuple(shards)
+
+    def describe(self) -> tuple[str, int | None, str]:
+        return (
+            "u16 n, n shards",
+            None,
+            f"n <= {MAX_SHARDS}, distinct boards; each: board id (u8 length, ASCII, <= 32), "
+            "then its k set, which may be empty (n = 0, start 0: the update alone)",
+        )
+
+
+_BOARD_ID: Final = _Text("board_id", 32)
+_SHARD_KS: Final = _KSet(fewest=0)
 
 
 def _n_ks(fields: Mapping[str, Any]) -> int:
@@ -371,6 +415,16 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
     ValidateRequest: (_JOB, _STEP, _Scalar("start", "I"), _Scalar("count", "I", ">= 1")),
     Ping: (_Scalar("nonce", "I"),),
     Reset: (_Enum("scope", get_args(ResetScope)),),
+    StepOrder: (
+        _JOB,
+        _Scalar("step", "I", "the update's step; the shards are of step + 1"),
+        _KSet(),
+        _F32Seq("coefficients", _n_ks, "c_k, one per k"),
+        _Scalar("batch_size", "H", "of the next step's requests"),
+        _Scalar("eps", "f"),
+        _ESTIMATOR,
+        _Shards(),
+    ),
 }
 _BY_CODE: Final[dict[int, type[WireModel]]] = {code: cls for cls, code in TYPE_CODES.items()}
 

@@ -278,6 +278,10 @@ class BoardPresence(ControlModel):
     board_id: BoardId
     online: bool
     protocol_version: int | None = None
+    fleet_in: bool = Field(
+        default=False,
+        description="the board's endpoint takes StepOrders from the fleet topic (SPEC 6.9)",
+    )
 
 
 class DaemonPresence(ControlModel):

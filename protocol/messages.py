@@ -26,6 +26,7 @@ __all__ = [
     "MAX_CHUNK",
     "MAX_KS",
     "MAX_PAYLOAD",
+    "MAX_SHARDS",
     "PROTOCOL_VERSION",
     "TYPE_CODES",
     "Accumulator",
@@ -54,6 +55,8 @@ __all__ = [
     "Resource",
     "SelectDataset",
     "SetWeights",
+    "Shard",
+    "StepOrder",
     "UpdateAck",
     "ValidateRequest",
     "ValidateResult",
@@ -72,6 +75,8 @@ MAX_CHUNK: Final = 8192
 # Most sample keys k in one EvalRequest / EvalResult / ApplyUpdate. k is a uint16.
 MAX_KS: Final = 1024
 K_LIMIT: Final = 0xFFFF
+# Most shards in one StepOrder: one per board of the largest fleet a message must carry.
+MAX_SHARDS: Final = 1024
 # A board sends an unsolicited Heartbeat at least this often while idle.
 HEARTBEAT_INTERVAL_S: Final = 5.0
 
@@ -137,6 +142,12 @@ Detail = Annotated[str, Field(pattern=r"^[\x20-\x7e]{0,64}$")]
 Ks = Annotated[
     tuple[Annotated[int, Field(ge=0, le=K_LIMIT)], ...],
     Field(min_length=1, max_length=MAX_KS),
+    AfterValidator(_ascending_ks),
+]
+# A shard's keys: as Ks, or none (the board takes the update alone).
+ShardKs = Annotated[
+    tuple[Annotated[int, Field(ge=0, le=K_LIMIT)], ...],
+    Field(max_length=MAX_KS),
     AfterValidator(_ascending_ks),
 ]
 Chunk = Annotated[bytes, Field(max_length=MAX_CHUNK)]
@@ -345,6 +356,80 @@ class ApplyUpdate(WireModel):
         return list(zip(self.ks, self.coefficients, strict=True))
 
 
+class Shard(WireModel):
+    """One board of a ``StepOrder`` and its keys of the next step (none: update only)."""
+
+    board_id: Name
+    ks: ShardKs = ()
+
+
+def _distinct_boards(shards: tuple[Shard, ...]) -> tuple[Shard, ...]:
+    names = [s.board_id for s in shards]
+    if len(set(names)) != len(names):
+        raise ValueError("a board is named by more than one shard")
+    return shards
+
+
+class StepOrder(WireModel):
+    """A step for the whole fleet: ``ApplyUpdate(step)`` and the next step's shards.
+
+    Published once on the MQTT fleet topic (SPEC 6.9) instead of one ``ApplyUpdate`` and
+    one ``EvalRequest`` per board; the endpoint of each board it names turns it into
+    exactly the messages the daemon would have sent on the board's own topic
+    (``messages_for``). A board it does not name ignores it.
+    """
+
+    type: Literal["step_order"] = "step_order"
+    job_id: U32
+    step: U32
+    ks: Ks
+    coefficients: tuple[F32, ...]
+    batch_size: U16
+    eps: F32
+    estimator: Estimator
+    shards: Annotated[
+        tuple[Shard, ...], Field(max_length=MAX_SHARDS), AfterValidator(_distinct_boards)
+    ] = ()
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> StepOrder:
+        if len(self.coefficients) != len(self.ks):
+            raise ValueError("one coefficient per k")
+        return self
+
+    def update(self) -> ApplyUpdate:
+        """The ``ApplyUpdate`` every board at ``step`` takes from this order."""
+        return ApplyUpdate(
+            job_id=self.job_id, step=self.step, ks=self.ks, coefficients=self.coefficients
+        )
+
+    def request_for(self, board_id: str) -> EvalRequest | None:
+        """The ``EvalRequest`` of step ``step + 1`` this order gives ``board_id``, if any."""
+        for shard in self.shards:
+            if shard.board_id == board_id and shard.ks:
+                return EvalRequest(
+                    job_id=self.job_id,
+                    step=self.step + 1,
+                    batch_size=self.batch_size,
+                    eps=self.eps,
+                    estimator=self.estimator,
+                    ks=shard.ks,
+                )
+        return None
+
+    def names(self, board_id: str) -> bool:
+        """Whether the order is for ``board_id`` (its shard may hold no keys)."""
+        return any(shard.board_id == board_id for shard in self.shards)
+
+    def messages_for(self, board_id: str) -> list[ApplyUpdate | EvalRequest]:
+        """What ``board_id`` takes from this order, in order: nothing when it is not
+        named, else the update, then its request when its shard has keys."""
+        if not self.names(board_id):
+            return []
+        request = self.request_for(board_id)
+        return [self.update()] if request is None else [self.update(), request]
+
+
 class ValidateRequest(WireModel):
     """Evaluate the unperturbed model on validation samples [start, start + count)."""
 
@@ -383,6 +468,7 @@ DaemonMessage = Annotated[
     | ValidateRequest
     | Ping
     | Reset
+    | StepOrder
     | Error,
     Field(discriminator="type"),
 ]
@@ -402,7 +488,8 @@ DataMessage = Annotated[
     | ApplyUpdate
     | ValidateRequest
     | Ping
-    | Reset,
+    | Reset
+    | StepOrder,
     Field(discriminator="type"),
 ]
 DataMessageAdapter: TypeAdapter[DataMessage] = TypeAdapter(DataMessage)
@@ -424,6 +511,7 @@ TYPE_CODES: Final[dict[type[WireModel], int]] = {
     ValidateRequest: 0x47,
     Ping: 0x48,
     Reset: 0x49,
+    StepOrder: 0x4A,
     Error: 0x7F,
 }
 

@@ -63,6 +63,7 @@ TopicKind = Literal[
     "board_in",
     "board_out",
     "board_presence",
+    "fleet_in",
     "daemon_state",
     "control_request",
     "control_reply",
@@ -99,6 +100,8 @@ RULES: Final[dict[TopicKind, TopicRule]] = {
         TopicRule("board_in", "daemon", 1, False, "binary"),
         TopicRule("board_out", "board", 1, False, "binary"),
         TopicRule("board_presence", "board", 1, True, "json", will=True),
+        # One publish for every board: the step's StepOrder (SPEC 6.9).
+        TopicRule("fleet_in", "daemon", 1, False, "binary"),
         TopicRule("daemon_state", "daemon", 1, True, "json", will=True),
         TopicRule("control_request", "client", 1, False, "json"),
         TopicRule("control_reply", "daemon", 1, False, "json"),
@@ -147,6 +150,10 @@ class TopicMap:
     def board_presence(self, board_id: str) -> str:
         """Retained ``BoardPresence`` JSON; the board's Will sets it offline."""
         return f"{self.base}/boards/{_level('board id', board_id)}/presence"
+
+    def fleet_in(self) -> str:
+        """Daemon -> every board: ``StepOrder`` messages, one publish per step."""
+        return f"{self.base}/fleet/in"
 
     def all_board_out(self) -> str:
         """Subscription filter for every board's out topic."""

@@ -13,7 +13,14 @@ from qsched.lab.bench_fleet import DEFAULT_BATCHES, ByteCounter, CountingTranspo
 from qsched.protocol.codec import encode
 from qsched.protocol.links.base import BoardAppeared
 from qsched.protocol.links.inproc import InProcTransport
-from qsched.protocol.messages import ApplyUpdate, EvalRequest, Heartbeat, UpdateAck
+from qsched.protocol.messages import (
+    ApplyUpdate,
+    EvalRequest,
+    Heartbeat,
+    Shard,
+    StepOrder,
+    UpdateAck,
+)
 
 Q = 8
 
@@ -69,7 +76,11 @@ def test_bench_fleet_tiny_run_prints_and_counts(
         boards, by_type = row["boards"], row["bytes_by_type"]
         assert row["steps"] >= 2 and row["step_s"] > 0 and row["forward_passes_per_s"] > 0
         assert sum(row["work"].values()) == Q * (1 + row["steps"])  # no audits: every key once
-        assert by_type["apply_update"] == boards * update and by_type["update_ack"] == boards * ack
+        assert by_type["update_ack"] == boards * ack
+        shards = {
+            b: tuple(range(i * Q // boards, (i + 1) * Q // boards))
+            for i, b in enumerate(sorted(row["work"]))
+        }
         shard = _size(
             EvalRequest(
                 job_id=1,
@@ -80,7 +91,25 @@ def test_bench_fleet_tiny_run_prints_and_counts(
                 ks=tuple(range(Q // boards)),
             )
         )
-        assert by_type["eval_request"] == boards * shard
+        if row["link"] == "mqtt":  # one step order for the fleet instead of 2 messages each
+            order = StepOrder(
+                job_id=1,
+                step=0,
+                ks=tuple(range(Q)),
+                coefficients=(0.5,) * Q,
+                batch_size=1,
+                eps=1.0,
+                estimator="two_sided",
+                shards=tuple(Shard(board_id=b, ks=ks) for b, ks in shards.items()),
+            )
+            assert by_type["step_order"] == _size(order)
+            assert "apply_update" not in by_type and "eval_request" not in by_type
+            assert row["messages_per_step"] == 1 + 2 * boards
+        else:
+            assert by_type["apply_update"] == boards * update
+            assert by_type["eval_request"] == boards * shard
+            assert row["messages_per_step"] == 4 * boards
+        assert row["daemon_cpu_s_per_step"] > 0
         assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
         assert row["efficiency"] == (
             1.0
@@ -98,7 +127,7 @@ def test_bench_fleet_tiny_run_prints_and_counts(
     lines = printed.splitlines()
     assert "the host CPU is not the bottleneck" in printed
     assert sum(1 for line in lines if line.startswith(("mqtt ", "serial "))) == 4
-    assert "grad B: shipping gradients instead" in printed
+    assert "grad B: shipping fp32 gradients instead" in printed
     assert "floor:" not in printed  # no 8-board MQTT row, so no verdict
 
 

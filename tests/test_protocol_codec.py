@@ -42,7 +42,7 @@ from qsched.protocol import (
 from qsched.protocol.codec import layout_tables
 from qsched.protocol.errors import ERROR_KINDS
 from qsched.protocol.jobspec import JobSpec
-from qsched.protocol.messages import BOARD_ERROR_CODES, TYPE_CODES
+from qsched.protocol.messages import BOARD_ERROR_CODES, TYPE_CODES, Shard, StepOrder
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -101,6 +101,26 @@ def apply_updates(draw: st.DrawFn) -> ApplyUpdate:
     ks = draw(key_sets())
     cs = draw(st.lists(f32, min_size=len(ks), max_size=len(ks)))
     return ApplyUpdate(job_id=draw(u32), step=draw(u32), ks=ks, coefficients=tuple(cs))
+
+
+@st.composite
+def step_orders(draw: st.DrawFn) -> StepOrder:
+    update = draw(apply_updates())
+    boards = draw(st.lists(names, max_size=12, unique=True))
+    shards = [
+        Shard(board_id=b, ks=draw(key_sets(max_size=16)) if draw(st.booleans()) else ())
+        for b in boards
+    ]
+    return StepOrder(
+        job_id=update.job_id,
+        step=update.step,
+        ks=update.ks,
+        coefficients=update.coefficients,
+        batch_size=draw(u16),
+        eps=draw(f32),
+        estimator=draw(estimators),
+        shards=tuple(shards),
+    )
 
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
@@ -181,6 +201,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ),
     Ping: st.builds(Ping, nonce=u32),
     Reset: st.builds(Reset, scope=st.sampled_from(["soft", "hard"])),
+    StepOrder: step_orders(),
 }
 messages = st.one_of(*STRATEGIES.values())
 

@@ -21,6 +21,7 @@ from qsched.lab.make_vectors import (
 )
 from qsched.protocol import Frame, FrameReader, ProtocolError, decode, encode
 from qsched.protocol.framing import delivered_messages
+from qsched.protocol.messages import Shard
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.update import apply_fp32, apply_int8_fp16
 
@@ -73,6 +74,9 @@ def test_vectors_json_and_txt_agree(name: str) -> None:
 
 def _expected_field(current: Any, text: str) -> Any:
     """Parse a field line into the type the decoded model holds."""
+    if isinstance(current, tuple) and current and isinstance(current[0], Shard):
+        shards = (part.split(":") for part in text.split(";"))
+        return tuple(Shard(board_id=b, ks=tuple(int(k) for k in ks.split())) for b, ks in shards)
     if isinstance(current, tuple):
         items = text.split(",") if text else []
         sample = current[0] if current else 0

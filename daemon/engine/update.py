@@ -15,6 +15,7 @@ from typing import Any
 
 from qsched.daemon.engine.collect import Flight, Flights
 from qsched.daemon.engine.context import JobContext, fault_text
+from qsched.daemon.engine.fleetcast import Fleetcast, wait_sent
 from qsched.daemon.fleet import BoardFaultError, BoardSession
 from qsched.protocol.messages import ApplyUpdate, EvalRequest, EvalResult, UpdateAck
 
@@ -39,10 +40,12 @@ class UpdateSender:
         await self._settle_unverified()
         message = _update_message(ctx.job_id, t, pairs)
         targets = self._targets(t)
-        answers = await asyncio.gather(
-            *(s.request(message, ctx.config.reply_timeout_s) for s in targets),
-            return_exceptions=True,
+        cast = Fleetcast(ctx, message, {}, targets)
+        acks = asyncio.gather(
+            *(self._ack(s, message, cast.sent(s)) for s in targets), return_exceptions=True
         )
+        cast.start()  # after the waiters: gather started them in order
+        answers = await acks
         for session, answer in zip(targets, answers, strict=True):
             if isinstance(answer, UpdateAck) and answer.checksum == expected and answer.step == t:
                 session.step = t + 1
@@ -70,28 +73,32 @@ class UpdateSender:
         sent: list[asyncio.Future[None]] = []
         workers = [s for s in targets if s.state == "ready" and not s.draining]
         plan = ctx.plan(range(next_q), workers, audit=True, step=t + 1) if workers else {}
+        requests = {a: ctx.eval_request(t + 1, ks) for a, ks in plan.items()}
+        cast = Fleetcast(ctx, message, requests, targets)
         flights: Flights = {}
         now = asyncio.get_running_loop().time()
         for session in targets:
             session.step = t + 1  # as far as the daemon knows: a wrong ack takes it back
-            ks = plan.get(session.address)
+            request = requests.get(session.address)
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             sent.append(done)
-            if ks is None:
+            if request is None:
                 ctx.unverified[session.address] = ctx.tasks.spawn(
-                    self._update_only(session, message, expected, done),
+                    self._update_only(session, message, expected, done, cast.sent(session)),
                     f"fleet[{session.address}].update[{t}]",
                 )
                 continue
-            request = ctx.eval_request(t + 1, ks)
-            flight = Flight(session, request.ks, now, ctx.deadline(session, len(ks), now))
+            flight = Flight(session, request.ks, now, ctx.deadline(session, len(request.ks), now))
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             task = ctx.tasks.spawn(
-                self._update_then_eval(session, message, request, expected, timeout, done),
+                self._update_then_eval(
+                    session, message, request, expected, timeout, done, cast.sent(session)
+                ),
                 f"fleet[{session.address}].eval[{t + 1}]",
             )
             flights[task] = flight
             session.set_state("busy", "eval")
+        cast.start()  # after every board's task: each registers its waiters first
         self._prefetch = (t + 1, flights)
         if sent:
             await asyncio.wait(sent)
@@ -171,9 +178,11 @@ class UpdateSender:
         expected: asyncio.Future[int],
         timeout: float,
         sent: asyncio.Future[None],
+        fleetcast: asyncio.Future[None] | None,
     ) -> EvalResult:
-        """Send the update and the next step's request; the result counts only after the
-        update's ack matched the daemon's checksum (else ``BoardFaultError``)."""
+        """Send the update and the next step's request (or wait for the StepOrder that
+        carries both); the result counts only after the update's ack matched the daemon's
+        checksum (else ``BoardFaultError``)."""
         ack = session.expect(update)
         try:
             answer = session.expect(request)
@@ -182,7 +191,10 @@ class UpdateSender:
             _settle_none(sent)
             raise
         try:
-            await _send_in_order(session, update, request)
+            if fleetcast is None:
+                await _send_in_order(session, update, request)
+            else:
+                await wait_sent(session, fleetcast)
         except BaseException:
             session.forget(("update", update.step), ack)
             session.forget(("eval", request.step, request.ks), answer)
@@ -204,12 +216,13 @@ class UpdateSender:
         update: ApplyUpdate,
         expected: asyncio.Future[int],
         sent: asyncio.Future[None],
+        fleetcast: asyncio.Future[None] | None,
     ) -> None:
         """A board without work in the next step: its ack is checked in the background."""
         ctx = self.ctx
         try:
             try:
-                ack = await session.send_expecting(update)
+                ack = await _send_update(session, update, fleetcast)
             finally:
                 _settle_none(sent)
             try:
@@ -222,6 +235,16 @@ class UpdateSender:
         finally:
             ctx.unverified.pop(session.address, None)
         await ctx.fleet.notify_changed()  # it may take work now
+
+    async def _ack(
+        self, session: BoardSession, update: ApplyUpdate, fleetcast: asyncio.Future[None] | None
+    ) -> Any:
+        """The board's answer to ``update``, sent on its own or in a StepOrder."""
+        ack = await _send_update(session, update, fleetcast)
+        try:
+            return await session.reply(update, ack, self.ctx.config.reply_timeout_s)
+        finally:
+            session.forget(("update", update.step), ack)
 
     async def _settle_unverified(self) -> None:
         """Wait for the update acks still being checked (normally all in already)."""
@@ -246,6 +269,22 @@ async def _check_ack(
             "checksum",
             f"step {t}: checksum {reply.checksum:08x}, expected {checksum:08x}",
         )
+
+
+async def _send_update(
+    session: BoardSession, update: ApplyUpdate, fleetcast: asyncio.Future[None] | None
+) -> asyncio.Future[Any]:
+    """Send ``update`` to one board, or wait for the StepOrder carrying it; the waiter of
+    its ack is registered before anything is sent (release it with ``forget``)."""
+    if fleetcast is None:
+        return await session.send_expecting(update)
+    ack = session.expect(update)
+    try:
+        await wait_sent(session, fleetcast)
+    except BaseException:
+        session.forget(("update", update.step), ack)
+        raise
+    return ack
 
 
 async def _send_in_order(session: BoardSession, *messages: Any) -> None:

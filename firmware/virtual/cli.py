@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     mqtt.add_argument("--username")
     mqtt.add_argument("--password", help="also $QSCHED_MQTT_PASSWORD")
     mqtt.add_argument("--mqtt-protocol", choices=["3.1.1", "5"], default="5")
+    mqtt.add_argument(
+        "--no-fleet-topic",
+        action="store_true",
+        help="take every message on the board's own topic, as a board from before "
+        "step orders (SPEC 6.9)",
+    )
     mqtt.add_argument("--tls", action="store_true", help="connect with TLS")
     mqtt.add_argument("--tls-ca", type=Path, help="CA bundle (default: system CAs)")
     mqtt.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
@@ -214,12 +220,16 @@ def _mqtt_config(args: argparse.Namespace) -> Any:
     )
 
 
-async def _serve_mqtt(agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float) -> str:
+async def _serve_mqtt(
+    agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float, fleet_in: bool
+) -> str:
     from qsched.protocol.links.mqtt import MqttEndpoint
     from qsched.protocol.topics import TopicMap
 
     topics = TopicMap(prefix=cfg.prefix, fleet=fleet)
-    async with MqttEndpoint(cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION) as link:
+    async with MqttEndpoint(
+        cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION, fleet_in=fleet_in
+    ) as link:
         await link.wait_connected()
         reason: str = await serve_link(
             agent,
@@ -261,7 +271,7 @@ async def _run(args: argparse.Namespace) -> int:
         if serial:
             coro = _serve_serial(agent, args.serial[i], args.baud, args.heartbeat)
         else:
-            coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat)
+            coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat, not args.no_fleet_topic)
         runs.append(asyncio.create_task(coro, name=f"board[{agent.board_id}]"))
     _log.info(
         "virtual boards running",

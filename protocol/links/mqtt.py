@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import socket
 import ssl
@@ -40,7 +41,9 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
+from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardPresence, DaemonPresence
+from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
     INCOMING_QUEUE_SIZE,
@@ -54,7 +57,7 @@ from qsched.protocol.links.base import (
     iterate_queue,
 )
 from qsched.protocol.links.config import MqttConfig
-from qsched.protocol.messages import MAX_PAYLOAD
+from qsched.protocol.messages import MAX_PAYLOAD, StepOrder
 from qsched.protocol.topics import TopicKind, TopicMap
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "MqttTransport",
     "backoff_delays",
     "build_client",
+    "step_order_messages",
     "tls_context",
 ]
 
@@ -322,6 +326,7 @@ class MqttBoardLink:
         self.board_id = board_id
         self.reason = ""
         self.dropped = 0  # messages dropped because the incoming queue was full
+        self.fleet_in = False  # its presence says it takes StepOrders from the fleet topic
         self._transport = transport
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._closed = False
@@ -346,6 +351,12 @@ class MqttBoardLink:
                 self.board_id, "too_large", f"{len(payload)} > {MAX_PAYLOAD} bytes"
             )
         await self._transport.send_to_board(self.board_id, bytes(payload))
+
+    @property
+    def fleet_channel(self) -> MqttTransport | None:
+        """Where one publish reaches this board and the others of its transport
+        (``publish_fleet``), when the board takes StepOrders; else None."""
+        return self._transport if self.fleet_in else None
 
     def _deliver(self, payload: bytes) -> None:
         try:
@@ -459,6 +470,23 @@ class MqttTransport:
         except TimeoutError as exc:
             raise SendTimeoutError(board_id, "broker_unreachable", str(exc)) from exc
 
+    async def publish_fleet(self, payload: bytes) -> None:
+        """Publish one ``StepOrder`` on the fleet topic, for every board it names.
+
+        Raises:
+            SendTimeoutError: the broker stayed unreachable for ``send_timeout_s``.
+            MessageTooLargeError: the payload exceeds ``MAX_PAYLOAD``.
+        """
+        if len(payload) > MAX_PAYLOAD:
+            raise MessageTooLargeError("fleet", "too_large", f"{len(payload)} > {MAX_PAYLOAD}")
+        rule = self.topics.rule("fleet_in")
+        try:
+            await self.connection.publish(
+                self.topics.fleet_in(), payload, qos=rule.qos, retain=rule.retain
+            )
+        except TimeoutError as exc:
+            raise SendTimeoutError("fleet", "broker_unreachable", str(exc)) from exc
+
     async def __aenter__(self) -> Self:
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
@@ -500,12 +528,13 @@ class MqttTransport:
         if parsed is None:
             return
         board_id = parsed[0]
-        online = _presence_online(message.payload, board_id)
-        if online is None:
+        presence = _presence_of(message.payload, board_id)
+        if presence is None:
             return
-        if online:
+        if presence.online:
             self._online.add(board_id)
-            await self._appear(board_id)
+            joined = await self._appear(board_id)
+            joined.fleet_in = presence.fleet_in
         else:
             self._online.discard(board_id)
             link = self._links.get(board_id)
@@ -544,9 +573,9 @@ class MqttTransport:
                 _log.error("event queue full; BoardGone lost", board=link.board_id)
 
 
-def _presence_online(payload: Any, board_id: str) -> bool | None:
-    if not payload:
-        return False  # a cleared retained presence: the board is gone
+def _presence_of(payload: Any, board_id: str) -> BoardPresence | None:
+    if not payload:  # a cleared retained presence: the board is gone
+        return BoardPresence(board_id=board_id, online=False)
     try:
         presence = BoardPresence.model_validate_json(payload)
     except ValidationError as exc:
@@ -555,7 +584,35 @@ def _presence_online(payload: Any, board_id: str) -> bool | None:
     if presence.board_id != board_id:
         _log.warning("presence board id does not match its topic", board=board_id)
         return None
-    return bool(presence.online)
+    return presence
+
+
+@functools.lru_cache(maxsize=4)
+def _step_order(payload: bytes) -> tuple[StepOrder, bytes] | None:
+    """A fleet-topic payload decoded once per process (every board of a process gets the
+    same bytes): the order and its update's encoding; None when it is not a StepOrder."""
+    try:
+        order = decode(payload)
+    except ProtocolError as exc:
+        _log.warning("undecodable message on the fleet topic dropped", error=str(exc))
+        return None
+    if not isinstance(order, StepOrder):
+        _log.warning("a message other than a step order on the fleet topic dropped")
+        return None
+    return order, encode(order.update())
+
+
+def step_order_messages(payload: bytes, board_id: str) -> list[bytes]:
+    """The encoded messages ``board_id`` takes from a fleet-topic payload, in order
+    (SPEC 6.9): none when it is not named or the payload is not a StepOrder."""
+    decoded = _step_order(bytes(payload))
+    if decoded is None:
+        return []
+    order, update = decoded
+    if not order.names(board_id):
+        return []
+    request = order.request_for(board_id)
+    return [update] if request is None else [update, encode(request)]
 
 
 async def _leave(
@@ -578,6 +635,8 @@ class MqttEndpoint:
         board_id: this board's id (one topic level).
         protocol_version: reported in the birth message.
         queue_size: the bound of the incoming queue.
+        fleet_in: take StepOrders from the fleet topic (said in the birth message); off,
+            the daemon sends this board its own messages, as to a board from before.
     """
 
     def __init__(
@@ -588,10 +647,12 @@ class MqttEndpoint:
         *,
         protocol_version: int | None = None,
         queue_size: int = INCOMING_QUEUE_SIZE,
+        fleet_in: bool = True,
     ) -> None:
         self.board_id = board_id
         self.topics = topics
         self.dropped = 0
+        self.fleet_in = fleet_in
         self._protocol_version = protocol_version
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._closed = False
@@ -605,6 +666,10 @@ class MqttEndpoint:
         self.connection.subscribe(
             topics.board_in(board_id), topics.rule("board_in").qos, self._on_in
         )
+        if fleet_in:
+            self.connection.subscribe(
+                topics.fleet_in(), topics.rule("fleet_in").qos, self._on_fleet
+            )
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -614,7 +679,10 @@ class MqttEndpoint:
 
     def _presence(self, online: bool) -> bytes:
         presence = BoardPresence(
-            board_id=self.board_id, online=online, protocol_version=self._protocol_version
+            board_id=self.board_id,
+            online=online,
+            protocol_version=self._protocol_version,
+            fleet_in=self.fleet_in and online,
         )
         text: str = presence.model_dump_json()
         return text.encode()
@@ -630,11 +698,19 @@ class MqttEndpoint:
 
     async def _on_in(self, message: aiomqtt.Message) -> None:
         if isinstance(message.payload, bytes | bytearray):
-            try:
-                self._inbox.put_nowait(bytes(message.payload))
-            except asyncio.QueueFull:
-                self.dropped += 1
-                _log.warning("board inbox full; message dropped", board=self.board_id)
+            self._put(bytes(message.payload))
+
+    async def _on_fleet(self, message: aiomqtt.Message) -> None:
+        if isinstance(message.payload, bytes | bytearray):
+            for payload in step_order_messages(message.payload, self.board_id):
+                self._put(payload)
+
+    def _put(self, payload: bytes) -> None:
+        try:
+            self._inbox.put_nowait(payload)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            _log.warning("board inbox full; message dropped", board=self.board_id)
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(

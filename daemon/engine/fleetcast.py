@@ -1,0 +1,133 @@
+"""One publish for the whole fleet: a step's update and the next step's shards.
+
+Boards whose link offers a fleet channel (MQTT boards whose birth message says they
+take ``StepOrder``s, bridged serial boards included) get ``ApplyUpdate(t)`` and their
+``EvalRequest(t + 1)`` inside one ``StepOrder`` published once per channel, instead of
+two messages each (SPEC 6.9); every other board gets its own messages as before. Each
+board still answers with its own ``UpdateAck`` and ``EvalResult``, so every checksum is
+still compared and every result still audited.
+
+The caller registers each board's waiters, then calls ``start``: the publish is a task
+created after the boards' tasks, so none of them can miss an early answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from qsched.daemon.engine.context import JobContext, log
+from qsched.daemon.fleet import BoardLostError, BoardSession
+from qsched.protocol.codec import encode
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.links.base import LinkError
+from qsched.protocol.messages import ApplyUpdate, EvalRequest, Shard, StepOrder
+
+__all__ = ["Fleetcast", "fleet_channel"]
+
+
+def fleet_channel(session: BoardSession) -> Any | None:
+    """The channel one publish reaches this board on, or None (it gets its own messages)."""
+    return getattr(session.link, "fleet_channel", None)
+
+
+class Fleetcast:
+    """The StepOrders of one update: which boards they reach, and when they went out.
+
+    Args:
+        ctx: the job's shared context.
+        update: ``ApplyUpdate(t)``, for every board in ``sessions``.
+        requests: address -> ``EvalRequest(t + 1)`` of the boards with work.
+        sessions: the boards at step ``t``.
+    """
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        update: ApplyUpdate,
+        requests: Mapping[str, EvalRequest],
+        sessions: Iterable[BoardSession],
+    ) -> None:
+        self._ctx = ctx
+        self._orders: list[tuple[Any, bytes, asyncio.Future[None]]] = []
+        self._sent: dict[str, asyncio.Future[None]] = {}
+        groups: dict[int, tuple[Any, list[BoardSession]]] = {}
+        for session in sessions:
+            channel = fleet_channel(session)
+            if channel is not None and session.alive:
+                groups.setdefault(id(channel), (channel, []))[1].append(session)
+        for channel, members in groups.values():
+            payload = _order_bytes(ctx, update, requests, members)
+            if payload is None:
+                continue  # too many boards for one message: they get their own
+            sent = asyncio.get_running_loop().create_future()
+            self._orders.append((channel, payload, sent))
+            for session in members:
+                self._sent[session.address] = sent
+
+    def sent(self, session: BoardSession) -> asyncio.Future[None] | None:
+        """Done when the order naming this board went out; None: send it its own messages."""
+        return self._sent.get(session.address)
+
+    def start(self) -> None:
+        """Publish every order (in the background; ``wait_sent`` reports a failure)."""
+        for channel, payload, sent in self._orders:
+            self._ctx.tasks.spawn(_publish(channel, payload, sent), "fleet.step_order")
+
+
+async def wait_sent(session: BoardSession, sent: asyncio.Future[None]) -> None:
+    """Wait for the order naming ``session`` to be out, as ``BoardSession.send`` would.
+
+    Raises:
+        BoardLostError: the publish failed (the broker stayed away).
+    """
+    try:
+        await asyncio.shield(sent)
+    except LinkError as exc:
+        session.link_down = True
+        raise BoardLostError(session.board_id, "link", str(exc)) from exc
+
+
+def _order_bytes(
+    ctx: JobContext,
+    update: ApplyUpdate,
+    requests: Mapping[str, EvalRequest],
+    members: list[BoardSession],
+) -> bytes | None:
+    spec = ctx.spec
+    shards = []
+    for session in members:
+        request = requests.get(session.address)
+        shards.append(Shard(board_id=session.link.board_id, ks=request.ks if request else ()))
+    try:
+        order = StepOrder(
+            job_id=update.job_id,
+            step=update.step,
+            ks=update.ks,
+            coefficients=update.coefficients,
+            batch_size=spec.batch_size,
+            eps=spec.eps,
+            estimator=spec.estimator,
+            shards=tuple(shards),
+        )
+        return encode(order)
+    except (ProtocolError, ValueError) as exc:
+        log.info("step order not used", step=update.step, boards=len(members), reason=str(exc))
+        return None
+
+
+async def _publish(channel: Any, payload: bytes, sent: asyncio.Future[None]) -> None:
+    try:
+        await channel.publish_fleet(payload)
+    except LinkError as exc:
+        if not sent.done():
+            sent.set_exception(exc)
+            sent.exception()  # retrieved here too: a board that left never awaits it
+        return
+    except BaseException:
+        if not sent.done():
+            sent.cancel()  # cancelled with the job: nobody waits any more
+        raise
+    if not sent.done():
+        sent.set_result(None)
