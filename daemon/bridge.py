@@ -107,7 +107,13 @@ async def _downlink(endpoint: Any, link: Any) -> None:
 
 
 async def _serve_as(
-    hello: Hello, raw: bytes, link: Any, queue: asyncio.Queue[bytes], cfg: Any, topics: Any
+    hello: Hello,
+    raw: bytes,
+    link: Any,
+    queue: asyncio.Queue[bytes],
+    cfg: Any,
+    topics: Any,
+    uplink: Any,
 ) -> tuple[Hello, bytes] | None:
     """Act as ``hello.board_id`` on MQTT until the link ends (None) or a Hello names
     another board (returned, to serve that one instead)."""
@@ -115,7 +121,7 @@ async def _serve_as(
 
     board = hello.board_id
     async with MqttEndpoint(
-        cfg, topics, board, protocol_version=hello.protocol_version
+        cfg, topics, board, protocol_version=hello.protocol_version, uplink=uplink
     ) as endpoint:
         await endpoint.wait_connected()
         _log.info("board bridged", board=board, port=link.board_id, fleet=topics.fleet)
@@ -143,7 +149,12 @@ async def _serve_as(
 
 
 async def bridge_board(
-    link: Any, cfg: Any, topics: Any, *, ask_after: float = HELLO_ASK_AFTER_S
+    link: Any,
+    cfg: Any,
+    topics: Any,
+    *,
+    ask_after: float = HELLO_ASK_AFTER_S,
+    uplink: Any = None,
 ) -> str:
     """Expose the board on one serial link as an MQTT board until the link ends.
 
@@ -152,6 +163,7 @@ async def bridge_board(
         cfg: the broker settings (``MqttConfig``).
         topics: the fleet's ``TopicMap``.
         ask_after: seconds to wait for a Hello before asking for one.
+        uplink: the host's ``HostUplink``: the board's messages go up in its batches.
 
     Returns:
         ``"closed"`` once the serial link is gone (the board's presence is then offline).
@@ -161,7 +173,7 @@ async def bridge_board(
     try:
         got = await _await_hello(link, queue, ask_after)
         while got is not None:
-            got = await _serve_as(*got, link, queue, cfg, topics)
+            got = await _serve_as(*got, link, queue, cfg, topics, uplink)
         return "closed"
     finally:
         reader.cancel()
@@ -176,6 +188,7 @@ async def run_bridge(
     *,
     baudrate: int = 921600,
     reopen_interval: float = 1.0,
+    uplink: Any = None,
 ) -> None:
     """Bridge every port in ``devices`` (paths or glob patterns) until cancelled.
 
@@ -185,6 +198,7 @@ async def run_bridge(
         topics: the fleet's topic map.
         baudrate: the ports' line speed.
         reopen_interval: seconds between attempts to (re)open a port.
+        uplink: a ``HostUplink``: every board's messages go up in this host's batches.
     """
     from qsched.protocol.links.serial import SerialTransport
 
@@ -196,7 +210,8 @@ async def run_bridge(
             async for event in transport.events():
                 if isinstance(event, BoardAppeared):
                     task = asyncio.create_task(
-                        bridge_board(event.link, cfg, topics), name=f"bridge[{event.board_id}]"
+                        bridge_board(event.link, cfg, topics, uplink=uplink),
+                        name=f"bridge[{event.board_id}]",
                     )
                     bridges.add(task)
                     task.add_done_callback(_finished)
@@ -251,6 +266,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--baud", type=int, help="line speed (default: the configuration's serial.baudrate)"
     )
+    p.add_argument(
+        "--host-uplink",
+        metavar="NAME",
+        help="send the boards' messages up in batches on hosts/NAME/out (SPEC 8.1)",
+    )
     return p
 
 
@@ -276,7 +296,9 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], Any, Any, int, float
     return devices, mqtt, topics, baud, config.serial.reopen_interval_s
 
 
-async def _run(devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: float) -> None:
+async def _run(
+    devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: float, host: str | None
+) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
@@ -286,12 +308,26 @@ async def _run(devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: fl
         "bridge starting", ports=devices, broker=f"{mqtt.host}:{mqtt.port}", fleet=topics.fleet
     )
     try:
-        await run_bridge(devices, mqtt, topics, baudrate=baud, reopen_interval=reopen)
+        async with _uplink(mqtt, topics, host) as uplink:
+            await run_bridge(
+                devices, mqtt, topics, baudrate=baud, reopen_interval=reopen, uplink=uplink
+            )
     except asyncio.CancelledError:
         _log.info("bridge stopping")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+@contextlib.asynccontextmanager
+async def _uplink(mqtt: Any, topics: Any, host: str | None) -> Any:
+    if host is None:
+        yield None
+        return
+    from qsched.protocol.links.mqtt import HostUplink
+
+    async with HostUplink(mqtt, topics, host) as uplink:
+        yield uplink
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,9 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(argv) if argv is not None else None)
     try:
         devices, mqtt, topics, baud, reopen = _settings(args)
+        if args.host_uplink is not None:
+            topics.host_out(args.host_uplink)  # one topic level, or ValueError now
     except ValueError as exc:
         print(f"qsched bridge: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run(devices, mqtt, topics, baud, reopen))
+        asyncio.run(_run(devices, mqtt, topics, baud, reopen, args.host_uplink))
     return 0

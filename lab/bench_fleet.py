@@ -104,6 +104,8 @@ class BenchConfig:
         pipeline: the engine's pipelining (next step's requests sent with the update).
         fleet_topic: MQTT boards take each step as one StepOrder on the fleet topic;
             off, every board gets its own update and request (the design before).
+        host_uplink: each board process sends its boards' messages in batches on one
+            host topic (``qsched board --host-uplink``).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -120,6 +122,7 @@ class BenchConfig:
     processes: int = 1
     pipeline: bool = True
     fleet_topic: bool = True
+    host_uplink: bool = False
 
 
 @dataclass
@@ -378,6 +381,8 @@ async def bench_one(
     extra = ["--model-latency", config.model_latency]
     if not config.fleet_topic:
         extra.append("--no-fleet-topic")
+    if config.host_uplink and link == "mqtt":
+        extra.append("--host-uplink")
     meter = BrokerMeter(broker) if link == "mqtt" and broker is not None else None
     async with (
         _metering(meter),
@@ -729,6 +734,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wait for every update ack before the next step's requests (the engine's old way)",
     )
     p.add_argument(
+        "--host-uplink",
+        action="store_true",
+        help="each board process sends its boards' messages in one batch per moment",
+    )
+    p.add_argument(
         "--no-fleet-topic",
         action="store_true",
         help="send every board its own update and request instead of one step order",
@@ -773,6 +783,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         processes=args.board_processes,
         pipeline=not args.no_pipeline,
         fleet_topic=not args.no_fleet_topic,
+        host_uplink=args.host_uplink,
     )
 
 

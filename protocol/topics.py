@@ -64,6 +64,7 @@ TopicKind = Literal[
     "board_out",
     "board_presence",
     "fleet_in",
+    "host_out",
     "daemon_state",
     "control_request",
     "control_reply",
@@ -102,6 +103,8 @@ RULES: Final[dict[TopicKind, TopicRule]] = {
         TopicRule("board_presence", "board", 1, True, "json", will=True),
         # One publish for every board: the step's StepOrder (SPEC 6.9).
         TopicRule("fleet_in", "daemon", 1, False, "binary"),
+        # Many boards' messages in one publish (protocol/batch.py).
+        TopicRule("host_out", "board", 1, False, "binary"),
         TopicRule("daemon_state", "daemon", 1, True, "json", will=True),
         TopicRule("control_request", "client", 1, False, "json"),
         TopicRule("control_reply", "daemon", 1, False, "json"),
@@ -154,6 +157,14 @@ class TopicMap:
     def fleet_in(self) -> str:
         """Daemon -> every board: ``StepOrder`` messages, one publish per step."""
         return f"{self.base}/fleet/in"
+
+    def host_out(self, host: str) -> str:
+        """A host's boards -> daemon: batches of their messages (``protocol/batch.py``)."""
+        return f"{self.base}/hosts/{_level('host', host)}/out"
+
+    def all_host_out(self) -> str:
+        """Subscription filter for every host's batches."""
+        return f"{self.base}/hosts/+/out"
 
     def all_board_out(self) -> str:
         """Subscription filter for every board's out topic."""

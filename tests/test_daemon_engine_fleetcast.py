@@ -17,10 +17,11 @@ from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.lab.broker import MosquittoBroker
+from qsched.protocol.batch import unpack_batch
 from qsched.protocol.codec import decode, encode, peek_header
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.config import MqttConfig
-from qsched.protocol.links.mqtt import MqttEndpoint, MqttTransport, build_client
+from qsched.protocol.links.mqtt import HostUplink, MqttEndpoint, MqttTransport, build_client
 from qsched.protocol.links.mqtt import step_order_messages as messages_of
 from qsched.protocol.messages import TYPE_CODES, ApplyUpdate, Ping, Shard, StepOrder
 from qsched.protocol.topics import TopicMap
@@ -68,9 +69,14 @@ def test_step_order_refuses_a_board_named_twice() -> None:
 
 @contextlib.asynccontextmanager
 async def _mqtt_board(
-    cfg: MqttConfig, topics: TopicMap, board_id: str, *, fleet_in: bool
+    cfg: MqttConfig,
+    topics: TopicMap,
+    board_id: str,
+    *,
+    fleet_in: bool = True,
+    uplink: HostUplink | None = None,
 ) -> AsyncIterator[None]:
-    async with MqttEndpoint(cfg, topics, board_id, fleet_in=fleet_in) as endpoint:
+    async with MqttEndpoint(cfg, topics, board_id, fleet_in=fleet_in, uplink=uplink) as endpoint:
         await endpoint.wait_connected(10)
         agent = BoardAgent(board_id, latency=LatencyProfile.off())
         task = asyncio.create_task(serve_link(agent, endpoint))
@@ -116,14 +122,15 @@ async def test_fleet_of_order_takers_a_legacy_board_and_a_bridged_board_trains_a
     pty_pair: PtyPair, mqtt_broker: MosquittoBroker
 ) -> None:
     """Boards that take StepOrders, one that takes its own messages and a serial board
-    behind the bridge end with the single-process weights; updates reached the order
-    takers as one publish per step."""
+    behind the bridge (its messages up in the bridge's host batches) end with the
+    single-process weights; updates reached the order takers as one publish per step."""
     cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
     topics = TopicMap(fleet="fleetcast")
     watcher = _Watcher(cfg, topics)
     watching = asyncio.create_task(watcher.run())
     await asyncio.wait_for(watcher.ready.wait(), 10)
     async with (
+        contextlib.AsyncExitStack() as stack,
         MqttTransport(cfg, topics) as transport,
         Fleet(transport) as fleet,
         _mqtt_board(cfg, topics, "taker-0", fleet_in=True),
@@ -131,7 +138,10 @@ async def test_fleet_of_order_takers_a_legacy_board_and_a_bridged_board_trains_a
         _mqtt_board(cfg, topics, "legacy-0", fleet_in=False),
     ):
         await transport.wait_connected(10)
-        bridge = asyncio.create_task(run_bridge([pty_pair.path], cfg, topics, reopen_interval=0.1))
+        uplink = await stack.enter_async_context(HostUplink(cfg, topics, "bridge-host"))
+        bridge = asyncio.create_task(
+            run_bridge([pty_pair.path], cfg, topics, reopen_interval=0.1, uplink=uplink)
+        )
         try:
             async with pty_board(pty_pair, "serial-0"):
                 names = ("taker-0", "taker-1", "legacy-0", "serial-0")
@@ -155,7 +165,53 @@ async def test_fleet_of_order_takers_a_legacy_board_and_a_bridged_board_trains_a
         "legacy-0": False,
         "serial-0": True,  # the bridge takes orders apart for its serial boards
     }
+    assert uplink.records >= 2 * SPEC.steps  # the bridged board's acks and results went up
+
     assert watcher.orders >= SPEC.steps - 1  # every update but the unpipelined last ones
     assert watcher.own.get("legacy-0", 0) >= SPEC.steps - 1
     assert not any(watcher.own.get(n) for n in ("taker-0", "taker-1", "serial-0"))
     assert all(result.work.get(n) for n in ("taker-0", "taker-1", "legacy-0", "serial-0"))
+
+
+async def test_boards_behind_one_host_uplink_train_alike(mqtt_broker: MosquittoBroker) -> None:
+    """Boards whose messages go up in their host's batches, next to a board that publishes
+    its own, end with the single-process weights."""
+    cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
+    topics = TopicMap(fleet="uplink")
+    names = ("hosted-0", "hosted-1", "hosted-2", "alone-0")
+    async with (
+        MqttTransport(cfg, topics) as transport,
+        Fleet(transport) as fleet,
+        HostUplink(cfg, topics, "host-a") as uplink,
+        _mqtt_board(cfg, topics, "hosted-0", uplink=uplink),
+        _mqtt_board(cfg, topics, "hosted-1", uplink=uplink),
+        _mqtt_board(cfg, topics, "hosted-2", uplink=uplink),
+        _mqtt_board(cfg, topics, "alone-0"),
+    ):
+        await transport.wait_connected(10)
+        await wait_until(lambda: all(fleet.find(n) and fleet.find(n).hello for n in names), fleet)  # type: ignore[union-attr]
+        result = await StepEngine(SPEC, fleet, config=EngineConfig(audit_every=1)).run()
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(SPEC).state.checksum()
+    assert all(result.work.get(n) for n in names)
+    # Each hosted board sent at least an ack and a result per step, all in batches.
+    assert uplink.records >= 3 * 2 * SPEC.steps and uplink.batches > 0
+
+
+async def test_host_uplink_sends_one_moment_as_one_batch(mqtt_broker: MosquittoBroker) -> None:
+    """Messages of several boards sent in one loop turn go out as one publish that the
+    daemon's transport splits back into each board's link, in order."""
+    cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port)
+    topics = TopicMap(fleet="batch")
+    received: list[bytes] = []
+    async with build_client(cfg, "batch-watcher") as client:
+        await client.subscribe(topics.all_host_out(), qos=1)
+        async with HostUplink(cfg, topics, "h") as uplink:
+            sends = [uplink.send(f"b{i}", encode(Ping(nonce=i))) for i in range(5)]
+            await asyncio.gather(*sends)
+            async with asyncio.timeout(10):
+                async for message in client.messages:
+                    received.append(bytes(message.payload))  # type: ignore[arg-type]
+                    break
+    assert (uplink.batches, uplink.records) == (1, 5)
+    assert unpack_batch(received[0]) == [(f"b{i}", encode(Ping(nonce=i))) for i in range(5)]

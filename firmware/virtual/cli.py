@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     mqtt.add_argument("--password", help="also $QSCHED_MQTT_PASSWORD")
     mqtt.add_argument("--mqtt-protocol", choices=["3.1.1", "5"], default="5")
     mqtt.add_argument(
+        "--host-uplink",
+        action="store_true",
+        help="send what this process's boards send as one batch per moment on one host "
+        "topic (the daemon's work grows with hosts, not boards)",
+    )
+    mqtt.add_argument(
         "--no-fleet-topic",
         action="store_true",
         help="take every message on the board's own topic, as a board from before "
@@ -221,14 +227,19 @@ def _mqtt_config(args: argparse.Namespace) -> Any:
 
 
 async def _serve_mqtt(
-    agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float, fleet_in: bool
+    agent: BoardAgent, cfg: Any, fleet: str, heartbeat: float, fleet_in: bool, uplink: Any
 ) -> str:
     from qsched.protocol.links.mqtt import MqttEndpoint
     from qsched.protocol.topics import TopicMap
 
     topics = TopicMap(prefix=cfg.prefix, fleet=fleet)
     async with MqttEndpoint(
-        cfg, topics, agent.board_id, protocol_version=PROTOCOL_VERSION, fleet_in=fleet_in
+        cfg,
+        topics,
+        agent.board_id,
+        protocol_version=PROTOCOL_VERSION,
+        fleet_in=fleet_in,
+        uplink=uplink,
     ) as link:
         await link.wait_connected()
         reason: str = await serve_link(
@@ -258,20 +269,43 @@ async def _serve_serial(agent: BoardAgent, device: str, baud: int, heartbeat: fl
         return reason
 
 
+@contextlib.asynccontextmanager
+async def _host_uplink(args: argparse.Namespace, cfg: Any, first: str) -> Any:
+    """This process's ``HostUplink`` with ``--host-uplink`` (named after its first board)."""
+    if cfg is None or not args.host_uplink:
+        yield None
+        return
+    from qsched.protocol.links.mqtt import HostUplink
+    from qsched.protocol.topics import TopicMap
+
+    topics = TopicMap(prefix=cfg.prefix, fleet=args.fleet)
+    async with HostUplink(cfg, topics, f"{first}-host") as uplink:
+        yield uplink
+
+
 async def _run(args: argparse.Namespace) -> int:
     serial = bool(args.serial)
     agents = _agents(args, len(args.serial) if serial else args.count, serial)
+    cfg = None if serial else _mqtt_config(args)
+    async with _host_uplink(args, cfg, agents[0].board_id) as uplink:
+        return await _serve_all(args, agents, cfg, uplink)
+
+
+async def _serve_all(
+    args: argparse.Namespace, agents: list[BoardAgent], cfg: Any, uplink: Any
+) -> int:
+    serial = bool(args.serial)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cfg = None if serial else _mqtt_config(args)
     runs: list[asyncio.Task[str]] = []
     for i, agent in enumerate(agents):
         if serial:
             coro = _serve_serial(agent, args.serial[i], args.baud, args.heartbeat)
         else:
-            coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat, not args.no_fleet_topic)
+            fleet_in = not args.no_fleet_topic
+            coro = _serve_mqtt(agent, cfg, args.fleet, args.heartbeat, fleet_in, uplink)
         runs.append(asyncio.create_task(coro, name=f"board[{agent.board_id}]"))
     _log.info(
         "virtual boards running",

@@ -41,6 +41,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
+from qsched.protocol.batch import MAX_BATCH_BYTES, batch_size, pack_batch, unpack_batch
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardPresence, DaemonPresence
 from qsched.protocol.errors import ProtocolError
@@ -61,6 +62,7 @@ from qsched.protocol.messages import MAX_PAYLOAD, StepOrder
 from qsched.protocol.topics import TopicKind, TopicMap
 
 __all__ = [
+    "HostUplink",
     "MessageHandler",
     "MqttBoardLink",
     "MqttConnection",
@@ -427,6 +429,9 @@ class MqttTransport:
         self.connection.subscribe(
             topics.all_board_out(), topics.rule("board_out").qos, self._on_out
         )
+        self.connection.subscribe(
+            topics.all_host_out(), topics.rule("host_out").qos, self._on_host_out
+        )
         self._task: asyncio.Task[None] | None = None
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -545,7 +550,20 @@ class MqttTransport:
         parsed = self.topics.parse_board_topic(message.topic.value)
         if parsed is None or not isinstance(message.payload, bytes | bytearray):
             return
-        board_id = parsed[0]
+        await self._from_board(parsed[0], bytes(message.payload))
+
+    async def _on_host_out(self, message: aiomqtt.Message) -> None:
+        if not isinstance(message.payload, bytes | bytearray):
+            return
+        try:
+            records = unpack_batch(bytes(message.payload))
+        except ProtocolError as exc:
+            _log.warning("bad host batch dropped", topic=message.topic.value, error=str(exc))
+            return
+        for board_id, payload in records:
+            await self._from_board(board_id, payload)
+
+    async def _from_board(self, board_id: str, payload: bytes) -> None:
         link = self._links.get(board_id)
         if link is None and board_id in self._online:
             # A board forgotten by the fleet (missed heartbeats) but still alive comes back.
@@ -553,7 +571,7 @@ class MqttTransport:
         if link is None:
             _log.debug("message from a board without presence dropped", board=board_id)
             return
-        link._deliver(bytes(message.payload))
+        link._deliver(payload)
 
     async def _appear(self, board_id: str) -> MqttBoardLink:
         link = self._links.get(board_id)
@@ -637,6 +655,8 @@ class MqttEndpoint:
         queue_size: the bound of the incoming queue.
         fleet_in: take StepOrders from the fleet topic (said in the birth message); off,
             the daemon sends this board its own messages, as to a board from before.
+        uplink: publish what the board sends in its host's batches (``HostUplink``)
+            instead of on its own out topic.
     """
 
     def __init__(
@@ -648,8 +668,10 @@ class MqttEndpoint:
         protocol_version: int | None = None,
         queue_size: int = INCOMING_QUEUE_SIZE,
         fleet_in: bool = True,
+        uplink: HostUplink | None = None,
     ) -> None:
         self.board_id = board_id
+        self.uplink = uplink
         self.topics = topics
         self.dropped = 0
         self.fleet_in = fleet_in
@@ -739,6 +761,9 @@ class MqttEndpoint:
         """
         if self._closed:
             raise LinkClosedError(self.board_id, "closed")
+        if self.uplink is not None:
+            await self.uplink.send(self.board_id, bytes(payload))
+            return
         rule = self.topics.rule("board_out")
         try:
             await self.connection.publish(
@@ -772,3 +797,92 @@ class MqttEndpoint:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         close_queue(self._inbox)
+
+
+class HostUplink:
+    """One publisher for the messages of every board of a process (``protocol/batch.py``).
+
+    What the boards send within one turn of the event loop goes out as one batch on
+    ``hosts/<host>/out``; each ``send`` returns once its batch was published (QoS 1),
+    as a board's own publish would. Births, Wills and what the daemon sends stay on
+    each board's own topics.
+
+    Args:
+        cfg: the broker settings.
+        topics: the fleet's topic map.
+        host: this host's name (one topic level).
+    """
+
+    def __init__(self, cfg: MqttConfig, topics: TopicMap, host: str) -> None:
+        self.topic = topics.host_out(host)
+        self.rule = topics.rule("host_out")
+        self.connection = MqttConnection(cfg, f"qsched-{topics.fleet}-host-{host}")
+        self.batches = 0  # published so far
+        self.records = 0  # messages in them
+        self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self._flush: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self.connection.run(), name="mqtt[host].connection")
+        await self.connection.wait_connected(self.connection.cfg.send_timeout_s)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for task in (self._flush, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def send(self, board_id: str, payload: bytes) -> None:
+        """Queue one board's message for the next batch and wait until it is published.
+
+        Raises:
+            SendTimeoutError: the broker stayed unreachable for ``send_timeout_s``.
+        """
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((board_id, payload, sent))
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.create_task(self._publish_pending(), name="mqtt[host].flush")
+        await sent
+
+    async def _publish_pending(self) -> None:
+        await asyncio.sleep(0)  # one loop turn: the other boards' sends of this moment join
+        while self._pending:
+            batch = self._take_batch()
+            records = [(b, p) for b, p, _ in batch]
+            try:
+                await self.connection.publish(
+                    self.topic, pack_batch(records), qos=self.rule.qos, retain=self.rule.retain
+                )
+            except TimeoutError as exc:
+                for board_id, _, sent in batch:
+                    if not sent.done():
+                        sent.set_exception(
+                            SendTimeoutError(board_id, "broker_unreachable", str(exc))
+                        )
+                continue
+            self.batches += 1
+            self.records += len(batch)
+            for _, _, sent in batch:
+                if not sent.done():
+                    sent.set_result(None)
+
+    def _take_batch(self) -> list[tuple[str, bytes, asyncio.Future[None]]]:
+        """The longest prefix of the pending messages that fits one batch."""
+        taken: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        size = batch_size([])
+        while self._pending:
+            board_id, payload, _ = self._pending[0]
+            record = batch_size([(board_id, payload)]) - batch_size([])
+            if taken and size + record > MAX_BATCH_BYTES:
+                break
+            size += record
+            taken.append(self._pending.pop(0))
+        return taken
