@@ -25,6 +25,7 @@ __all__ = [
     "MAX_BATCH_BYTES",
     "batch_size",
     "pack_batch",
+    "record_size",
     "unpack_batch",
 ]
 
@@ -58,9 +59,14 @@ def pack_batch(records: Sequence[tuple[str, bytes]]) -> bytes:
     return bytes(out)
 
 
+def record_size(board_id: str, payload: bytes) -> int:
+    """The bytes one record takes in a batch."""
+    return 3 + len(board_id) + len(payload)
+
+
 def batch_size(records: Sequence[tuple[str, bytes]]) -> int:
     """The bytes ``pack_batch(records)`` takes."""
-    return _HEAD.size + sum(3 + len(b) + len(p) for b, p in records)
+    return _HEAD.size + sum(record_size(b, p) for b, p in records)
 
 
 def unpack_batch(data: bytes) -> list[tuple[str, bytes]]:

@@ -376,7 +376,8 @@ class StepOrder(WireModel):
     Published once on the MQTT fleet topic (SPEC 6.9) instead of one ``ApplyUpdate`` and
     one ``EvalRequest`` per board; the endpoint of each board it names turns it into
     exactly the messages the daemon would have sent on the board's own topic
-    (``messages_for``). A board it does not name ignores it.
+    (``qsched.protocol.links.mqtt.step_order_messages``). A board it does not name
+    ignores it.
     """
 
     type: Literal["step_order"] = "step_order"
@@ -420,14 +421,6 @@ class StepOrder(WireModel):
     def names(self, board_id: str) -> bool:
         """Whether the order is for ``board_id`` (its shard may hold no keys)."""
         return any(shard.board_id == board_id for shard in self.shards)
-
-    def messages_for(self, board_id: str) -> list[ApplyUpdate | EvalRequest]:
-        """What ``board_id`` takes from this order, in order: nothing when it is not
-        named, else the update, then its request when its shard has keys."""
-        if not self.names(board_id):
-            return []
-        request = self.request_for(board_id)
-        return [self.update()] if request is None else [self.update(), request]
 
 
 class ValidateRequest(WireModel):

@@ -24,7 +24,7 @@ from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkError
 from qsched.protocol.messages import ApplyUpdate, EvalRequest, Shard, StepOrder
 
-__all__ = ["Fleetcast", "fleet_channel"]
+__all__ = ["Fleetcast", "fleet_channel", "wait_sent"]
 
 
 def fleet_channel(session: BoardSession) -> Any | None:

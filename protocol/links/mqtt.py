@@ -41,7 +41,13 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
-from qsched.protocol.batch import MAX_BATCH_BYTES, batch_size, pack_batch, unpack_batch
+from qsched.protocol.batch import (
+    MAX_BATCH_BYTES,
+    batch_size,
+    pack_batch,
+    record_size,
+    unpack_batch,
+)
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardPresence, DaemonPresence
 from qsched.protocol.errors import ProtocolError
@@ -880,7 +886,7 @@ class HostUplink:
         size = batch_size([])
         while self._pending:
             board_id, payload, _ = self._pending[0]
-            record = batch_size([(board_id, payload)]) - batch_size([])
+            record = record_size(board_id, payload)
             if taken and size + record > MAX_BATCH_BYTES:
                 break
             size += record
