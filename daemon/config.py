@@ -46,6 +46,10 @@ class DaemonConfig(ConfigSection):
     step_deadline_s: float = Field(
         default=5.0, gt=0, description="answers later than this are reassigned"
     )
+    split_batches: bool = Field(
+        default=True,
+        description="INT8 jobs may split a key's batch over boards when that is faster",
+    )
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_misses: int = Field(
         default=3, ge=1, description="missed heartbeats before a board is gone"

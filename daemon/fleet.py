@@ -41,6 +41,8 @@ from qsched.protocol.messages import (
     Error,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -101,11 +103,14 @@ def reply_key(msg: DataMessage) -> Hashable | None:
         msg: a board-to-daemon message (not ``Error``: errors match by ``ref_type``).
 
     Returns:
-        ``("eval", step, ks)``, ``("update", step)``, ``("validate", step, start)``,
-        ``("loaded", resource)`` or ``("ping", nonce)``.
+        ``("eval", step, ks)``, ``("eval_slice", step, start, count, ks)``,
+        ``("update", step)``, ``("validate", step, start)``, ``("loaded", resource)`` or
+        ``("ping", nonce)``.
     """
     if isinstance(msg, EvalResult):
         return ("eval", msg.step, tuple(msg.ks))
+    if isinstance(msg, EvalSliceResult):
+        return ("eval_slice", msg.step, msg.slice_start, msg.slice_count, tuple(msg.ks))
     if isinstance(msg, UpdateAck):
         return ("update", msg.step)
     if isinstance(msg, ValidateResult):
@@ -121,6 +126,8 @@ def request_key(msg: DataMessage) -> Hashable:
     """The waiter key of the answer to a daemon-to-board request."""
     if isinstance(msg, EvalRequest):
         return ("eval", msg.step, tuple(msg.ks))
+    if isinstance(msg, EvalSliceRequest):
+        return ("eval_slice", msg.step, msg.slice_start, msg.slice_count, tuple(msg.ks))
     if isinstance(msg, ApplyUpdate):
         return ("update", msg.step)
     if isinstance(msg, ValidateRequest):
@@ -144,6 +151,7 @@ def _error_matches(error: Error, key: Hashable) -> bool:
         return key == ("loaded", _LOADED_RESOURCE[cls])
     kinds: dict[type, str] = {
         EvalRequest: "eval",
+        EvalSliceRequest: "eval_slice",
         ApplyUpdate: "update",
         ValidateRequest: "validate",
         Ping: "ping",

@@ -1,17 +1,38 @@
-"""Shard planning: which board evaluates which perturbation keys k.
+"""Shard planning: which board evaluates which perturbation keys k, on which samples.
 
-Pure functions, no I/O. The step engine calls ``plan_shards`` once per step and
-``reassign`` when an answer is late or lost; throughput estimates come from
-``ThroughputEstimate`` (an exponentially weighted average of each board's measured
-perturbations per second).
+Pure functions, no I/O. The step engine calls ``plan_units`` once per step and again
+when an answer is late or lost; throughput estimates come from ``ThroughputEstimate``
+(an exponentially weighted average of each board's measured perturbations per second).
+
+A step's work is ``q`` keys on a batch of ``B`` samples. In INT8 mode one key's batch
+may be split into ``parts`` contiguous slices (SPEC 6.10): the work units are then
+(key, slice) pairs, numbered ``part * q + k``; ``choose_parts`` picks the split from
+the boards' measured rates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["ThroughputEstimate", "plan_shards", "reassign", "split_proportional"]
+from qsched.protocol.messages import MAX_SLICE_KS
+
+__all__ = [
+    "MIN_SPLIT_GAIN",
+    "StepSplit",
+    "ThroughputEstimate",
+    "batch_slices",
+    "choose_parts",
+    "plan_shards",
+    "plan_units",
+    "reassign",
+    "split_proportional",
+]
+
+# A split must shorten the predicted step by this fraction to be taken: the throughput
+# model has no per-request cost, and every slice costs a request and a reply.
+MIN_SPLIT_GAIN: Final = 0.15
 
 
 @dataclass
@@ -27,7 +48,7 @@ class ThroughputEstimate:
     weight: float = 0.3
     observations: int = 0
 
-    def observe(self, samples: int, seconds: float) -> None:
+    def observe(self, samples: float, seconds: float) -> None:
         """Fold one measurement in; the first one replaces the prior outright."""
         if samples <= 0 or seconds <= 0:
             return
@@ -91,3 +112,124 @@ def reassign(
     """
     candidates = {b: r for b, r in rates.items() if b not in exclude} or dict(rates)
     return plan_shards(missing, candidates)
+
+
+def batch_slices(batch_size: int, parts: int) -> list[tuple[int, int]]:
+    """(start, count) of each of ``parts`` contiguous slices of a batch: slice j starts at
+    floor(j * batch_size / parts) (SPEC 6.10)."""
+    if not 1 <= parts <= batch_size:
+        raise ValueError(f"cannot cut {batch_size} samples into {parts} slices")
+    starts = [j * batch_size // parts for j in range(parts + 1)]
+    return [(starts[j], starts[j + 1] - starts[j]) for j in range(parts)]
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """How a step's keys and samples become work units: unit ``part * q + k`` is key k
+    on slice ``part`` of the batch (``parts`` = 1: whole-batch keys, unit = k).
+
+    Args:
+        q: keys of the step.
+        batch_size: samples of its minibatch.
+        parts: slices per key, 1 .. batch_size.
+    """
+
+    q: int
+    batch_size: int
+    parts: int = 1
+
+    @property
+    def units(self) -> range:
+        """Every unit of the step."""
+        return range(self.q * self.parts)
+
+    def key(self, unit: int) -> int:
+        """The perturbation key of a unit."""
+        return unit % self.q
+
+    def part(self, unit: int) -> int:
+        """The slice index of a unit."""
+        return unit // self.q
+
+    def unit(self, key: int, part: int) -> int:
+        """The unit of key ``key`` on slice ``part``."""
+        return part * self.q + key
+
+    def bounds(self, part: int) -> tuple[int, int]:
+        """(start, count) of slice ``part``."""
+        return batch_slices(self.batch_size, self.parts)[part]
+
+    def part_of(self, start: int, count: int) -> int | None:
+        """The slice index with these bounds (None: not a slice of this split)."""
+        slices = batch_slices(self.batch_size, self.parts)
+        return slices.index((start, count)) if (start, count) in slices else None
+
+    def cost(self, units: Sequence[int]) -> float:
+        """Work of ``units`` in whole-batch keys (what ``ThroughputEstimate`` counts)."""
+        if self.parts == 1:
+            return float(len(units))
+        slices = batch_slices(self.batch_size, self.parts)
+        return sum(slices[self.part(u)][1] for u in units) / self.batch_size
+
+
+def plan_units(
+    split: StepSplit, units: Sequence[int], rates: Mapping[str, float]
+) -> dict[str, list[int]]:
+    """Give boards the ``units``, each board's from a single slice (one request).
+
+    Unsplit, this is ``plan_shards``. Split, every slice with units gets a group of
+    boards: at least one each, then every other board, fastest first, joins the group
+    with the least rate per unit (ties: the lower slice); each group shares its slice's
+    keys by rate. With fewer boards than slices, board i takes the whole i-th slice
+    and the others wait for the next round.
+    """
+    if split.parts == 1:
+        return plan_shards(units, rates)
+    by_part: dict[int, list[int]] = {}
+    for unit in sorted(units):
+        by_part.setdefault(split.part(unit), []).append(unit)
+    parts = sorted(by_part)
+    fastest = sorted(rates, key=lambda b: (-rates[b], b))
+    if len(fastest) < len(parts):
+        return {b: by_part[p] for b, p in zip(sorted(rates), parts, strict=False)}
+    groups: dict[int, list[str]] = {p: [b] for p, b in zip(parts, fastest, strict=False)}
+    for board in fastest[len(parts) :]:
+        part = min(parts, key=lambda p: (sum(rates[b] for b in groups[p]) / len(by_part[p]), p))
+        groups[part].append(board)
+    plan: dict[str, list[int]] = {}
+    for part in parts:
+        plan.update(plan_shards(by_part[part], {b: rates[b] for b in groups[part]}))
+    return plan
+
+
+def predicted_seconds(split: StepSplit, rates: Mapping[str, float]) -> float:
+    """Time of the step's slowest board under ``plan_units`` at the given rates."""
+    plan = plan_units(split, split.units, rates)
+    return max(split.cost(units) / max(rates[b], 1e-12) for b, units in plan.items())
+
+
+def choose_parts(
+    q: int, batch_size: int, rates: Mapping[str, float], max_parts: int | None = None
+) -> int:
+    """Slices per key for a step, from the boards' measured rates (keys per second).
+
+    1 unless splitting shortens the predicted step by at least ``MIN_SPLIT_GAIN``; the
+    candidates are the divisors of ``batch_size`` (equal slices) up to ``max_parts``,
+    and a split whose shards would exceed ``MAX_SLICE_KS`` keys is not considered.
+    """
+    if not rates or q < 1:
+        return 1
+    # Fewer boards than slices would leave slices for a second round: never faster.
+    limit = min(batch_size, len(rates), max_parts or batch_size)
+    best, best_s = 1, predicted_seconds(StepSplit(q, batch_size, 1), rates)
+    for parts in range(2, limit + 1):
+        if batch_size % parts:
+            continue
+        split = StepSplit(q, batch_size, parts)
+        plan = plan_units(split, split.units, rates)
+        if any(len(units) > MAX_SLICE_KS for units in plan.values()):
+            continue
+        seconds = predicted_seconds(split, rates)
+        if seconds <= best_s * (1 - MIN_SPLIT_GAIN):
+            best, best_s = parts, seconds
+    return best

@@ -130,7 +130,9 @@ class Daemon:
         self.instance = uuid.uuid4().hex  # this process, in the fleet's daemon state
         self.topics = TopicMap(prefix=config.mqtt.prefix, fleet=config.fleet)
         self.engine_config = engine_config or EngineConfig(
-            step_deadline_s=config.step_deadline_s, checkpoint_every=None
+            step_deadline_s=config.step_deadline_s,
+            checkpoint_every=None,
+            split_batches=config.split_batches,
         )
         self.notifier = notifier or Notifier()
         self.job: ActiveJob | None = None

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from cobs import cobs
 
 import qsched.protocol as protocol_package
+from qsched.daemon.planner import batch_slices
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import (
@@ -56,6 +57,8 @@ from qsched.protocol.messages import (
     Error,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -118,7 +121,14 @@ def _f64_bits(value: float) -> str:
 
 def _field_value(cls: type, name: str, value: Any) -> str:
     if (cls, name) == (StepOrder, "shards"):  # board:k k k;board:  (no keys: the update alone)
-        return ";".join(f"{s.board_id}:" + " ".join(map(str, s.ks)) for s in value)
+        # board:k k k, board@start+count:k k (a batch slice), board: (the update alone)
+        return ";".join(
+            s.board_id
+            + (f"@{s.slice_start}+{s.slice_count}" if s.slice_count else "")
+            + ":"
+            + " ".join(map(str, s.ks))
+            for s in value
+        )
     if isinstance(value, bool):
         raise TypeError("no boolean fields on the data plane")
     if isinstance(value, float):
@@ -269,7 +279,49 @@ def _messages() -> list[tuple[str, DataMessage]]:
                     Shard(board_id="n6-02", ks=(2, 3, 4)),
                     Shard(board_id="n6-03", ks=(1, 4)),
                     Shard(board_id="n6-04"),
+                    Shard(board_id="n6-05", ks=(0, 1), slice_start=2, slice_count=2),
                 ),
+            ),
+        ),
+        (
+            "eval_slice_request",
+            EvalSliceRequest(
+                job_id=0xCAFEF00D,
+                step=43,
+                batch_size=8,
+                eps=1.0,
+                estimator="two_sided",
+                slice_start=3,
+                slice_count=5,
+                ks=(4, 5, 9),
+            ),
+        ),
+        (
+            "eval_slice_result_two_sided",
+            EvalSliceResult(
+                job_id=0xCAFEF00D,
+                step=43,
+                compute_us=1500,
+                estimator="two_sided",
+                slice_start=3,
+                slice_count=5,
+                ks=(4, 5, 9),
+                sum_plus=(754510, 2**33 + 5, 0),
+                sum_minus=(750000, 1, 2**40),
+            ),
+        ),
+        (
+            "eval_slice_result_one_sided",
+            EvalSliceResult(
+                job_id=0xCAFEF00D,
+                step=43,
+                compute_us=900,
+                estimator="one_sided",
+                slice_start=0,
+                slice_count=2,
+                ks=(7, 8),
+                sum_plus=(131072, 131073),
+                sum_zero=140000,
             ),
         ),
     ]
@@ -798,6 +850,15 @@ def _blob_vectors(out: Vectors) -> None:
             out[f"{key}.initial_fp32_checksum"] = str(fp32.checksum())
 
 
+def _slice_sums(losses: list[int]) -> str:
+    """The case split in (at most) three slices as the daemon plans them (SPEC 6.10):
+    ``start+count=sum`` of each; the sums add up to the whole batch's sum."""
+    parts = []
+    for start, count in batch_slices(len(losses), min(3, len(losses))):
+        parts.append(f"{start}+{count}={sum(int(v) for v in losses[start : start + count])}")
+    return ",".join(parts)
+
+
 def _batch_loss_vectors(out: Vectors) -> None:
     """Per-sample Q16 losses to the batch loss and the float32 a message carries."""
     rng = np.random.Generator(np.random.Philox(71))
@@ -815,6 +876,7 @@ def _batch_loss_vectors(out: Vectors) -> None:
         out[f"{key}.losses"] = ",".join(str(int(v)) for v in losses)
         out[f"{key}.batch_loss"] = str(batch)
         out[f"{key}.wire"] = _f32_bits(float(q16_to_float(batch)))
+        out[f"{key}.slices"] = _slice_sums(losses)
     # From logits, with a scale of intloss.txt (its table line gives E).
     scale = 0.0625
     classes, batch_size = 10, 6

@@ -22,6 +22,7 @@ from qsched.protocol.messages import (
     MAX_KS,
     MAX_PAYLOAD,
     MAX_SHARDS,
+    MAX_SLICE_KS,
     PROTOCOL_VERSION,
     TYPE_CODES,
     Accumulator,
@@ -32,6 +33,8 @@ from qsched.protocol.messages import (
     Estimator,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -191,6 +194,7 @@ class _KSet:
 
     name: str = "ks"
     fewest: int = 1  # a StepOrder's shard may hold none
+    most: int = MAX_KS
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
         ks: tuple[int, ...] = getattr(msg, self.name)
@@ -204,8 +208,8 @@ class _KSet:
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         mode = reader.unpack("B")
         count = reader.unpack("H")
-        if not self.fewest <= count <= MAX_KS:
-            raise reader.invalid(f"k count {count} outside [{self.fewest}, {MAX_KS}]")
+        if not self.fewest <= count <= self.most:
+            raise reader.invalid(f"k count {count} outside [{self.fewest}, {self.most}]")
         if mode == KSET_RANGE:
             start = reader.unpack("H")
             fields[self.name] = tuple(range(start, start + count))
@@ -219,49 +223,53 @@ class _KSet:
             "k set",
             None,
             "u8 mode, u16 n; mode 0 (range): u16 start, keys start..start+n-1; "
-            f"mode 1 (list): n x u16, strictly ascending; {self.fewest} <= n <= {MAX_KS}",
+            f"mode 1 (list): n x u16, strictly ascending; {self.fewest} <= n <= {self.most}",
         )
 
 
 @dataclass(frozen=True)
-class _F32Seq:
-    """float32 values, as many as ``count`` says from the fields decoded before."""
+class _Seq:
+    """Scalars (float32 by default), as many as ``count`` says from the fields before."""
 
     name: str
     count: Callable[[Mapping[str, Any]], int]
     note: str
+    code: str = "f"
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
         values = getattr(msg, self.name)
-        out += struct.pack(f"<{len(values)}f", *values)
+        out += struct.pack(f"<{len(values)}{self.code}", *values)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         count = self.count(fields)
-        fields[self.name] = struct.unpack(f"<{count}f", reader.take(4 * count))
+        size = struct.calcsize(self.code)
+        fields[self.name] = struct.unpack(f"<{count}{self.code}", reader.take(size * count))
 
     def describe(self) -> tuple[str, int | None, str]:
-        return "f32 x n", None, self.note
+        return f"{_SCALARS[self.code]} x n", None, self.note
 
 
 @dataclass(frozen=True)
-class _OptF32:
-    """One float32 present only when ``present`` holds for the fields decoded before."""
+class _Optional:
+    """One scalar (float32 by default) present only when ``present`` holds for the
+    fields decoded before."""
 
     name: str
     present: Callable[[Mapping[str, Any]], bool]
     note: str
+    code: str = "f"
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
         value = getattr(msg, self.name)
         if value is not None:
-            out += struct.pack("<f", value)
+            out += struct.pack("<" + self.code, value)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         if self.present(fields):
-            fields[self.name] = reader.unpack("f")
+            fields[self.name] = reader.unpack(self.code)
 
     def describe(self) -> tuple[str, int | None, str]:
-        return "f32 or nothing", None, self.note
+        return f"{_SCALARS[self.code]} or nothing", None, self.note
 
 
 @dataclass(frozen=True)
@@ -274,8 +282,8 @@ class _Shards:
         shards: tuple[Shard, ...] = getattr(msg, self.name)
         out += struct.pack("<H", len(shards))
         for shard in shards:
-            _BOARD_ID.encode(shard, out)
-            _SHARD_KS.encode(shard, out)
+            for item in _SHARD_FIELDS:
+                item.encode(shard, out)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         count = reader.unpack("H")
@@ -284,8 +292,8 @@ class _Shards:
         shards = []
         for _ in range(count):
             part: dict[str, Any] = {}
-            _BOARD_ID.decode(reader, part)
-            _SHARD_KS.decode(reader, part)
+            for item in _SHARD_FIELDS:
+                item.decode(reader, part)
             shards.append(part)
         fields[self.name] = tuple(shards)
 
@@ -294,12 +302,18 @@ class _Shards:
             "u16 n, n shards",
             None,
             f"n <= {MAX_SHARDS}, distinct boards; each: board id (u8 length, ASCII, <= 32), "
-            "then its k set, which may be empty (n = 0, start 0: the update alone)",
+            "u16 slice_start, u16 slice_count (0: the whole batch, an EvalRequest; else an "
+            "EvalSliceRequest), then its k set, which may be empty (n = 0, start 0: the "
+            "update alone)",
         )
 
 
-_BOARD_ID: Final = _Text("board_id", 32)
-_SHARD_KS: Final = _KSet(fewest=0)
+_SHARD_FIELDS: Final = (
+    _Text("board_id", 32),
+    _Scalar("slice_start", "H"),
+    _Scalar("slice_count", "H"),
+    _KSet(fewest=0),
+)
 
 
 def _n_ks(fields: Mapping[str, Any]) -> int:
@@ -342,13 +356,30 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Scalar("compute_us", "I"),
         _ESTIMATOR,
         _KSet(),
-        _F32Seq("loss_plus", _n_ks, "L(theta + eps z_k), one per k"),
-        _F32Seq(
+        _Seq("loss_plus", _n_ks, "L(theta + eps z_k), one per k"),
+        _Seq(
             "loss_minus",
             lambda f: _n_ks(f) if _two_sided(f) else 0,
             "two-sided: L(theta - eps z_k) per k; one-sided: absent",
         ),
-        _OptF32("loss_zero", lambda f: not _two_sided(f), "one-sided only: L(theta)"),
+        _Optional("loss_zero", lambda f: not _two_sided(f), "one-sided only: L(theta)"),
+    ),
+    EvalSliceResult: (
+        _JOB,
+        _STEP,
+        _Scalar("compute_us", "I"),
+        _ESTIMATOR,
+        _Scalar("slice_start", "H", "first sample of the slice, an index into the batch"),
+        _Scalar("slice_count", "H", "samples in the slice, >= 1"),
+        _KSet(most=MAX_SLICE_KS),
+        _Seq("sum_plus", _n_ks, "sum of loss_16 over the slice at theta + eps z_k", "Q"),
+        _Seq(
+            "sum_minus",
+            lambda f: _n_ks(f) if _two_sided(f) else 0,
+            "two-sided: the same at theta - eps z_k; one-sided: absent",
+            "Q",
+        ),
+        _Optional("sum_zero", lambda f: not _two_sided(f), "one-sided only: at theta", "Q"),
     ),
     UpdateAck: (_JOB, _STEP, _Scalar("checksum", "I", "CRC-32 of weights (section 5)")),
     ValidateResult: (
@@ -411,7 +442,17 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _ESTIMATOR,
         _KSet(),
     ),
-    ApplyUpdate: (_JOB, _STEP, _KSet(), _F32Seq("coefficients", _n_ks, "c_k, one per k")),
+    EvalSliceRequest: (
+        _JOB,
+        _STEP,
+        _Scalar("batch_size", "H"),
+        _Scalar("eps", "f"),
+        _ESTIMATOR,
+        _Scalar("slice_start", "H", "first sample of the slice, an index into the batch"),
+        _Scalar("slice_count", "H", ">= 1; slice_start + slice_count <= batch_size"),
+        _KSet(most=MAX_SLICE_KS),
+    ),
+    ApplyUpdate: (_JOB, _STEP, _KSet(), _Seq("coefficients", _n_ks, "c_k, one per k")),
     ValidateRequest: (_JOB, _STEP, _Scalar("start", "I"), _Scalar("count", "I", ">= 1")),
     Ping: (_Scalar("nonce", "I"),),
     Reset: (_Enum("scope", get_args(ResetScope)),),
@@ -419,7 +460,7 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _JOB,
         _Scalar("step", "I", "the update's step; the shards are of step + 1"),
         _KSet(),
-        _F32Seq("coefficients", _n_ks, "c_k, one per k"),
+        _Seq("coefficients", _n_ks, "c_k, one per k"),
         _Scalar("batch_size", "H", "of the next step's requests"),
         _Scalar("eps", "f"),
         _ESTIMATOR,

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_KS",
     "MAX_PAYLOAD",
     "MAX_SHARDS",
+    "MAX_SLICE_KS",
     "PROTOCOL_VERSION",
     "TYPE_CODES",
     "Accumulator",
@@ -40,6 +41,8 @@ __all__ = [
     "Estimator",
     "EvalRequest",
     "EvalResult",
+    "EvalSliceRequest",
+    "EvalSliceResult",
     "Heartbeat",
     "Hello",
     "JobConfig",
@@ -75,6 +78,9 @@ MAX_CHUNK: Final = 8192
 # Most sample keys k in one EvalRequest / EvalResult / ApplyUpdate. k is a uint16.
 MAX_KS: Final = 1024
 K_LIMIT: Final = 0xFFFF
+# Most keys in one EvalSliceRequest / EvalSliceResult: two u64 sums per key must fit
+# in MAX_PAYLOAD (and in the C firmware's two float32 loss arrays of MAX_KS each).
+MAX_SLICE_KS: Final = MAX_KS // 2
 # Most shards in one StepOrder: one per board of the largest fleet a message must carry.
 MAX_SHARDS: Final = 1024
 # A board sends an unsolicited Heartbeat at least this often while idle.
@@ -144,6 +150,11 @@ Ks = Annotated[
     Field(min_length=1, max_length=MAX_KS),
     AfterValidator(_ascending_ks),
 ]
+SliceKs = Annotated[
+    tuple[Annotated[int, Field(ge=0, le=K_LIMIT)], ...],
+    Field(min_length=1, max_length=MAX_SLICE_KS),
+    AfterValidator(_ascending_ks),
+]
 # A shard's keys: as Ks, or none (the board takes the update alone).
 ShardKs = Annotated[
     tuple[Annotated[int, Field(ge=0, le=K_LIMIT)], ...],
@@ -210,6 +221,33 @@ class EvalResult(WireModel):
                 raise ValueError("two-sided results carry loss_minus per k and no loss_zero")
         elif self.loss_minus or self.loss_zero is None:
             raise ValueError("one-sided results carry one loss_zero and no loss_minus")
+        return self
+
+
+class EvalSliceResult(WireModel):
+    """INT8 loss sums of a slice of the batch for each requested k (SPEC 6.10)."""
+
+    type: Literal["eval_slice_result"] = "eval_slice_result"
+    job_id: U32
+    step: U32
+    compute_us: U32
+    estimator: Estimator
+    slice_start: U16
+    slice_count: Annotated[int, Field(ge=1, le=0xFFFF)]
+    ks: SliceKs
+    sum_plus: tuple[U64, ...]
+    sum_minus: tuple[U64, ...] = ()
+    sum_zero: U64 | None = None
+
+    @model_validator(mode="after")
+    def _check_sums(self) -> EvalSliceResult:
+        if len(self.sum_plus) != len(self.ks):
+            raise ValueError("sum_plus needs one sum per k")
+        if self.estimator == "two_sided":
+            if len(self.sum_minus) != len(self.ks) or self.sum_zero is not None:
+                raise ValueError("two-sided results carry sum_minus per k and no sum_zero")
+        elif self.sum_minus or self.sum_zero is None:
+            raise ValueError("one-sided results carry one sum_zero and no sum_minus")
         return self
 
 
@@ -336,6 +374,26 @@ class EvalRequest(WireModel):
     ks: Ks
 
 
+class EvalSliceRequest(WireModel):
+    """INT8: sum the losses of samples [start, start + count) of the batch for keys ``ks``."""
+
+    type: Literal["eval_slice_request"] = "eval_slice_request"
+    job_id: U32
+    step: U32
+    batch_size: U16
+    eps: F32
+    estimator: Estimator
+    slice_start: U16
+    slice_count: Annotated[int, Field(ge=1, le=0xFFFF)]
+    ks: SliceKs
+
+    @model_validator(mode="after")
+    def _check_slice(self) -> EvalSliceRequest:
+        if self.slice_start + self.slice_count > self.batch_size:
+            raise ValueError("the slice ends after the batch")
+        return self
+
+
 class ApplyUpdate(WireModel):
     """The step's update: pairs (k, c_k), k ascending (SPEC section 4)."""
 
@@ -357,10 +415,24 @@ class ApplyUpdate(WireModel):
 
 
 class Shard(WireModel):
-    """One board of a ``StepOrder`` and its keys of the next step (none: update only)."""
+    """One board of a ``StepOrder`` and its keys of the next step (none: update only).
+
+    ``slice_count`` 0 asks for whole-batch losses (``EvalRequest``); otherwise the shard
+    is the ``EvalSliceRequest`` of samples ``[slice_start, slice_start + slice_count)``.
+    """
 
     board_id: Name
     ks: ShardKs = ()
+    slice_start: U16 = 0
+    slice_count: U16 = 0
+
+    @model_validator(mode="after")
+    def _check_slice(self) -> Shard:
+        if self.slice_count == 0 and self.slice_start != 0:
+            raise ValueError("a whole-batch shard has slice_start 0")
+        if self.slice_count and len(self.ks) > MAX_SLICE_KS:
+            raise ValueError(f"a slice shard holds at most {MAX_SLICE_KS} keys")
+        return self
 
 
 def _distinct_boards(shards: tuple[Shard, ...]) -> tuple[Shard, ...]:
@@ -404,18 +476,24 @@ class StepOrder(WireModel):
             job_id=self.job_id, step=self.step, ks=self.ks, coefficients=self.coefficients
         )
 
-    def request_for(self, board_id: str) -> EvalRequest | None:
-        """The ``EvalRequest`` of step ``step + 1`` this order gives ``board_id``, if any."""
+    def request_for(self, board_id: str) -> EvalRequest | EvalSliceRequest | None:
+        """The request of step ``step + 1`` this order gives ``board_id``, if any."""
         for shard in self.shards:
-            if shard.board_id == board_id and shard.ks:
-                return EvalRequest(
-                    job_id=self.job_id,
-                    step=self.step + 1,
-                    batch_size=self.batch_size,
-                    eps=self.eps,
-                    estimator=self.estimator,
-                    ks=shard.ks,
-                )
+            if shard.board_id != board_id or not shard.ks:
+                continue
+            common = {
+                "job_id": self.job_id,
+                "step": self.step + 1,
+                "batch_size": self.batch_size,
+                "eps": self.eps,
+                "estimator": self.estimator,
+                "ks": shard.ks,
+            }
+            if shard.slice_count == 0:
+                return EvalRequest.model_validate(common)
+            return EvalSliceRequest.model_validate(
+                {**common, "slice_start": shard.slice_start, "slice_count": shard.slice_count}
+            )
         return None
 
     def names(self, board_id: str) -> bool:
@@ -448,7 +526,7 @@ class Reset(WireModel):
 
 
 BoardMessage = Annotated[
-    Hello | Heartbeat | EvalResult | UpdateAck | ValidateResult | Loaded | Error,
+    Hello | Heartbeat | EvalResult | EvalSliceResult | UpdateAck | ValidateResult | Loaded | Error,
     Field(discriminator="type"),
 ]
 DaemonMessage = Annotated[
@@ -457,6 +535,7 @@ DaemonMessage = Annotated[
     | SelectDataset
     | JobConfig
     | EvalRequest
+    | EvalSliceRequest
     | ApplyUpdate
     | ValidateRequest
     | Ping
@@ -469,6 +548,7 @@ DataMessage = Annotated[
     Hello
     | Heartbeat
     | EvalResult
+    | EvalSliceResult
     | UpdateAck
     | ValidateResult
     | Loaded
@@ -478,6 +558,7 @@ DataMessage = Annotated[
     | SelectDataset
     | JobConfig
     | EvalRequest
+    | EvalSliceRequest
     | ApplyUpdate
     | ValidateRequest
     | Ping
@@ -495,6 +576,7 @@ TYPE_CODES: Final[dict[type[WireModel], int]] = {
     UpdateAck: 0x04,
     ValidateResult: 0x05,
     Loaded: 0x06,
+    EvalSliceResult: 0x07,
     LoadModel: 0x41,
     SetWeights: 0x42,
     SelectDataset: 0x43,
@@ -505,6 +587,7 @@ TYPE_CODES: Final[dict[type[WireModel], int]] = {
     Ping: 0x48,
     Reset: 0x49,
     StepOrder: 0x4A,
+    EvalSliceRequest: 0x4B,
     Error: 0x7F,
 }
 

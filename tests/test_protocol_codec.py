@@ -15,11 +15,14 @@ from qsched.protocol import (
     MAX_CHUNK,
     MAX_KS,
     MAX_PAYLOAD,
+    MAX_SLICE_KS,
     PROTOCOL_VERSION,
     ApplyUpdate,
     Error,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -89,6 +92,42 @@ def eval_results(draw: st.DrawFn) -> EvalResult:
 
 
 @st.composite
+def slice_requests(draw: st.DrawFn) -> EvalSliceRequest:
+    batch = draw(st.integers(1, 0xFFFF))
+    start = draw(st.integers(0, batch - 1))
+    return EvalSliceRequest(
+        job_id=draw(u32),
+        step=draw(u32),
+        batch_size=batch,
+        eps=draw(f32),
+        estimator=draw(estimators),
+        slice_start=start,
+        slice_count=draw(st.integers(1, batch - start)),
+        ks=draw(key_sets(max_size=MAX_SLICE_KS)),
+    )
+
+
+@st.composite
+def slice_results(draw: st.DrawFn) -> EvalSliceResult:
+    ks = draw(key_sets(max_size=MAX_SLICE_KS))
+    estimator = draw(estimators)
+    n = len(ks)
+    two = estimator == "two_sided"
+    return EvalSliceResult(
+        job_id=draw(u32),
+        step=draw(u32),
+        compute_us=draw(u32),
+        estimator=estimator,
+        slice_start=draw(u16),
+        slice_count=draw(st.integers(1, 0xFFFF)),
+        ks=ks,
+        sum_plus=tuple(draw(st.lists(u64, min_size=n, max_size=n))),
+        sum_minus=tuple(draw(st.lists(u64, min_size=n, max_size=n))) if two else (),
+        sum_zero=None if two else draw(u64),
+    )
+
+
+@st.composite
 def chunk_fields(draw: st.DrawFn) -> dict[str, Any]:
     chunk = draw(st.binary(max_size=300))
     offset = draw(st.integers(0, 2**32 - 1 - len(chunk)))
@@ -104,13 +143,24 @@ def apply_updates(draw: st.DrawFn) -> ApplyUpdate:
 
 
 @st.composite
+def shards_of(draw: st.DrawFn, board: str) -> Shard:
+    """A board's shard: no keys, whole-batch keys, or keys on a batch slice."""
+    kind = draw(st.sampled_from(["update", "whole", "slice"]))
+    if kind == "update":
+        return Shard(board_id=board)
+    ks = draw(key_sets(max_size=16))
+    if kind == "whole":
+        return Shard(board_id=board, ks=ks)
+    return Shard(
+        board_id=board, ks=ks, slice_start=draw(u16), slice_count=draw(st.integers(1, 0xFFFF))
+    )
+
+
+@st.composite
 def step_orders(draw: st.DrawFn) -> StepOrder:
     update = draw(apply_updates())
     boards = draw(st.lists(names, max_size=12, unique=True))
-    shards = [
-        Shard(board_id=b, ks=draw(key_sets(max_size=16)) if draw(st.booleans()) else ())
-        for b in boards
-    ]
+    shards = [draw(shards_of(b)) for b in boards]
     return StepOrder(
         job_id=update.job_id,
         step=update.step,
@@ -145,6 +195,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         step=u32,
     ),
     EvalResult: eval_results(),
+    EvalSliceResult: slice_results(),
+    EvalSliceRequest: slice_requests(),
     UpdateAck: st.builds(UpdateAck, job_id=u32, step=u32, checksum=u32),
     ValidateResult: st.builds(
         ValidateResult,

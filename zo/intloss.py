@@ -22,6 +22,7 @@ same only among processes of one machine.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "loss_q16",
     "q16_to_float",
     "scale_q24",
+    "sliced_batch_loss",
 ]
 
 TABLE_BITS: Final = 24  # Q: E[0] = 2**24
@@ -230,6 +232,14 @@ def batch_loss_q16(per_sample: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
     # Losses are non-negative, so floor division and C's truncating division agree.
     result: npt.NDArray[np.int64] = ps.sum(axis=-1) // ps.shape[-1]
     return result
+
+
+def sliced_batch_loss(slice_sums: Sequence[int], batch_size: int) -> np.float32:
+    """The batch loss, as on the wire, from the Q16 loss sums of slices covering the
+    batch once (SPEC 6.10): float32(floor(sum / B) / 65536), the whole batch's bits."""
+    if batch_size < 1:
+        raise IntLossError("empty batch")
+    return q16_to_float(sum(int(v) for v in slice_sums) // batch_size)
 
 
 def q16_to_float(value: int | np.integer) -> np.float32:

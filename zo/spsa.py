@@ -27,12 +27,26 @@ __all__ = [
     "Estimator",
     "LossError",
     "LossPairs",
+    "LossSums",
     "coefficients",
     "forward_passes",
     "projected_gradients",
 ]
 
 Estimator: TypeAlias = Literal["two_sided", "one_sided"]
+
+
+@dataclass(frozen=True)
+class LossSums:
+    """INT8 loss sums of one batch slice for some perturbation indices (SPEC 6.10).
+
+    Like ``LossPairs`` with the Q16 sums over the slice's samples in place of means:
+    ``plus[k]``, two-sided ``minus[k]``, one-sided ``base``.
+    """
+
+    plus: Mapping[int, int]
+    minus: Mapping[int, int]
+    base: int | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal, TypeAlias
 
@@ -37,7 +37,7 @@ from qsched.zo.quantize import (
     quantize_weight,
     weight_channel_axis,
 )
-from qsched.zo.spsa import LossPairs
+from qsched.zo.spsa import LossPairs, LossSums
 from qsched.zo.zoo import build_model, replace_classifier
 
 __all__ = [
@@ -468,26 +468,63 @@ class Workload:
         Returns:
             The losses.
         """
+        keys, sets = self._perturbed_sets(state, step, ks)
+        idx = self.batch(step)
+        losses = self._set_losses(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        return self._pairs(keys, losses)
+
+    def perturbed_loss_sums(
+        self, state: TrainState, step: int, ks: Sequence[int], start: int, count: int
+    ) -> LossSums:
+        """INT8: the sums of the per-sample Q16 losses over batch positions
+        ``[start, start + count)`` of the step's minibatch, per key (SPEC 6.10).
+
+        Summed over slices that cover the batch and floor-divided by the batch size, they
+        give exactly the Q16 batch loss of ``perturbed_losses``.
+
+        Raises:
+            ValueError: FP32 mode (its float mean is not a sum), or a slice outside the batch.
+        """
+        if not self.int8:
+            raise ValueError("batch slices need INT8 numerics")
+        if not (count >= 1 and start >= 0 and start + count <= self.spec.batch_size):
+            raise ValueError(f"slice [{start}, {start + count}) outside the batch")
+        keys, sets = self._perturbed_sets(state, step, ks)
+        idx = self.batch(step)[start : start + count]
+        sums = self._set_loss_sums(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        pairs = self._pairs(keys, sums)
+        return LossSums(
+            plus={k: int(v) for k, v in pairs.plus.items()},
+            minus={k: int(v) for k, v in pairs.minus.items()},
+            base=None if pairs.base is None else int(pairs.base),
+        )
+
+    def _perturbed_sets(
+        self, state: TrainState, step: int, ks: Sequence[int]
+    ) -> tuple[list[int], list[Flat]]:
+        """The keys and the weight sets to evaluate: per key +eps (and -eps two-sided),
+        then one-sided the unperturbed weights."""
         self.check_state(state)
         keys = [int(k) for k in ks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"repeated perturbation index in {keys}")
-        eps = self.spec.eps
         signs = (1, -1) if self.spec.estimator == "two_sided" else (1,)
         sets: list[Flat] = []
         negatives = _rademacher_many(self.spec.seed, step, keys, self.num_params)
         for negative in negatives:
-            sets.extend(self._perturb(state.params, negative, eps, signs))
+            sets.extend(self._perturb(state.params, negative, self.spec.eps, signs))
         if self.spec.estimator == "one_sided":
             sets.append(state.params)
-        idx = self.batch(step)
-        losses = self._set_losses(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        return keys, sets
+
+    def _pairs(self, keys: list[int], values: Sequence[float]) -> LossPairs:
+        """One value per set of ``_perturbed_sets``, as LossPairs."""
         if self.spec.estimator == "two_sided":
             return LossPairs(
-                plus={k: losses[2 * i] for i, k in enumerate(keys)},
-                minus={k: losses[2 * i + 1] for i, k in enumerate(keys)},
+                plus={k: values[2 * i] for i, k in enumerate(keys)},
+                minus={k: values[2 * i + 1] for i, k in enumerate(keys)},
             )
-        return LossPairs(plus={k: losses[i] for i, k in enumerate(keys)}, minus={}, base=losses[-1])
+        return LossPairs(plus={k: values[i] for i, k in enumerate(keys)}, minus={}, base=values[-1])
 
     def _train_inputs(self, idx: npt.NDArray[np.int64]) -> Inputs:
         """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
@@ -577,11 +614,8 @@ class Workload:
         y: npt.NDArray[np.int64],
     ) -> list[float]:
         """Mean batch loss of each flat weight set, in engine calls of bounded size."""
-        chunk = max(1, min(len(sets), _MAX_SET_ELEMENTS // max(1, self.num_params)))
         out: list[float] = []
-        for start in range(0, len(sets), chunk):
-            stacked = np.stack(sets[start : start + chunk])
-            per_sample = self._per_sample_losses(stacked, x, y)
+        for per_sample in self._chunked_losses(sets, x, y):
             if self.int8:
                 out.extend(
                     float(intloss.q16_to_float(v)) for v in intloss.batch_loss_q16(per_sample)
@@ -589,6 +623,23 @@ class Workload:
             else:
                 out.extend(float(v) for v in per_sample.mean(axis=-1, dtype=np.float32))
         return out
+
+    def _set_loss_sums(
+        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64]
+    ) -> list[float]:
+        """INT8: the sum of each set's per-sample Q16 losses (exact as float64 below 2^53)."""
+        out: list[float] = []
+        for per_sample in self._chunked_losses(sets, x, y):
+            out.extend(float(v) for v in per_sample.astype(np.int64).sum(axis=-1))
+        return out
+
+    def _chunked_losses(
+        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64]
+    ) -> Iterator[Flat]:
+        """Per-sample losses (P, B) of the sets, P bounded so one engine call stays small."""
+        chunk = max(1, min(len(sets), _MAX_SET_ELEMENTS // max(1, self.num_params)))
+        for start in range(0, len(sets), chunk):
+            yield self._per_sample_losses(np.stack(sets[start : start + chunk]), x, y)
 
     def _logits(
         self,

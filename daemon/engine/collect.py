@@ -1,17 +1,20 @@
 """Collecting a step's losses from the boards, with audits.
 
 The keys ``0..q-1`` are split across ready boards in proportion to their measured
-throughput, one ``EvalRequest`` each; at an audit step one key of every shard is also
-evaluated by the next board. Answers later than the deadline, lost with their board, or
-refused are reassigned to other boards, audited the same way (a lone shard also carries
-a key another board already answered); two answers for the same key must agree bit for
-bit — when they do not, the daemon evaluates the key itself and every board that
-disagrees with it is marked faulty, its answers of this step dropped and its keys
-reassigned. At an audit step every accepted result (late ones too) must be confirmed:
-one of its keys agreed with a second board or with the daemon; before the update, the
-daemon evaluates one key of each result still unconfirmed. A lie shifts a whole result,
-so this catches it; a single flipped loss (MQTT has no frame CRC) is caught only when it
-hits the audited key.
+throughput, one ``EvalRequest`` each; in INT8 mode a key's batch may also be cut into
+slices (``StepSplit``: the work units are then (key, slice) pairs, one
+``EvalSliceRequest`` per board, and a key's loss is the floor of its slices' summed Q16
+losses over B, the bits of one whole-batch answer). At an audit step one unit of every
+shard is also evaluated by the next board of its slice. Answers later than the
+deadline, lost with their board, or refused are reassigned to other boards, audited
+the same way (a lone shard also carries a unit another board already answered); two
+answers for the same unit must agree bit for bit — when they do not, the daemon
+evaluates the unit itself and every board that disagrees with it is marked faulty, its
+answers of this step dropped and its units reassigned. At an audit step every accepted
+result (late ones too) must be confirmed: one of its units agreed with a second board
+or with the daemon; before the update, the daemon evaluates one unit of each result
+still unconfirmed. A lie shifts a whole result, so this catches it; a single flipped
+loss (MQTT has no frame CRC) is caught only when it hits the audited unit.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from qsched.daemon.engine.context import (
 )
 from qsched.daemon.engine.sync import BoardSync
 from qsched.daemon.fleet import BoardFaultError, BoardSession
-from qsched.protocol.messages import EvalResult
-from qsched.zo.spsa import LossPairs
+from qsched.daemon.planner import StepSplit
+from qsched.protocol.messages import EvalResult, EvalSliceResult
+from qsched.zo.intloss import sliced_batch_loss
+from qsched.zo.spsa import LossPairs, LossSums
 
 __all__ = ["Flight", "Flights", "KeyCollector"]
 
@@ -42,7 +47,7 @@ _IDLE_MAX_S: Final = 1.0
 
 @dataclass
 class Flight:
-    """One outstanding EvalRequest."""
+    """One outstanding EvalRequest or EvalSliceRequest: its work units (``StepSplit``)."""
 
     session: BoardSession
     ks: tuple[int, ...]
@@ -51,19 +56,22 @@ class Flight:
     late: bool = False
 
 
+Answer = EvalResult | EvalSliceResult
 # The requests of one step in flight: task (its Outcome holds the answer) -> request.
-Flights = dict["asyncio.Task[Outcome[EvalResult]]", Flight]
+Flights = dict["asyncio.Task[Outcome[Answer]]", Flight]
+# A unit's value: whole-batch losses (L+, L-) as float32, or a slice's Q16 sums.
+Value = tuple[float, float | None] | tuple[int, int | None]
 
 
 @dataclass
 class _Collected:
     """Losses of one step gathered so far and who said what."""
 
-    values: dict[int, tuple[float, float | None]] = field(default_factory=dict)
-    sources: dict[int, set[str]] = field(default_factory=dict)  # k -> addresses
-    base: float | None = None
+    values: dict[int, Value] = field(default_factory=dict)  # unit -> value
+    sources: dict[int, set[str]] = field(default_factory=dict)  # unit -> addresses
+    base: dict[int, float | int] = field(default_factory=dict)  # one-sided: slice -> L0
     excluded: set[str] = field(default_factory=set)  # addresses out of this step
-    checked: set[int] = field(default_factory=set)  # keys whose value the daemon computed
+    checked: set[int] = field(default_factory=set)  # units whose value the daemon computed
     # accepted results (address, ks)
     groups: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
@@ -100,21 +108,24 @@ class KeyCollector:
             Interrupted: a stop arrived before the step could finish.
         """
         got = _Collected()
+        split = self.ctx.split(t, q, self.ctx.workers())
         first = not flights  # the first plan (with its audit) went out with the last update
         idle_rounds = 0
         try:
             while True:
-                missing = [k for k in range(q) if k not in got.values]
+                if first:  # nothing out yet: the split follows the boards there now
+                    split = self.ctx.split(t, q, self.ctx.workers())
+                missing = [u for u in split.units if u not in got.values]
                 covered = {k for f in flights.values() if not f.late for k in f.ks}
                 uncovered = [k for k in missing if k not in covered]
                 if not missing and not any(not f.late for f in flights.values()):
-                    if await self._confirm_rest(t, got):
+                    if await self._confirm_rest(t, split, got):
                         continue  # a result failed the daemon's check: its keys are missing again
-                    return self._losses(got, q)
+                    return self._losses(got, split)
                 if self.ctx.stopping.is_set() and self.ctx.shutdown:
                     raise Interrupted  # nothing of step t is applied: it runs again on resume
                 if uncovered:
-                    await self._dispatch(t, uncovered, got, flights, first=first)
+                    await self._dispatch(t, split, uncovered, got, flights, first=first)
                     first = False
                 if not flights:
                     # Nobody could take the keys (every board failed at once): wait, never spin.
@@ -122,7 +133,7 @@ class KeyCollector:
                     await self._idle(t, idle_rounds)
                     continue
                 idle_rounds = 0
-                await self._await_some(t, got, flights)
+                await self._await_some(t, split, got, flights)
         finally:
             for task, flight in flights.items():
                 task.cancel()
@@ -144,7 +155,13 @@ class KeyCollector:
             await ctx.fleet.wait_changed(delay)
 
     async def _dispatch(
-        self, t: int, keys: list[int], got: _Collected, flights: Flights, first: bool
+        self,
+        t: int,
+        split: StepSplit,
+        keys: list[int],
+        got: _Collected,
+        flights: Flights,
+        first: bool,
     ) -> None:
         ctx = self.ctx
         busy = {f.session.address for f in flights.values()}
@@ -161,10 +178,12 @@ class KeyCollector:
             ctx.reassigned += len(keys)
         now = asyncio.get_running_loop().time()
         by_address = {w.address: w for w in workers}
-        for address, ks in self._audited_plan(t, keys, workers, got).items():
+        for address, units in self._audited_plan(t, split, keys, workers, got).items():
             session = by_address[address]
-            request = ctx.eval_request(t, ks)
-            flight = Flight(session, request.ks, now, ctx.deadline(session, len(ks), now))
+            request = ctx.eval_request(t, units, split)
+            flight = Flight(
+                session, tuple(units), now, ctx.deadline(session, split.cost(units), now)
+            )
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             # The waiter is keyed by the request's step and ks: only an EvalResult answers it.
             task = ctx.tasks.spawn(_eval(session, request, timeout), f"fleet[{address}].eval[{t}]")
@@ -172,18 +191,27 @@ class KeyCollector:
             session.set_state("busy", "eval")
 
     def _audited_plan(
-        self, t: int, keys: list[int], workers: list[BoardSession], got: _Collected
+        self,
+        t: int,
+        split: StepSplit,
+        keys: list[int],
+        workers: list[BoardSession],
+        got: _Collected,
     ) -> dict[str, list[int]]:
-        """Every dispatch is audited, reassignments too: shards overlap by one key, and a
-        lone shard also carries a key another board already answered (when there is one)."""
-        plan = self.ctx.plan(keys, workers, audit=True)
+        """Every dispatch is audited, reassignments too: shards overlap by one unit, and a
+        lone shard also carries a unit of its slice another board already answered (when
+        there is one)."""
+        plan = self.ctx.plan(split, keys, workers, audit=True)
         if len(plan) == 1 and self.ctx.audit_step(t):
             ((address, ks),) = plan.items()
+            part = split.part(ks[0])
             known = next(
                 (
                     k
                     for k in sorted(got.values)
-                    if got.sources.get(k) and address not in got.sources[k]
+                    if got.sources.get(k)
+                    and address not in got.sources[k]
+                    and split.part(k) == part
                 ),
                 None,
             )
@@ -191,7 +219,7 @@ class KeyCollector:
                 plan[address] = sorted({*ks, known})
         return plan
 
-    async def _confirm_rest(self, t: int, got: _Collected) -> bool:
+    async def _confirm_rest(self, t: int, split: StepSplit, got: _Collected) -> bool:
         """At an audit step, the daemon checks one key of every result no second board
         confirmed (its audit partner was lost, late or alone). Returns whether one failed."""
         if not self.ctx.audit_step(t):
@@ -206,27 +234,51 @@ class KeyCollector:
             step=t,
             results=len(open_groups),
         )
-        liars = await self._daemon_truth(t, keys, got)
+        liars = await self._daemon_truth(t, split, keys, got)
         self._drop_liars(t, liars, got, keep=set(keys))
         return bool(liars)
 
-    async def _daemon_truth(self, t: int, keys: list[int], got: _Collected) -> set[str]:
-        """The daemon computes ``keys``; their values become its own. Returns the
+    async def _daemon_truth(
+        self, t: int, split: StepSplit, units: list[int], got: _Collected
+    ) -> set[str]:
+        """The daemon computes ``units``; their values become its own. Returns the
         addresses whose accepted values disagree with it."""
-        ctx = self.ctx
-        truth = await asyncio.to_thread(ctx.workload.perturbed_losses, ctx.state, t, keys)
-        two_sided = ctx.spec.estimator == "two_sided"
         liars: set[str] = set()
-        for k in keys:
-            true_value = (truth.plus[k], truth.minus[k] if two_sided else None)
-            if k in got.values and got.values[k] != true_value:
-                liars |= got.sources.get(k, set())
-            got.values[k] = true_value
-            got.sources[k] = set()
-            got.checked.add(k)
-        if not two_sided and truth.base is not None:
-            got.base = truth.base
+        by_part: dict[int, list[int]] = {}
+        for unit in units:
+            by_part.setdefault(split.part(unit), []).append(unit)
+        for part, members in sorted(by_part.items()):
+            truth, base = await self._daemon_values(t, split, part, members)
+            for unit, true_value in truth.items():
+                if unit in got.values and got.values[unit] != true_value:
+                    liars |= got.sources.get(unit, set())
+                got.values[unit] = true_value
+                got.sources[unit] = set()
+                got.checked.add(unit)
+            if base is not None:
+                got.base[part] = base
         return liars
+
+    async def _daemon_values(
+        self, t: int, split: StepSplit, part: int, units: list[int]
+    ) -> tuple[dict[int, Value], float | int | None]:
+        """The daemon's own values of ``units`` (all of slice ``part``), and L0 (one-sided)."""
+        ctx = self.ctx
+        keys = [split.key(u) for u in units]
+        two_sided = ctx.spec.estimator == "two_sided"
+        truth: LossPairs | LossSums
+        if split.parts == 1:
+            truth = await asyncio.to_thread(ctx.workload.perturbed_losses, ctx.state, t, keys)
+        else:
+            start, count = split.bounds(part)
+            truth = await asyncio.to_thread(
+                ctx.workload.perturbed_loss_sums, ctx.state, t, keys, start, count
+            )
+        values: dict[int, Value] = {
+            u: (truth.plus[k], truth.minus[k] if two_sided else None)
+            for u, k in zip(units, keys, strict=True)
+        }
+        return values, None if two_sided else truth.base
 
     def _drop_liars(self, t: int, liars: set[str], got: _Collected, keep: set[int]) -> None:
         for address in liars:
@@ -235,7 +287,9 @@ class KeyCollector:
             if liar is not None:
                 self.ctx.fault(liar, f"step {t}: losses disagree with the daemon's")
 
-    async def _await_some(self, t: int, got: _Collected, flights: Flights) -> None:
+    async def _await_some(
+        self, t: int, split: StepSplit, got: _Collected, flights: Flights
+    ) -> None:
         ctx = self.ctx
         loop = asyncio.get_running_loop()
         pending_deadlines = [f.deadline for f in flights.values() if not f.late]
@@ -249,14 +303,14 @@ class KeyCollector:
         for waiter in done:
             if waiter is ctx.going_down:
                 continue
-            task: asyncio.Task[Outcome[EvalResult]] = waiter  # type: ignore[assignment]
+            task: asyncio.Task[Outcome[Answer]] = waiter  # type: ignore[assignment]
             flight = flights.pop(task)
-            await self._on_answer(t, task, flight, got, now)
+            await self._on_answer(t, split, task, flight, got, now)
         for flight in flights.values():
             if not flight.late and now >= flight.deadline:
                 flight.late = True
                 got.excluded.add(flight.session.address)
-                flight.session.throughput.observe(len(flight.ks), now - flight.sent)
+                flight.session.throughput.observe(split.cost(flight.ks), now - flight.sent)
                 log.warning(
                     "shard late; reassigning",
                     board=flight.session.board_id,
@@ -267,7 +321,8 @@ class KeyCollector:
     async def _on_answer(
         self,
         t: int,
-        task: asyncio.Task[Outcome[EvalResult]],
+        split: StepSplit,
+        task: asyncio.Task[Outcome[Answer]],
         flight: Flight,
         got: _Collected,
         now: float,
@@ -278,73 +333,129 @@ class KeyCollector:
             session.set_state("ready", "answered")
         try:
             result = task.result().get()
-            self._check_result(result, t, flight)
+            units = self._check_result(result, t, split, flight)
         except BoardFaultError as exc:
             got.excluded.add(session.address)
             ctx.fault(session, fault_text(exc, f"step {t}"))
             return
         ctx.work[session.board_id] = ctx.work.get(session.board_id, 0) + len(result.ks)
         if not flight.late:  # a late answer still counts (and is checked), its time does not
-            session.throughput.observe(len(flight.ks), max(now - flight.sent, 1e-6))
-        await self._accept(t, session, result, got)
+            session.throughput.observe(split.cost(flight.ks), max(now - flight.sent, 1e-6))
+        await self._accept(t, split, session, result, units, got)
 
-    def _check_result(self, result: EvalResult, t: int, flight: Flight) -> None:
+    def _check_result(
+        self, result: Answer, t: int, split: StepSplit, flight: Flight
+    ) -> tuple[int, ...]:
+        """The result's work units, after checking it answers the flight's request."""
         ctx = self.ctx
-        if not isinstance(result, EvalResult) or result.step != t or result.job_id != ctx.job_id:
-            raise BoardFaultError(
-                flight.session.board_id, "wrong_answer", "result for another job or step"
-            )
-        if tuple(result.ks) != flight.ks or result.estimator != ctx.spec.estimator:
-            raise BoardFaultError(flight.session.board_id, "wrong_answer", "result for other keys")
+        board = flight.session.board_id
+        if (
+            not isinstance(result, EvalResult | EvalSliceResult)
+            or result.step != t
+            or result.job_id != ctx.job_id
+        ):
+            raise BoardFaultError(board, "wrong_answer", "result for another job or step")
+        part = 0
+        if isinstance(result, EvalSliceResult):
+            found = split.part_of(result.slice_start, result.slice_count)
+            if split.parts == 1 or found is None:
+                raise BoardFaultError(board, "wrong_answer", "result for another slice")
+            part = found
+        elif split.parts != 1:
+            raise BoardFaultError(board, "wrong_answer", "whole-batch result for a slice")
+        units = tuple(split.unit(k, part) for k in result.ks)
+        if units != flight.ks or result.estimator != ctx.spec.estimator:
+            raise BoardFaultError(board, "wrong_answer", "result for other keys")
+        return units
 
     async def _accept(
-        self, t: int, session: BoardSession, result: EvalResult, got: _Collected
+        self,
+        t: int,
+        split: StepSplit,
+        session: BoardSession,
+        result: Answer,
+        units: tuple[int, ...],
+        got: _Collected,
     ) -> None:
-        two_sided = result.estimator == "two_sided"
+        theirs, base = _result_values(result, units)
         conflicts: list[int] = []
-        for i, k in enumerate(result.ks):
-            value = (result.loss_plus[i], result.loss_minus[i] if two_sided else None)
-            if k in got.values and got.values[k] != value:
-                conflicts.append(k)
+        for unit, value in theirs.items():
+            if unit in got.values and got.values[unit] != value:
+                conflicts.append(unit)
                 continue
-            got.values.setdefault(k, value)
-            got.sources.setdefault(k, set()).add(session.address)
-        if not two_sided and result.loss_zero is not None:
-            if got.base is not None and got.base != result.loss_zero:
-                conflicts.append(result.ks[0])
-            got.base = result.loss_zero if got.base is None else got.base
-        liars = await self._arbitrate(t, conflicts, session, result, got) if conflicts else set()
+            got.values.setdefault(unit, value)
+            got.sources.setdefault(unit, set()).add(session.address)
+        if base is not None:
+            part = split.part(units[0])
+            if part in got.base and got.base[part] != base:
+                conflicts.append(units[0])
+            got.base.setdefault(part, base)
+        liars = (
+            await self._arbitrate(t, split, conflicts, session, theirs, got) if conflicts else set()
+        )
         if session.address not in liars:
-            got.groups.append((session.address, tuple(result.ks)))
+            got.groups.append((session.address, units))
 
     async def _arbitrate(
-        self, t: int, keys: list[int], session: BoardSession, result: EvalResult, got: _Collected
+        self,
+        t: int,
+        split: StepSplit,
+        units: list[int],
+        session: BoardSession,
+        theirs: dict[int, Value],
+        got: _Collected,
     ) -> set[str]:
-        """Two boards disagree: the daemon evaluates the keys and the wrong side is faulty.
-        Returns the addresses found lying."""
-        two_sided = self.ctx.spec.estimator == "two_sided"
-        index = {k: i for i, k in enumerate(result.ks)}
-        theirs = {
-            k: (result.loss_plus[index[k]], result.loss_minus[index[k]] if two_sided else None)
-            for k in keys
-        }
-        liars = await self._daemon_truth(t, keys, got)
-        if any(theirs[k] != got.values[k] for k in keys):
+        """Two boards disagree: the daemon evaluates the units and the wrong side is
+        faulty. Returns the addresses found lying."""
+        liars = await self._daemon_truth(t, split, units, got)
+        if any(theirs[u] != got.values[u] for u in units):
             liars.add(session.address)
-        self._drop_liars(t, liars, got, keep=set(keys))
+        self._drop_liars(t, liars, got, keep=set(units))
         return liars
 
-    def _losses(self, got: _Collected, q: int) -> LossPairs:
-        plus = {k: got.values[k][0] for k in range(q)}
-        if self.ctx.spec.estimator == "two_sided":
-            minus = {k: got.values[k][1] for k in range(q)}
-            return LossPairs(plus=plus, minus=minus)  # type: ignore[arg-type]
-        return LossPairs(plus=plus, minus={}, base=got.base)
+    def _losses(self, got: _Collected, split: StepSplit) -> LossPairs:
+        """The step's losses per key; sliced keys from their summed slices (SPEC 6.10)."""
+        two_sided = self.ctx.spec.estimator == "two_sided"
+        if split.parts == 1:
+            plus = {k: float(got.values[k][0]) for k in range(split.q)}
+            if two_sided:
+                minus = {k: float(got.values[k][1]) for k in range(split.q)}  # type: ignore[arg-type]
+                return LossPairs(plus=plus, minus=minus)
+            return LossPairs(plus=plus, minus={}, base=float(got.base[0]))
+        parts = range(split.parts)
+
+        def whole(side: int, k: int) -> float:
+            sums = [got.values[split.unit(k, p)][side] for p in parts]
+            return float(
+                sliced_batch_loss([int(v) for v in sums if v is not None], split.batch_size)
+            )
+
+        plus = {k: whole(0, k) for k in range(split.q)}
+        if two_sided:
+            return LossPairs(plus=plus, minus={k: whole(1, k) for k in range(split.q)})
+        base = sliced_batch_loss([int(got.base[p]) for p in parts], split.batch_size)
+        return LossPairs(plus=plus, minus={}, base=float(base))
 
 
-async def _eval(session: BoardSession, request: Any, timeout: float) -> EvalResult:
+def _result_values(result: Answer, units: tuple[int, ...]) -> tuple[dict[int, Value], Any]:
+    """Each unit's value in a result, and its L0 (one-sided; None two-sided)."""
+    two_sided = result.estimator == "two_sided"
+    if isinstance(result, EvalSliceResult):
+        sliced: dict[int, Value] = {
+            u: (result.sum_plus[i], result.sum_minus[i] if two_sided else None)
+            for i, u in enumerate(units)
+        }
+        return sliced, result.sum_zero
+    whole: dict[int, Value] = {
+        u: (result.loss_plus[i], result.loss_minus[i] if two_sided else None)
+        for i, u in enumerate(units)
+    }
+    return whole, result.loss_zero
+
+
+async def _eval(session: BoardSession, request: Any, timeout: float) -> Answer:
     result = await session.request(request, timeout)
-    return result  # type: ignore[return-value]  # keyed by step and ks: an EvalResult
+    return result  # type: ignore[return-value]  # keyed by step, slice and ks: the answer
 
 
 def _drop_board_values(address: str, got: _Collected, keep: set[int]) -> None:

@@ -22,10 +22,10 @@ import structlog
 
 from qsched.daemon.errors import Interrupted, JobError
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
-from qsched.daemon.planner import plan_shards
+from qsched.daemon.planner import StepSplit, choose_parts, plan_units
 from qsched.protocol.control import Event, EventKind
 from qsched.protocol.jobspec import JobSpec, PolicySpec
-from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest
+from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest, EvalSliceRequest
 from qsched.protocol.states import JobState
 from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import TrainResult
@@ -69,6 +69,9 @@ class EngineConfig:
         checkpoint_every: steps between checkpoints (default: the spec's).
         pipeline: send step t's update and step t+1's eval requests together, and check
             the update acks alongside the results (off: wait for every ack first).
+        split_batches: INT8 jobs may split a key's minibatch over several boards when
+            the boards' measured rates say it shortens the step (SPEC 6.10); off: every
+            board evaluates whole batches.
     """
 
     step_deadline_s: float = 5.0
@@ -81,6 +84,7 @@ class EngineConfig:
     validate_on: Literal["boards", "daemon"] = "boards"
     checkpoint_every: int | None = None
     pipeline: bool = True
+    split_batches: bool = True
 
 
 @dataclass
@@ -93,6 +97,7 @@ class JobResult:
     reassigned: int = 0
     policy: PolicySpec | None = None
     work: dict[str, int] = field(default_factory=dict)  # keys evaluated per board id
+    split_steps: int = 0  # steps whose batches were split over boards (SPEC 6.10)
 
     @property
     def state(self) -> TrainState:
@@ -230,13 +235,15 @@ class JobContext:
         self.status_line = "pending"
         self.faults = 0
         self.reassigned = 0
-        self.work: dict[str, int] = {}
+        self.work: dict[str, int] = {}  # keys evaluated (on a whole batch or a slice)
+        self.split_steps = 0
         self.stopping = asyncio.Event()
         self.shutdown = False
         self.safe_point = False  # True while no step is half done (checkpoints may run)
         # Boards whose update ack is not checked yet get no work meanwhile.
         self.unverified: dict[str, asyncio.Task[Outcome[None]]] = {}
         self.going_down: asyncio.Future[None] | None = None  # done on a shutdown stop
+        self._splits: dict[int, StepSplit] = {}  # step -> its split, chosen once
 
     @property
     def state(self) -> TrainState:
@@ -281,37 +288,74 @@ class JobContext:
         every = self.config.audit_every
         return every > 0 and t % every == 0
 
+    def split(self, t: int, q: int, workers: Sequence[BoardSession]) -> StepSplit:
+        """How step ``t`` (``q`` keys) is cut into work units; chosen once per step, from
+        the rates of ``workers``, and kept (a reassignment plans the same units). With no
+        workers yet nothing is kept: the whole batch, until boards are there."""
+        known = self._splits.get(t)
+        if known is not None and known.q == q:
+            return known
+        if not workers:
+            return StepSplit(q, self.spec.batch_size)
+        parts = 1
+        if self.config.split_batches and self.workload.int8:
+            parts = choose_parts(q, self.spec.batch_size, planning_rates(workers))
+        split = StepSplit(q, self.spec.batch_size, parts)
+        self.split_steps += parts > 1
+        self._splits = {step: v for step, v in self._splits.items() if step >= t - 1}
+        self._splits[t] = split
+        return split
+
     def plan(
         self,
+        split: StepSplit,
         missing: Sequence[int],
         workers: list[BoardSession],
         audit: bool,
         step: int | None = None,
     ) -> dict[str, list[int]]:
-        """Keys to boards by throughput; at an audit step, shards overlap by one key."""
-        plan = plan_shards(list(missing), planning_rates(workers))
+        """Units to boards by throughput; at an audit step, the shards of one slice
+        overlap by one unit (a board alone on its slice is checked by the daemon)."""
+        plan = plan_units(split, list(missing), planning_rates(workers))
         step = self.step if step is None else step
-        if audit and self.audit_step(step) and len(plan) >= 2:
-            order = sorted(plan)
+        if not (audit and self.audit_step(step)):
+            return plan
+        groups: dict[int, list[str]] = {}
+        for board in sorted(plan):
+            groups.setdefault(split.part(plan[board][0]), []).append(board)
+        for order in groups.values():
+            if len(order) < 2:
+                continue
             extra = {b: plan[order[(i - 1) % len(order)]][0] for i, b in enumerate(order)}
-            plan = {b: sorted({*plan[b], extra[b]}) for b in order}
+            for b in order:
+                plan[b] = sorted({*plan[b], extra[b]})
         return plan
 
-    def eval_request(self, t: int, ks: Sequence[int]) -> EvalRequest:
-        """The request for keys ``ks`` of step ``t``."""
+    def eval_request(
+        self, t: int, units: Sequence[int], split: StepSplit
+    ) -> EvalRequest | EvalSliceRequest:
+        """The request for ``units`` of step ``t`` (all of one slice)."""
         spec = self.spec
-        return EvalRequest(
-            job_id=self.job_id,
-            step=t,
-            batch_size=spec.batch_size,
-            eps=spec.eps,
-            estimator=spec.estimator,
-            ks=tuple(sorted(ks)),
+        keys = tuple(sorted(split.key(u) for u in units))
+        common = {
+            "job_id": self.job_id,
+            "step": t,
+            "batch_size": spec.batch_size,
+            "eps": spec.eps,
+            "estimator": spec.estimator,
+            "ks": keys,
+        }
+        if split.parts == 1:
+            return EvalRequest.model_validate(common)
+        (part,) = {split.part(u) for u in units}
+        start, count = split.bounds(part)
+        return EvalSliceRequest.model_validate(
+            {**common, "slice_start": start, "slice_count": count}
         )
 
-    def deadline(self, session: BoardSession, count: int, now: float) -> float:
-        """When a shard of ``count`` keys sent now is late."""
-        expected = count / max(session.throughput.rate, 1e-6)
+    def deadline(self, session: BoardSession, cost: float, now: float) -> float:
+        """When a shard of ``cost`` whole-batch keys sent now is late."""
+        expected = cost / max(session.throughput.rate, 1e-6)
         return now + max(self.config.step_deadline_s, self.config.deadline_factor * expected)
 
     def emit(

@@ -22,7 +22,10 @@ from qsched.daemon.fleet import BoardLostError, BoardSession
 from qsched.protocol.codec import encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkError
-from qsched.protocol.messages import ApplyUpdate, EvalRequest, Shard, StepOrder
+from qsched.protocol.messages import ApplyUpdate, EvalRequest, EvalSliceRequest, Shard, StepOrder
+
+# The next step's request of a board with work: whole batch or a batch slice.
+NextRequest = EvalRequest | EvalSliceRequest
 
 __all__ = ["Fleetcast", "fleet_channel", "wait_sent"]
 
@@ -38,7 +41,8 @@ class Fleetcast:
     Args:
         ctx: the job's shared context.
         update: ``ApplyUpdate(t)``, for every board in ``sessions``.
-        requests: address -> ``EvalRequest(t + 1)`` of the boards with work.
+        requests: address -> ``EvalRequest(t + 1)`` (or ``EvalSliceRequest``) of the
+            boards with work.
         sessions: the boards at step ``t``.
     """
 
@@ -46,7 +50,7 @@ class Fleetcast:
         self,
         ctx: JobContext,
         update: ApplyUpdate,
-        requests: Mapping[str, EvalRequest],
+        requests: Mapping[str, NextRequest],
         sessions: Iterable[BoardSession],
     ) -> None:
         self._ctx = ctx
@@ -92,15 +96,14 @@ async def wait_sent(session: BoardSession, sent: asyncio.Future[None]) -> None:
 def _order_bytes(
     ctx: JobContext,
     update: ApplyUpdate,
-    requests: Mapping[str, EvalRequest],
+    requests: Mapping[str, NextRequest],
     members: list[BoardSession],
 ) -> bytes | None:
     spec = ctx.spec
-    shards = []
-    for session in members:
-        request = requests.get(session.address)
-        shards.append(Shard(board_id=session.link.board_id, ks=request.ks if request else ()))
     try:
+        shards = [
+            _shard(session.link.board_id, requests.get(session.address)) for session in members
+        ]
         order = StepOrder(
             job_id=update.job_id,
             step=update.step,
@@ -115,6 +118,20 @@ def _order_bytes(
     except (ProtocolError, ValueError) as exc:
         log.info("step order not used", step=update.step, boards=len(members), reason=str(exc))
         return None
+
+
+def _shard(board_id: str, request: NextRequest | None) -> Shard:
+    """A board's shard of the order: its request's keys (and slice), or none."""
+    if request is None:
+        return Shard(board_id=board_id)
+    if isinstance(request, EvalSliceRequest):
+        return Shard(
+            board_id=board_id,
+            ks=request.ks,
+            slice_start=request.slice_start,
+            slice_count=request.slice_count,
+        )
+    return Shard(board_id=board_id, ks=request.ks)
 
 
 async def _publish(channel: Any, payload: bytes, sent: asyncio.Future[None]) -> None:

@@ -273,6 +273,7 @@ class StepEngine:
             self.reassigned,
             self.policy_spec,
             dict(self.work),
+            self.ctx.split_steps,
         )
 
     def _finish_failed(self, exc: JobError, started: float) -> None:

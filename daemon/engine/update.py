@@ -16,8 +16,15 @@ from typing import Any
 from qsched.daemon.engine.collect import Flight, Flights
 from qsched.daemon.engine.context import JobContext, fault_text
 from qsched.daemon.engine.fleetcast import Fleetcast, wait_sent
-from qsched.daemon.fleet import BoardFaultError, BoardSession
-from qsched.protocol.messages import ApplyUpdate, EvalRequest, EvalResult, UpdateAck
+from qsched.daemon.fleet import BoardFaultError, BoardSession, request_key
+from qsched.protocol.messages import (
+    ApplyUpdate,
+    EvalRequest,
+    EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
+    UpdateAck,
+)
 
 __all__ = ["UpdateSender"]
 
@@ -72,8 +79,9 @@ class UpdateSender:
         targets = self._targets(t)
         sent: list[asyncio.Future[None]] = []
         workers = [s for s in targets if s.state == "ready" and not s.draining]
-        plan = ctx.plan(range(next_q), workers, audit=True, step=t + 1) if workers else {}
-        requests = {a: ctx.eval_request(t + 1, ks) for a, ks in plan.items()}
+        split = ctx.split(t + 1, next_q, workers)
+        plan = ctx.plan(split, split.units, workers, audit=True, step=t + 1) if workers else {}
+        requests = {a: ctx.eval_request(t + 1, units, split) for a, units in plan.items()}
         cast = Fleetcast(ctx, message, requests, targets)
         flights: Flights = {}
         now = asyncio.get_running_loop().time()
@@ -88,7 +96,8 @@ class UpdateSender:
                     f"fleet[{session.address}].update[{t}]",
                 )
                 continue
-            flight = Flight(session, request.ks, now, ctx.deadline(session, len(request.ks), now))
+            units = tuple(plan[session.address])
+            flight = Flight(session, units, now, ctx.deadline(session, split.cost(units), now))
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             task = ctx.tasks.spawn(
                 self._update_then_eval(
@@ -174,12 +183,12 @@ class UpdateSender:
         self,
         session: BoardSession,
         update: ApplyUpdate,
-        request: EvalRequest,
+        request: EvalRequest | EvalSliceRequest,
         expected: asyncio.Future[int],
         timeout: float,
         sent: asyncio.Future[None],
         fleetcast: asyncio.Future[None] | None,
-    ) -> EvalResult:
+    ) -> EvalResult | EvalSliceResult:
         """Send the update and the next step's request (or wait for the StepOrder that
         carries both); the result counts only after the update's ack matched the daemon's
         checksum (else ``BoardFaultError``)."""
@@ -197,7 +206,7 @@ class UpdateSender:
                 await wait_sent(session, fleetcast)
         except BaseException:
             session.forget(("update", update.step), ack)
-            session.forget(("eval", request.step, request.ks), answer)
+            session.forget(request_key(request), answer)
             raise
         finally:
             _settle_none(sent)
@@ -205,10 +214,10 @@ class UpdateSender:
             reply = await session.reply(update, ack, self.ctx.config.reply_timeout_s)
             await _check_ack(session, update.step, reply, expected)
             result = await session.reply(request, answer, timeout)
-            return result  # type: ignore[return-value]  # keyed by step and ks: an EvalResult
+            return result  # type: ignore[return-value]  # keyed by step, slice and ks: the answer
         finally:
             session.forget(("update", update.step), ack)
-            session.forget(("eval", request.step, request.ks), answer)
+            session.forget(request_key(request), answer)
 
     async def _update_only(
         self,

@@ -67,6 +67,8 @@ from qsched.protocol.messages import (
     Error,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -376,6 +378,7 @@ _STATEFUL: Final = (
     SelectDataset,
     JobConfig,
     EvalRequest,
+    EvalSliceRequest,
     ApplyUpdate,
     ValidateRequest,
     Reset,
@@ -420,6 +423,7 @@ class BoardAgent:
             SelectDataset: self._on_select_dataset,
             JobConfig: self._on_job_config,
             EvalRequest: self._on_eval,
+            EvalSliceRequest: self._on_eval_slice,
             ApplyUpdate: self._on_apply_update,
             ValidateRequest: self._on_validate,
             Ping: self._on_ping,
@@ -530,9 +534,9 @@ class BoardAgent:
             BoardCrash: a crash fault fired (the caller stops serving, or exits).
         """
         step = getattr(msg, "step", None)
-        if isinstance(msg, EvalRequest | ApplyUpdate | ValidateRequest) and self.faults.crash(
-            msg.step
-        ):
+        if isinstance(
+            msg, EvalRequest | EvalSliceRequest | ApplyUpdate | ValidateRequest
+        ) and self.faults.crash(msg.step):
             raise BoardCrash(self.board_id, msg.step)
         handler = self._handlers.get(type(msg))
         if self._busy and isinstance(msg, _STATEFUL):
@@ -792,23 +796,9 @@ class BoardAgent:
     # ------------------------------------------------------------------ one step
 
     async def _on_eval(self, msg: EvalRequest) -> list[DataMessage]:
-        workload, state = self._ready(msg.job_id)
-        self._check_step(msg.job_id, msg.step, state)
-        cfg = self._config
-        assert cfg is not None
-        if (msg.batch_size, msg.eps, msg.estimator) != (cfg.batch_size, cfg.eps, cfg.estimator):
-            raise _Refusal(
-                "malformed",
-                f"request's batch/eps/estimator differ from job {cfg.job_id}'s",
-                job_id=msg.job_id,
-                step=msg.step,
-            )
+        workload, state = self._eval_ready(msg)
         losses, computed = await self._compute(workload.perturbed_losses, state, msg.step, msg.ks)
-        two_sided = msg.estimator == "two_sided"
-        sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
-        compute_us = await self._spend(
-            self.latency.forward_seconds(self._macs, sets * msg.batch_size), computed
-        )
+        compute_us = await self._spend_eval(msg, msg.batch_size, computed)
         values = [
             *losses.plus.values(),
             *losses.minus.values(),
@@ -816,6 +806,7 @@ class BoardAgent:
         ]
         if not all(math.isfinite(v) for v in values):
             raise _Refusal("numeric", "a loss is not finite", job_id=msg.job_id, step=msg.step)
+        two_sided = msg.estimator == "two_sided"
         result = EvalResult(
             job_id=msg.job_id,
             step=msg.step,
@@ -827,6 +818,55 @@ class BoardAgent:
             loss_zero=None if two_sided else losses.base,
         )
         return [self.faults.lie(result)]
+
+    async def _on_eval_slice(self, msg: EvalSliceRequest) -> list[DataMessage]:
+        workload, state = self._eval_ready(msg)
+        if not workload.int8:
+            raise _Refusal(
+                "malformed", "batch slices need INT8 numerics", job_id=msg.job_id, step=msg.step
+            )
+        sums, computed = await self._compute(
+            workload.perturbed_loss_sums, state, msg.step, msg.ks, msg.slice_start, msg.slice_count
+        )
+        compute_us = await self._spend_eval(msg, msg.slice_count, computed)
+        two_sided = msg.estimator == "two_sided"
+        result = EvalSliceResult(
+            job_id=msg.job_id,
+            step=msg.step,
+            compute_us=compute_us,
+            estimator=msg.estimator,
+            slice_start=msg.slice_start,
+            slice_count=msg.slice_count,
+            ks=msg.ks,
+            sum_plus=tuple(sums.plus[k] for k in msg.ks),
+            sum_minus=tuple(sums.minus[k] for k in msg.ks) if two_sided else (),
+            sum_zero=None if two_sided else sums.base,
+        )
+        return [self.faults.lie(result)]
+
+    def _eval_ready(self, msg: EvalRequest | EvalSliceRequest) -> tuple[Workload, TrainState]:
+        """The workload and state an evaluation runs on, after the request's checks."""
+        workload, state = self._ready(msg.job_id)
+        self._check_step(msg.job_id, msg.step, state)
+        cfg = self._config
+        assert cfg is not None
+        if (msg.batch_size, msg.eps, msg.estimator) != (cfg.batch_size, cfg.eps, cfg.estimator):
+            raise _Refusal(
+                "malformed",
+                f"request's batch/eps/estimator differ from job {cfg.job_id}'s",
+                job_id=msg.job_id,
+                step=msg.step,
+            )
+        return workload, state
+
+    async def _spend_eval(
+        self, msg: EvalRequest | EvalSliceRequest, samples: int, computed: float
+    ) -> int:
+        """Sleep out the modelled NPU time of the request's forward passes of ``samples``
+        samples each; returns the compute time to report, in microseconds."""
+        two_sided = msg.estimator == "two_sided"
+        sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
+        return await self._spend(self.latency.forward_seconds(self._macs, sets * samples), computed)
 
     async def _on_apply_update(self, msg: ApplyUpdate) -> list[DataMessage]:
         _, state = self._ready(msg.job_id)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol, get_args
 
 from qsched.firmware.errors import FaultError
-from qsched.protocol.messages import EvalResult
+from qsched.protocol.messages import EvalResult, EvalSliceResult
 
 __all__ = [
     "BAD_CHECKSUM_MASK",
@@ -204,7 +204,7 @@ class BoardFaults:
             return data
         return flip_bits(data, self._rng("corrupt-bits"))
 
-    def lie(self, result: EvalResult) -> EvalResult:
+    def lie(self, result: EvalResult | EvalSliceResult) -> EvalResult | EvalSliceResult:
         """``result`` with wrong losses, if a lie fault fires for it."""
         if not self._hits("lie", result.step):
             return result
@@ -217,8 +217,11 @@ class BoardFaults:
         return checksum ^ BAD_CHECKSUM_MASK
 
 
-def replace_losses(result: EvalResult) -> EvalResult:
-    """The same result with every L+ shifted by ``LIE_OFFSET``."""
+def replace_losses(result: EvalResult | EvalSliceResult) -> EvalResult | EvalSliceResult:
+    """The same result with every L+ (or its slice sum) shifted by ``LIE_OFFSET``."""
+    if isinstance(result, EvalSliceResult):
+        shift = int(LIE_OFFSET * 65536)  # in Q16, the slice sums' unit
+        return result.model_copy(update={"sum_plus": tuple(v + shift for v in result.sum_plus)})
     return result.model_copy(update={"loss_plus": tuple(v + LIE_OFFSET for v in result.loss_plus)})
 
 
