@@ -26,6 +26,7 @@ __all__ = [
     "choose_parts",
     "plan_shards",
     "plan_units",
+    "predicted_seconds",
     "reassign",
     "split_proportional",
 ]

@@ -61,6 +61,17 @@ def test_step_order_gives_each_named_board_its_messages() -> None:
     assert messages_of(encode(Ping(nonce=1)), "a") == []  # not an order
 
 
+def test_step_order_gives_a_slice_shard_its_slice_request() -> None:
+    """A shard with a slice becomes an EvalSliceRequest of that slice."""
+    order = ORDER.model_copy(
+        update={"shards": (Shard(board_id="a", ks=(1, 2), slice_start=2, slice_count=2),)}
+    )
+    update, request = (decode(m) for m in messages_of(encode(order), "a"))
+    assert update.type == "apply_update"
+    assert request.type == "eval_slice_request" and request.step == 4 and request.ks == (1, 2)
+    assert (request.slice_start, request.slice_count, request.batch_size) == (2, 2, 4)
+
+
 def test_step_order_refuses_a_board_named_twice() -> None:
     """Two shards for one board would be two requests: the model refuses it."""
     with pytest.raises(ValueError, match="more than one shard"):
@@ -75,10 +86,11 @@ async def _mqtt_board(
     *,
     fleet_in: bool = True,
     uplink: HostUplink | None = None,
+    latency: LatencyProfile | None = None,
 ) -> AsyncIterator[None]:
     async with MqttEndpoint(cfg, topics, board_id, fleet_in=fleet_in, uplink=uplink) as endpoint:
         await endpoint.wait_connected(10)
-        agent = BoardAgent(board_id, latency=LatencyProfile.off())
+        agent = BoardAgent(board_id, latency=latency or LatencyProfile.off())
         task = asyncio.create_task(serve_link(agent, endpoint))
         try:
             yield
@@ -215,3 +227,35 @@ async def test_host_uplink_sends_one_moment_as_one_batch(mqtt_broker: MosquittoB
                     break
     assert (uplink.batches, uplink.records) == (1, 5)
     assert unpack_batch(received[0]) == [(f"b{i}", encode(Ping(nonce=i))) for i in range(5)]
+
+
+async def test_split_batches_over_the_fleet_topic_train_alike(mqtt_broker: MosquittoBroker) -> None:
+    """One key a step on four order takers and a legacy board: the StepOrder carries
+    slice shards, the legacy board gets its EvalSliceRequest on its own topic, and the
+    weights are the single-process run's."""
+    spec = JobSpec(
+        name="split-mqtt",
+        steps=6,
+        eval_every=3,
+        batch_size=4,
+        numerics="int8",
+        policy=PolicySpec(name="fixed", config={"q": 1}),
+    )
+    cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
+    topics = TopicMap(fleet="split")
+    latency = LatencyProfile(macs_per_forward=20_000_000)  # modelled time dominates: even rates
+    names = ("taker-0", "taker-1", "taker-2", "taker-3", "legacy-0")
+    async with contextlib.AsyncExitStack() as stack:
+        transport = await stack.enter_async_context(MqttTransport(cfg, topics))
+        fleet = await stack.enter_async_context(Fleet(transport))
+        for name in names:
+            await stack.enter_async_context(
+                _mqtt_board(cfg, topics, name, fleet_in=name != "legacy-0", latency=latency)
+            )
+        await transport.wait_connected(10)
+        await wait_until(lambda: all(fleet.find(n) and fleet.find(n).hello for n in names), fleet)  # type: ignore[union-attr]
+        result = await StepEngine(spec, fleet, config=EngineConfig(audit_every=1)).run()
+    assert result.status == "completed"
+    assert result.split_steps >= spec.steps - 2  # the first steps may start with fewer boards
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert sum(1 for n in names if result.work.get(n)) >= 4

@@ -2,7 +2,18 @@
 
 import pytest
 
-from qsched.daemon.planner import ThroughputEstimate, plan_shards, reassign, split_proportional
+from qsched.daemon.planner import (
+    StepSplit,
+    ThroughputEstimate,
+    batch_slices,
+    choose_parts,
+    plan_shards,
+    plan_units,
+    predicted_seconds,
+    reassign,
+    split_proportional,
+)
+from qsched.protocol.messages import MAX_SLICE_KS
 
 
 def test_split_proportional_sums_and_follows_weights():
@@ -49,3 +60,90 @@ def test_throughput_estimate_smooths():
     assert est.rate == pytest.approx(13.0)
     est.observe(0, 1.0)
     assert est.observations == 2
+
+
+def test_batch_slices_cover_the_batch_once() -> None:
+    """Slice j of s starts at floor(j B / s); the slices tile the batch in order."""
+    assert batch_slices(4, 2) == [(0, 2), (2, 2)]
+    assert batch_slices(5, 3) == [(0, 1), (1, 2), (3, 2)]
+    for batch in range(1, 12):
+        for parts in range(1, batch + 1):
+            slices = batch_slices(batch, parts)
+            assert [s for s, _ in slices] == [sum(c for _, c in slices[:j]) for j in range(parts)]
+            assert sum(c for _, c in slices) == batch and all(c >= 1 for _, c in slices)
+    with pytest.raises(ValueError, match="slices"):
+        batch_slices(2, 3)
+
+
+def test_step_split_numbers_units_slice_major() -> None:
+    """Unit part * q + k; its cost counts the slice's share of the batch."""
+    split = StepSplit(q=3, batch_size=4, parts=2)
+    assert list(split.units) == list(range(6))
+    assert [(split.key(u), split.part(u)) for u in split.units] == [
+        (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+    ]  # fmt: skip
+    assert split.unit(2, 1) == 5
+    assert split.bounds(1) == (2, 2)
+    assert split.part_of(2, 2) == 1 and split.part_of(1, 2) is None
+    assert split.cost([0, 4]) == 1.0
+    assert StepSplit(q=3, batch_size=4).cost([0, 1]) == 2.0
+
+
+def test_plan_units_gives_each_board_one_slice() -> None:
+    """Split plans: every unit once, each board's units of one slice, groups by rate."""
+    split = StepSplit(q=4, batch_size=4, parts=2)
+    rates = {"a": 4.0, "b": 1.0, "c": 1.0, "d": 4.0}
+    plan = plan_units(split, split.units, rates)
+    assert sorted(u for units in plan.values() for u in units) == list(split.units)
+    assert all(len({split.part(u) for u in units}) == 1 for units in plan.values())
+    # The two fast boards lead different slices, each with one slow board beside it.
+    parts = {b: split.part(units[0]) for b, units in plan.items()}
+    assert parts["a"] != parts["d"] and {parts["b"], parts["c"]} == {0, 1}
+    assert len(plan["a"]) > len(plan["b"])
+
+
+def test_plan_units_with_fewer_boards_than_slices() -> None:
+    """Board i takes the i-th slice with missing units; the rest waits for a board."""
+    split = StepSplit(q=2, batch_size=4, parts=4)
+    plan = plan_units(split, [1, 2, 6, 7], {"x": 1.0, "y": 1.0})
+    assert plan == {"x": [1], "y": [2]}
+
+
+def test_plan_units_unsplit_is_plan_shards() -> None:
+    rates = {"a": 2.0, "b": 1.0}
+    split = StepSplit(q=6, batch_size=4)
+    assert plan_units(split, split.units, rates) == plan_shards(list(range(6)), rates)
+
+
+def test_choose_parts_splits_only_when_boards_would_idle() -> None:
+    """q = 64 at batch 4: 32 boards stay whole; 48, 128 and 256 boards split."""
+
+    def even(n: int) -> dict[str, float]:
+        return {f"b{i:03d}": 1.0 for i in range(n)}
+
+    assert choose_parts(64, 4, even(8)) == 1
+    assert choose_parts(64, 4, even(32)) == 1
+    assert choose_parts(64, 4, even(48)) == 2
+    assert choose_parts(64, 4, even(128)) == 2
+    assert choose_parts(64, 4, even(256)) == 4
+    assert choose_parts(64, 4, even(256), max_parts=2) == 2
+    assert choose_parts(64, 3, even(128)) == 3  # divisors of the batch only
+    assert choose_parts(2, 1, even(8)) == 1  # a batch of one cannot be split
+    assert choose_parts(8, 4, {}) == 1
+
+
+def test_choose_parts_follows_measured_rates() -> None:
+    """Two fast boards and many slow ones: the slow boards add nothing, no split; eight
+    even boards for four keys: split in two."""
+    rates = {"fast0": 100.0, "fast1": 100.0} | {f"slow{i}": 1.0 for i in range(6)}
+    assert choose_parts(4, 4, rates) == 1
+    assert predicted_seconds(StepSplit(4, 4, 1), rates) <= predicted_seconds(
+        StepSplit(4, 4, 2), rates
+    )
+    assert choose_parts(4, 4, dict.fromkeys(rates, 1.0)) == 2
+
+
+def test_choose_parts_respects_the_slice_key_limit() -> None:
+    """A shard of a split may hold at most MAX_SLICE_KS keys."""
+    rates = {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert choose_parts(MAX_SLICE_KS * 2, 2, rates) == 1

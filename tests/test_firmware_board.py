@@ -4,6 +4,7 @@ Python."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import zlib
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from qsched.protocol.messages import (
     Error,
     EvalRequest,
     EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     JobConfig,
@@ -191,6 +194,114 @@ def test_board_training_matches_python_bit_for_bit(board: Board, job: Job) -> No
     assert isinstance(beat, Heartbeat) and beat.state == "ready" and beat.step == 3
 
 
+def _slice_request(
+    config: JobConfig, step: int, ks: tuple[int, ...], start: int, count: int
+) -> EvalSliceRequest:
+    return EvalSliceRequest(
+        job_id=config.job_id,
+        step=step,
+        batch_size=config.batch_size,
+        eps=config.eps,
+        estimator=config.estimator,
+        slice_start=start,
+        slice_count=count,
+        ks=ks,
+    )
+
+
+@pytest.mark.parametrize("estimator", ["two_sided", "one_sided"])
+def test_board_slice_sums_match_python_and_the_whole_batch(
+    board: Board, job: Job, estimator: str
+) -> None:
+    """EvalSliceResult's Q16 loss sums equal Workload's, at three steps; summed over slices
+    that cover the batch, floor(sum / B) / 65536 is the whole-batch EvalResult's float32
+    loss bit for bit (SPEC 6.10)."""
+    spec = job.spec.model_copy(update={"estimator": estimator})
+    config = job_config(spec)
+    _load(board, job)
+    assert isinstance(board.client.request(config), Loaded)
+    base = job.workload
+    wl = Workload(spec, base.model, base.qmodel, base.dataset, base.trainable_layers)
+    state = wl.initial_state()
+    two_sided = estimator == "two_sided"
+    batch = spec.batch_size
+    ks = (0, 3, 9)
+    for step, slices in enumerate(
+        ([(0, 5), (5, 1), (6, 10)], [(0, 16)], [(i, 1) for i in range(16)])
+    ):
+        whole = board.client.request(
+            EvalRequest(
+                job_id=config.job_id,
+                step=step,
+                batch_size=batch,
+                eps=config.eps,
+                estimator=config.estimator,
+                ks=ks,
+            )
+        )
+        assert isinstance(whole, EvalResult), whole
+        plus = dict.fromkeys(ks, 0)
+        minus = dict.fromkeys(ks, 0)
+        zero = 0
+        for start, count in slices:
+            result = board.client.request(_slice_request(config, step, ks, start, count))
+            assert isinstance(result, EvalSliceResult), result
+            assert (result.job_id, result.step, result.estimator) == (
+                config.job_id,
+                step,
+                estimator,
+            )
+            assert (result.slice_start, result.slice_count, result.ks) == (start, count, ks)
+            want = wl.perturbed_loss_sums(state, step, ks, start, count)
+            assert result.sum_plus == tuple(want.plus[k] for k in ks)
+            assert result.sum_minus == tuple(want.minus[k] for k in ks if two_sided)
+            assert result.sum_zero == want.base
+            for k, value in zip(ks, result.sum_plus, strict=True):
+                plus[k] += value
+            for k, value in zip(ks, result.sum_minus, strict=False):  # () one-sided
+                minus[k] += value
+            zero += result.sum_zero or 0
+
+        def loss(total: int) -> float:
+            return float(np.float32((total // batch) / 65536.0))
+
+        assert whole.loss_plus == tuple(loss(plus[k]) for k in ks)
+        if two_sided:
+            assert whole.loss_minus == tuple(loss(minus[k]) for k in ks)
+        else:
+            assert whole.loss_zero == loss(zero)
+        coefficients = (0.5, -0.25, 1.5)
+        ack = board.client.request(
+            ApplyUpdate(job_id=config.job_id, step=step, ks=ks, coefficients=coefficients)
+        )
+        state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
+        assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum())
+
+
+def test_board_refuses_bad_slice_requests(board: Board, job: Job) -> None:
+    """A slice request is checked as an EvalRequest is (Errors with ref_type 0x4B); the
+    codec refuses a slice past the batch and more than 512 keys, as Python's does."""
+    request = _slice_request(job.config, 0, (0, 1), 4, 8)
+    assert board.client.request(request).code == "not_ready"  # type: ignore[union-attr]
+    _load(board, job)
+    stale = board.client.request(request.model_copy(update={"step": 2}))
+    assert isinstance(stale, Error) and (stale.code, stale.ref_type) == ("stale_step", 0x4B)
+    for change in ({"batch_size": 12}, {"eps": 2.0}, {"estimator": "one_sided"}):
+        other = board.client.request(request.model_copy(update=change))
+        assert isinstance(other, Error) and (other.code, other.ref_type) == ("malformed", 0x4B)
+    raw = bytearray(encode(request))
+    raw[19:23] = struct.pack("<HH", 9, 8)  # slice_start, slice_count: ends at 17 of 16
+    board.client.send_payload(bytes(raw))
+    assert board.client.recv() == Error(
+        code="malformed", ref_type=0x4B, detail="the slice ends after the batch"
+    )
+    too_many = encode(request.model_copy(update={"ks": tuple(range(512))}))
+    board.client.send_payload(too_many[:-4] + struct.pack("<HH", 513, 0))
+    answer = board.client.recv()
+    assert isinstance(answer, Error) and (answer.code, answer.ref_type) == ("malformed", 0x4B)
+    assert isinstance(board.client.request(request), EvalSliceResult)
+
+
 def test_board_set_weights_resynchronises(board: Board, job: Job) -> None:
     """SetWeights installs weights + buffer at a step; the next update matches Python."""
     _load(board, job)
@@ -275,6 +386,7 @@ def test_board_survives_mutated_messages(board: Board, job: Job) -> None:
             job_id=cfg.job_id, step=0, batch_size=16, eps=1.0, estimator="two_sided", ks=(0, 1, 2)
         ),
         ApplyUpdate(job_id=cfg.job_id, step=0, ks=(0, 3), coefficients=(0.5, -0.5)),
+        _slice_request(cfg, 0, (0, 2), 3, 4),
         ValidateRequest(job_id=cfg.job_id, step=0, start=0, count=5),
         SetWeights(total=9, offset=0, job_id=cfg.job_id, step=0, checksum=1, chunk=b"\x01\x02\x03"),
         LoadModel(total=100, offset=0, crc32=5, chunk=b"\x00" * 10),
