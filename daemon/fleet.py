@@ -177,6 +177,9 @@ class BoardSession:
     state: BoardState = "unknown"
     hello: Hello | None = None
     throughput: ThroughputEstimate = field(default_factory=ThroughputEstimate)
+    # The same measured on batch slices, per slices per key (SPEC 6.10): a slice costs
+    # more than its share of the samples where per-request costs dominate.
+    slice_throughput: dict[int, ThroughputEstimate] = field(default_factory=dict)
     draining: bool = False
     job_id: int = 0  # the job whose config, data set and model it holds (0: none)
     model_hash: int = 0

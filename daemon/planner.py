@@ -12,7 +12,7 @@ the boards' measured rates.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -210,27 +210,41 @@ def predicted_seconds(split: StepSplit, rates: Mapping[str, float]) -> float:
 
 
 def choose_parts(
-    q: int, batch_size: int, rates: Mapping[str, float], max_parts: int | None = None
+    q: int,
+    batch_size: int,
+    rates: Mapping[str, float] | Callable[[int], Mapping[str, float]],
+    max_parts: int | None = None,
 ) -> int:
-    """Slices per key for a step, from the boards' measured rates (keys per second).
+    """Slices per key for a step, from the boards' measured rates.
 
-    1 unless splitting shortens the predicted step by at least ``MIN_SPLIT_GAIN``; the
-    candidates are the divisors of ``batch_size`` (equal slices) up to ``max_parts``,
-    and a split whose shards would exceed ``MAX_SLICE_KS`` keys is not considered.
+    ``rates`` gives each board's whole-batch keys per second, or, called with a number
+    of slices per key, the rates measured on such slices (a slice costs more than its
+    share where per-request costs dominate, and the measurement says so). The answer
+    is 1 unless splitting shortens the predicted step by at least ``MIN_SPLIT_GAIN``;
+    the candidates are the divisors of ``batch_size`` (equal slices) up to
+    ``max_parts``, and a split whose shards would exceed ``MAX_SLICE_KS`` keys is not
+    considered.
     """
-    if not rates or q < 1:
+    fixed = rates
+
+    def rates_for(parts: int) -> Mapping[str, float]:
+        return fixed(parts) if callable(fixed) else fixed
+
+    whole = rates_for(1)
+    if not whole or q < 1:
         return 1
     # Fewer boards than slices would leave slices for a second round: never faster.
-    limit = min(batch_size, len(rates), max_parts or batch_size)
-    best, best_s = 1, predicted_seconds(StepSplit(q, batch_size, 1), rates)
+    limit = min(batch_size, len(whole), max_parts or batch_size)
+    best, best_s = 1, predicted_seconds(StepSplit(q, batch_size, 1), whole)
     for parts in range(2, limit + 1):
         if batch_size % parts:
             continue
         split = StepSplit(q, batch_size, parts)
-        plan = plan_units(split, split.units, rates)
+        sliced = rates_for(parts)
+        plan = plan_units(split, split.units, sliced)
         if any(len(units) > MAX_SLICE_KS for units in plan.values()):
             continue
-        seconds = predicted_seconds(split, rates)
+        seconds = predicted_seconds(split, sliced)
         if seconds <= best_s * (1 - MIN_SPLIT_GAIN):
             best, best_s = parts, seconds
     return best

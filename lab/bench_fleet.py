@@ -300,9 +300,12 @@ def _spec(config: BenchConfig, steps: int) -> Any:
 def _ideal_step_s(config: BenchConfig, boards: int, computed_macs: int) -> float:
     from qsched.firmware.virtual.board import LatencyProfile
 
-    largest = math.ceil(config.q / boards) + (1 if config.audit and boards > 1 else 0)
+    # The fleet's share of the step's samples, evenly: with batch slices (INT8) a board
+    # can take less than a whole key, so boards beyond q still shorten the step.
+    samples = math.ceil(config.q * config.batch / boards)
+    audit = config.batch if config.audit and boards > 1 else 0
     return LatencyProfile.named(config.model_latency).forward_seconds(
-        computed_macs, 2 * largest * config.batch
+        computed_macs, 2 * (samples + audit)
     )
 
 

@@ -1,5 +1,7 @@
 """Shard planning across boards of different speed."""
 
+from collections.abc import Callable
+
 import pytest
 
 from qsched.daemon.planner import (
@@ -147,3 +149,16 @@ def test_choose_parts_respects_the_slice_key_limit() -> None:
     """A shard of a split may hold at most MAX_SLICE_KS keys."""
     rates = {"a": 1.0, "b": 1.0, "c": 1.0}
     assert choose_parts(MAX_SLICE_KS * 2, 2, rates) == 1
+
+
+def test_choose_parts_judges_a_split_on_its_measured_rate() -> None:
+    """128 boards, 64 keys: a split is worth trying at face value, but not once slices
+    were measured at less than half the whole-batch rate (fixed costs per request)."""
+    boards = [f"b{i:03d}" for i in range(128)]
+
+    def measured(slice_rate: float) -> Callable[[int], dict[str, float]]:
+        return lambda parts: dict.fromkeys(boards, 1.0 if parts == 1 else slice_rate)
+
+    assert choose_parts(64, 4, measured(1.0)) == 2
+    assert choose_parts(64, 4, measured(0.9)) == 2
+    assert choose_parts(64, 4, measured(0.4)) == 1

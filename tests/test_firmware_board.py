@@ -213,9 +213,9 @@ def _slice_request(
 def test_board_slice_sums_match_python_and_the_whole_batch(
     board: Board, job: Job, estimator: str
 ) -> None:
-    """EvalSliceResult's Q16 loss sums equal Workload's, at three steps; summed over slices
-    that cover the batch, floor(sum / B) / 65536 is the whole-batch EvalResult's float32
-    loss bit for bit (SPEC 6.10)."""
+    """EvalSliceResult's Q16 loss sums equal Workload's, at four steps, up to 512 keys;
+    summed over slices that cover the batch, floor(sum / B) / 65536 is the whole-batch
+    EvalResult's float32 loss bit for bit (SPEC 6.10)."""
     spec = job.spec.model_copy(update={"estimator": estimator})
     config = job_config(spec)
     _load(board, job)
@@ -276,6 +276,13 @@ def test_board_slice_sums_match_python_and_the_whole_batch(
         )
         state = wl.apply_update(state, step, list(zip(ks, coefficients, strict=True)))
         assert ack == UpdateAck(job_id=config.job_id, step=step, checksum=state.checksum())
+    many = tuple(range(1, 1024, 2))  # MAX_SLICE_KS keys: a 9 KiB answer, in segments
+    result = board.client.request(_slice_request(config, 3, many, 10, 6))
+    want = wl.perturbed_loss_sums(state, 3, many, 10, 6)
+    assert isinstance(result, EvalSliceResult), result
+    assert result.sum_plus == tuple(want.plus[k] for k in many)
+    assert result.sum_minus == tuple(want.minus[k] for k in many if two_sided)
+    assert result.sum_zero == want.base
 
 
 def test_board_refuses_bad_slice_requests(board: Board, job: Job) -> None:

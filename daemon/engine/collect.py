@@ -31,6 +31,7 @@ from qsched.daemon.engine.context import (
     Outcome,
     fault_text,
     log,
+    observe_throughput,
 )
 from qsched.daemon.engine.sync import BoardSync
 from qsched.daemon.fleet import BoardFaultError, BoardSession
@@ -181,9 +182,8 @@ class KeyCollector:
         for address, units in self._audited_plan(t, split, keys, workers, got).items():
             session = by_address[address]
             request = ctx.eval_request(t, units, split)
-            flight = Flight(
-                session, tuple(units), now, ctx.deadline(session, split.cost(units), now)
-            )
+            deadline = ctx.deadline(session, split.cost(units), now, split)
+            flight = Flight(session, tuple(units), now, deadline)
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             # The waiter is keyed by the request's step and ks: only an EvalResult answers it.
             task = ctx.tasks.spawn(_eval(session, request, timeout), f"fleet[{address}].eval[{t}]")
@@ -310,7 +310,7 @@ class KeyCollector:
             if not flight.late and now >= flight.deadline:
                 flight.late = True
                 got.excluded.add(flight.session.address)
-                flight.session.throughput.observe(split.cost(flight.ks), now - flight.sent)
+                observe_throughput(flight.session, split, flight.ks, now - flight.sent)
                 log.warning(
                     "shard late; reassigning",
                     board=flight.session.board_id,
@@ -340,7 +340,7 @@ class KeyCollector:
             return
         ctx.work[session.board_id] = ctx.work.get(session.board_id, 0) + len(result.ks)
         if not flight.late:  # a late answer still counts (and is checked), its time does not
-            session.throughput.observe(split.cost(flight.ks), max(now - flight.sent, 1e-6))
+            observe_throughput(session, split, flight.ks, max(now - flight.sent, 1e-6))
         await self._accept(t, split, session, result, units, got)
 
     def _check_result(

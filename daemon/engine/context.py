@@ -22,7 +22,7 @@ import structlog
 
 from qsched.daemon.errors import Interrupted, JobError
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
-from qsched.daemon.planner import StepSplit, choose_parts, plan_units
+from qsched.daemon.planner import StepSplit, ThroughputEstimate, choose_parts, plan_units
 from qsched.protocol.control import Event, EventKind
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest, EvalSliceRequest
@@ -299,7 +299,7 @@ class JobContext:
             return StepSplit(q, self.spec.batch_size)
         parts = 1
         if self.config.split_batches and self.workload.int8:
-            parts = choose_parts(q, self.spec.batch_size, planning_rates(workers))
+            parts = choose_parts(q, self.spec.batch_size, lambda n: planning_rates(workers, n))
         split = StepSplit(q, self.spec.batch_size, parts)
         self.split_steps += parts > 1
         self._splits = {step: v for step, v in self._splits.items() if step >= t - 1}
@@ -316,7 +316,7 @@ class JobContext:
     ) -> dict[str, list[int]]:
         """Units to boards by throughput; at an audit step, the shards of one slice
         overlap by one unit (a board alone on its slice is checked by the daemon)."""
-        plan = plan_units(split, list(missing), planning_rates(workers))
+        plan = plan_units(split, list(missing), planning_rates(workers, split.parts))
         step = self.step if step is None else step
         if not (audit and self.audit_step(step)):
             return plan
@@ -353,9 +353,12 @@ class JobContext:
             {**common, "slice_start": start, "slice_count": count}
         )
 
-    def deadline(self, session: BoardSession, cost: float, now: float) -> float:
+    def deadline(
+        self, session: BoardSession, cost: float, now: float, split: StepSplit | None = None
+    ) -> float:
         """When a shard of ``cost`` whole-batch keys sent now is late."""
-        expected = cost / max(session.throughput.rate, 1e-6)
+        rate = throughput_of(session, split.parts if split else 1).rate
+        expected = cost / max(rate, 1e-6)
         return now + max(self.config.step_deadline_s, self.config.deadline_factor * expected)
 
     def emit(
@@ -383,12 +386,35 @@ class JobContext:
             log.exception("event handler failed", kind=kind)
 
 
-def planning_rates(workers: Sequence[BoardSession]) -> dict[str, float]:
-    """Each worker's throughput; a board never measured counts as the mean of the measured
-    ones (its prior of 1 key/s would starve it of work for good next to measured boards)."""
-    measured = [s.throughput.rate for s in workers if s.throughput.observations]
+def throughput_of(session: BoardSession, parts: int = 1) -> ThroughputEstimate:
+    """The board's measured rate on whole batches (``parts`` 1) or on slices of ``parts``
+    per key; slices not measured yet take the whole-batch estimate (so a split is tried
+    once at face value, then judged on what it measured)."""
+    if parts == 1:
+        return session.throughput
+    sliced = session.slice_throughput.get(parts)
+    return sliced if sliced is not None and sliced.observations else session.throughput
+
+
+def planning_rates(workers: Sequence[BoardSession], parts: int = 1) -> dict[str, float]:
+    """Each worker's throughput (whole-batch keys per second) on ``parts`` slices per key;
+    a board never measured counts as the mean of the measured ones (its prior of 1 key/s
+    would starve it of work for good next to measured boards)."""
+    estimates = {s.address: throughput_of(s, parts) for s in workers}
+    measured = [e.rate for e in estimates.values() if e.observations]
     prior = sum(measured) / len(measured) if measured else 1.0
-    return {s.address: s.throughput.rate if s.throughput.observations else prior for s in workers}
+    return {a: e.rate if e.observations else prior for a, e in estimates.items()}
+
+
+def observe_throughput(
+    session: BoardSession, split: StepSplit, units: Sequence[int], seconds: float
+) -> None:
+    """Fold one answered (or late) shard's time into the estimate of its kind."""
+    if split.parts == 1:
+        session.throughput.observe(split.cost(units), seconds)
+        return
+    estimate = session.slice_throughput.setdefault(split.parts, ThroughputEstimate())
+    estimate.observe(split.cost(units), seconds)
 
 
 def fault_text(exc: BoardFaultError, where: str) -> str:

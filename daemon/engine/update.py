@@ -97,7 +97,8 @@ class UpdateSender:
                 )
                 continue
             units = tuple(plan[session.address])
-            flight = Flight(session, units, now, ctx.deadline(session, split.cost(units), now))
+            deadline = ctx.deadline(session, split.cost(units), now, split)
+            flight = Flight(session, units, now, deadline)
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             task = ctx.tasks.spawn(
                 self._update_then_eval(
