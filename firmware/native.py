@@ -236,20 +236,22 @@ class BoardClient:
     """The daemon side of one serial link, synchronous: for tests and bring-up.
 
     Speaks the framing of ``qsched.protocol.framing`` over a file descriptor (a pty
-    master): data frames are acknowledged, the board's retransmissions dropped, and
-    ``send`` waits for the board's ACK. Heartbeats are kept apart from other messages.
+    master): data frames are acknowledged, the board's retransmissions dropped, its
+    segments joined (SPEC 7.4), and ``send`` waits for the board's ACK. Heartbeats are
+    kept apart from other messages.
 
     Args:
         fd: the file descriptor of the link (owned by the caller).
     """
 
     def __init__(self, fd: int) -> None:
-        from qsched.protocol.framing import FrameEncoder, FrameReader, ReceiveFilter
+        from qsched.protocol.framing import FrameEncoder, FrameReader, Reassembler, ReceiveFilter
 
         self._fd = fd
         self._encoder = FrameEncoder()
         self._reader = FrameReader()
         self._filter = ReceiveFilter()
+        self._joiner = Reassembler()
         self._acks: set[int] = set()
         self._inbox: list[bytes] = []
 
@@ -270,7 +272,9 @@ class BoardClient:
                 continue
             os.write(self._fd, self._encoder.ack(item.seq))
             if self._filter.accept(item):
-                self._inbox.append(item.payload)
+                message = self._joiner.push(item)
+                if message is not None:
+                    self._inbox.append(message)
 
     def send_payload(self, payload: bytes, timeout: float = 5.0) -> None:
         """Send raw message bytes in one data frame and wait for the board's ACK."""

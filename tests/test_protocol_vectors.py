@@ -72,11 +72,19 @@ def test_vectors_json_and_txt_agree(name: str) -> None:
     assert data == _read_txt(name)
 
 
+def _shard(text: str) -> Shard:
+    """``board:k k``, or ``board@start+count:k k`` for a batch slice."""
+    head, keys = text.split(":")
+    board, _, bounds = head.partition("@")
+    start, count = (int(v) for v in bounds.split("+")) if bounds else (0, 0)
+    ks = tuple(int(k) for k in keys.split())
+    return Shard(board_id=board, ks=ks, slice_start=start, slice_count=count)
+
+
 def _expected_field(current: Any, text: str) -> Any:
     """Parse a field line into the type the decoded model holds."""
     if isinstance(current, tuple) and current and isinstance(current[0], Shard):
-        shards = (part.split(":") for part in text.split(";"))
-        return tuple(Shard(board_id=b, ks=tuple(int(k) for k in ks.split())) for b, ks in shards)
+        return tuple(_shard(part) for part in text.split(";"))
     if isinstance(current, tuple):
         items = text.split(",") if text else []
         sample = current[0] if current else 0

@@ -529,11 +529,14 @@ static const int8_t *forward(qs_agent *a, const int8_t *input, const int8_t *fla
     return qs_model_forward(&a->model, input, flat);
 }
 
-/* Mean Q16 loss of the step's batch under the flat weights, as float32 (exact below 256). */
-static float batch_loss(qs_agent *a, const int8_t *flat, uint32_t batch)
+/* Sum of the Q16 losses of batch positions [first, first + count) of the step's batch
+ * under the flat weights: the whole batch for an EvalRequest, a slice for an
+ * EvalSliceRequest (SPEC 6.10). At most QS_MAX_BATCH losses, each a non-negative
+ * int32: the sum stays far below 2^63. */
+static int64_t loss_sum(qs_agent *a, const int8_t *flat, uint32_t first, uint32_t count)
 {
     int64_t sum = 0;
-    for (uint32_t j = 0; j < batch; ++j) {
+    for (uint32_t j = first; j < first + count; ++j) {
         const uint32_t idx = a->batch[j];
         const int8_t *logits = forward(a, a->dataset.x_train + (size_t)idx * a->dataset.sample, flat);
         sum += qs_loss_q16(logits, a->model.num_classes, a->dataset.y_train[idx], &a->model.loss);
@@ -541,53 +544,106 @@ static float batch_loss(qs_agent *a, const int8_t *flat, uint32_t batch)
             keep_link_alive(a);
         }
     }
+    return sum;
+}
+
+/* The mean of a whole batch's Q16 loss sum, as float32 (exact below 256). */
+static float mean_loss(int64_t sum, uint32_t batch)
+{
     /* Losses are non-negative: C's truncating division is the floor the SPEC asks for. */
     return (float)((double)(sum / (int64_t)batch) / 65536.0);
 }
 
-static float perturbed_loss(qs_agent *a, uint32_t k, int32_t eps, int32_t sign, uint32_t batch)
+/* loss_sum at the weights plus sign * eps * z_k of the board's step. */
+static int64_t perturbed_sum(qs_agent *a, uint32_t k, int32_t eps, int32_t sign, uint32_t first, uint32_t count)
 {
     const qs_stream s = {a->config.seed, a->step};
     (void)qs_perturb_int8(a->weights, a->work, a->model.num_params, 0, s, k, eps, sign);
-    return batch_loss(a, a->work, batch);
+    return loss_sum(a, a->work, first, count);
 }
 
-static void on_eval(qs_agent *a, const qs_msg *m)
+/* An EvalRequest's or EvalSliceRequest's checks (replying with the Error when one
+ * fails); then draws the step's batch indices. */
+static int eval_ready(qs_agent *a, const qs_msg *m)
 {
     if (!ready(a, m) || !step_ok(a, m)) {
-        return;
+        return 0;
     }
     if (m->batch_size != a->config.batch_size || memcmp(&m->eps, &a->config.eps, sizeof m->eps) != 0 ||
         m->estimator != a->config.estimator) {
         reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "batch/eps/estimator differ from the job's");
-        return;
+        return 0;
     }
-    const uint64_t start = qs_port_now_us();
-    a->computing = 1;
     (void)qs_batch_indices(a->config.seed, m->step, m->batch_size, a->dataset.n_train, a->batch);
-    const int32_t eps = (int32_t)m->eps;
-    const int two_sided = m->estimator == QS_EST_TWO_SIDED;
-    qs_msg_init(&a->tx, QS_MSG_EVAL_RESULT);
-    for (uint16_t i = 0; i < m->nks; ++i) {
-        a->tx.seq_a[i] = perturbed_loss(a, m->ks[i], eps, 1, m->batch_size);
-        if (two_sided) {
-            a->tx.seq_b[i] = perturbed_loss(a, m->ks[i], eps, -1, m->batch_size);
-        }
-    }
-    if (!two_sided) {
-        a->tx.loss_zero = batch_loss(a, a->weights, m->batch_size);
-        a->tx.has_loss_zero = 1;
-    }
-    a->computing = 0;
-    a->tx.type = QS_MSG_EVAL_RESULT;
+    return 1;
+}
+
+/* Fill in what every evaluation answer echoes, and send it. */
+static void send_eval_answer(qs_agent *a, uint8_t type, const qs_msg *m, uint64_t start_us)
+{
+    a->tx.type = type;
     a->tx.job_id = m->job_id;
     a->tx.step = m->step;
     a->tx.estimator = m->estimator;
     a->tx.nks = m->nks;
     memcpy(a->tx.ks, m->ks, sizeof(uint16_t) * m->nks);
-    const uint64_t us = qs_port_now_us() - start;
+    const uint64_t us = qs_port_now_us() - start_us;
     a->tx.compute_us = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
     send_msg(a, &a->tx);
+}
+
+static void on_eval(qs_agent *a, const qs_msg *m)
+{
+    if (!eval_ready(a, m)) {
+        return;
+    }
+    const uint64_t start = qs_port_now_us();
+    a->computing = 1;
+    const int32_t eps = (int32_t)m->eps;
+    const uint32_t batch = m->batch_size;
+    const int two_sided = m->estimator == QS_EST_TWO_SIDED;
+    qs_msg_init(&a->tx, QS_MSG_EVAL_RESULT);
+    for (uint16_t i = 0; i < m->nks; ++i) {
+        a->tx.seq_a[i] = mean_loss(perturbed_sum(a, m->ks[i], eps, 1, 0, batch), batch);
+        if (two_sided) {
+            a->tx.seq_b[i] = mean_loss(perturbed_sum(a, m->ks[i], eps, -1, 0, batch), batch);
+        }
+    }
+    if (!two_sided) {
+        a->tx.loss_zero = mean_loss(loss_sum(a, a->weights, 0, batch), batch);
+    }
+    a->computing = 0;
+    send_eval_answer(a, QS_MSG_EVAL_RESULT, m, start);
+}
+
+/* The sums of a slice of the batch (SPEC 6.10). This firmware holds INT8 jobs only (a
+ * JobConfig for FP32 is refused), so there is no FP32 mode to refuse slices in. */
+static void on_eval_slice(qs_agent *a, const qs_msg *m)
+{
+    if (!eval_ready(a, m)) {
+        return;
+    }
+    /* The codec checked first + count <= batch_size, and eval_ready that it is the job's. */
+    const uint32_t first = m->slice_start, count = m->slice_count;
+    QS_ASSERT(first + count <= a->config.batch_size);
+    const uint64_t start = qs_port_now_us();
+    a->computing = 1;
+    const int32_t eps = (int32_t)m->eps;
+    const int two_sided = m->estimator == QS_EST_TWO_SIDED;
+    qs_msg_init(&a->tx, QS_MSG_EVAL_SLICE_RESULT);
+    for (uint16_t i = 0; i < m->nks; ++i) {
+        a->tx.sum_plus[i] = (uint64_t)perturbed_sum(a, m->ks[i], eps, 1, first, count);
+        if (two_sided) {
+            a->tx.sum_minus[i] = (uint64_t)perturbed_sum(a, m->ks[i], eps, -1, first, count);
+        }
+    }
+    if (!two_sided) {
+        a->tx.sum_zero = (uint64_t)loss_sum(a, a->weights, first, count);
+    }
+    a->computing = 0;
+    a->tx.slice_start = m->slice_start;
+    a->tx.slice_count = m->slice_count;
+    send_eval_answer(a, QS_MSG_EVAL_SLICE_RESULT, m, start);
 }
 
 static uint32_t update_key(const qs_msg *m)
@@ -748,6 +804,7 @@ static void handle_payload(qs_agent *a, const uint8_t *payload, size_t len)
     case QS_MSG_SELECT_DATASET: on_select_dataset(a, m); break;
     case QS_MSG_JOB_CONFIG: on_job_config(a, m, payload, len); break;
     case QS_MSG_EVAL_REQUEST: on_eval(a, m); break;
+    case QS_MSG_EVAL_SLICE_REQUEST: on_eval_slice(a, m); break;
     case QS_MSG_APPLY_UPDATE: on_apply_update(a, m); break;
     case QS_MSG_VALIDATE_REQUEST: on_validate(a, m); break;
     case QS_MSG_PING: send_heartbeat(a, m->nonce); break;

@@ -2,7 +2,8 @@
  * The board agent: the board side of the protocol over a serial link (COBS frames,
  * acks, retransmission), and the state machine of qsched.firmware.virtual.board in C:
  * LoadModel / SelectDataset / JobConfig make the board ready, SetWeights resynchronises
- * it, EvalRequest / ApplyUpdate / ValidateRequest run the training steps.
+ * it, EvalRequest / EvalSliceRequest / ApplyUpdate / ValidateRequest run the training
+ * steps.
  *
  * No heap: the agent is one static object; the model, the weights, the accumulation
  * buffer and the activations live in the port's model region, split as
@@ -65,7 +66,7 @@ typedef struct {
     uint8_t rx_bytes[QS_RX_READ_BYTES];
     qs_msg rx, tx;
     qs_msg hb;     /* heartbeats have their own message: one may go out mid-computation */
-    int computing; /* an EvalRequest / ValidateRequest is running: report busy */
+    int computing; /* an evaluation or validation is running: report busy */
     int link_gone;
     int hello_acked; /* the peer acknowledged our Hello */
     uint64_t last_heartbeat_us;

@@ -2,17 +2,22 @@
 
 #include <string.h>
 
-typedef enum { F_U8, F_U16, F_U32, F_U64, F_F32, F_F64, F_ENUM, F_TEXT, F_BLOB, F_KSET, F_SEQ_A, F_SEQ_B, F_OPT_ZERO } kind;
+/* F_PER_K: one value per key; F_PER_K_TWO: the same, two-sided only; F_ONE_SIDED: one
+ * value, one-sided only. Their values are float32 or u64 (field.elem). */
+typedef enum {
+    F_U8, F_U16, F_U32, F_U64, F_F32, F_F64, F_ENUM, F_TEXT, F_BLOB, F_KSET, F_PER_K, F_PER_K_TWO, F_ONE_SIDED
+} kind;
 typedef enum { T_NAME, T_VERSION, T_DETAIL } text_class;
 
 typedef struct {
     const char *name;
-    kind kind;
     size_t offset;               /* into qs_msg */
     const char *const *choices;  /* F_ENUM */
-    uint8_t nchoices;            /* F_ENUM */
-    uint8_t max_len;             /* F_TEXT */
+    kind kind;
+    kind elem;                   /* F_PER_K, F_PER_K_TWO, F_ONE_SIDED: F_F32 or F_U64 */
     text_class text;             /* F_TEXT */
+    uint16_t most;               /* F_TEXT: longest, in bytes; F_KSET: most keys */
+    uint8_t nchoices;            /* F_ENUM */
 } field;
 
 static const char *const kEstimator[] = {"two_sided", "one_sided"};
@@ -29,13 +34,16 @@ static const char *const kErrorCode[] = {
 
 #define N(a) ((uint8_t)(sizeof(a) / sizeof((a)[0])))
 #define OFF(m) offsetof(qs_msg, m)
-#define SCALAR(n, k, m) {n, k, OFF(m), NULL, 0, 0, T_NAME}
-#define ENUM(n, m, c) {n, F_ENUM, OFF(m), c, N(c), 0, T_NAME}
-#define TEXT(n, m, len, cls) {n, F_TEXT, OFF(m), NULL, 0, len, cls}
+#define SCALAR(n, k, m) {n, OFF(m), NULL, k, F_U8, T_NAME, 0, 0}
+#define ENUM(n, m, c) {n, OFF(m), c, F_ENUM, F_U8, T_NAME, 0, N(c)}
+#define TEXT(n, m, len, cls) {n, OFF(m), NULL, F_TEXT, F_U8, cls, len, 0}
+#define VALUES(n, k, m, e) {n, OFF(m), NULL, k, e, T_NAME, 0, 0}
 #define JOB SCALAR("job_id", F_U32, job_id)
 #define STEP SCALAR("step", F_U32, step)
-#define KSET {"ks", F_KSET, 0, NULL, 0, 0, T_NAME}
-#define END {NULL, F_U8, 0, NULL, 0, 0, T_NAME}
+#define KSET_OF(most) {"ks", 0, NULL, F_KSET, F_U8, T_NAME, most, 0}
+#define KSET KSET_OF(QS_MAX_KS)
+#define BLOB {"chunk", 0, NULL, F_BLOB, F_U8, T_NAME, 0, 0}
+#define END {NULL, 0, NULL, F_U8, F_U8, T_NAME, 0, 0}
 
 static const field kHello[] = {
     SCALAR("protocol_version", F_U16, protocol_version), ENUM("npu", npu, kNpu),
@@ -48,8 +56,13 @@ static const field kHeartbeat[] = {
     STEP, END};
 static const field kEvalResult[] = {
     JOB, STEP, SCALAR("compute_us", F_U32, compute_us), ENUM("estimator", estimator, kEstimator), KSET,
-    {"loss_plus", F_SEQ_A, OFF(seq_a), NULL, 0, 0, T_NAME}, {"loss_minus", F_SEQ_B, OFF(seq_b), NULL, 0, 0, T_NAME},
-    {"loss_zero", F_OPT_ZERO, OFF(loss_zero), NULL, 0, 0, T_NAME}, END};
+    VALUES("loss_plus", F_PER_K, seq_a, F_F32), VALUES("loss_minus", F_PER_K_TWO, seq_b, F_F32),
+    VALUES("loss_zero", F_ONE_SIDED, loss_zero, F_F32), END};
+static const field kEvalSliceResult[] = {
+    JOB, STEP, SCALAR("compute_us", F_U32, compute_us), ENUM("estimator", estimator, kEstimator),
+    SCALAR("slice_start", F_U16, slice_start), SCALAR("slice_count", F_U16, slice_count), KSET_OF(QS_MAX_SLICE_KS),
+    VALUES("sum_plus", F_PER_K, sum_plus, F_U64), VALUES("sum_minus", F_PER_K_TWO, sum_minus, F_U64),
+    VALUES("sum_zero", F_ONE_SIDED, sum_zero, F_U64), END};
 static const field kUpdateAck[] = {JOB, STEP, SCALAR("checksum", F_U32, checksum), END};
 static const field kValidateResult[] = {
     JOB, STEP, SCALAR("start", F_U32, start), SCALAR("count", F_U32, count), SCALAR("loss_sum", F_F64, loss_sum),
@@ -61,10 +74,10 @@ static const field kError[] = {
     TEXT("detail", text_a, 64, T_DETAIL), END};
 static const field kLoadModel[] = {
     SCALAR("total", F_U32, total), SCALAR("offset", F_U32, offset), SCALAR("crc32", F_U32, crc32),
-    {"chunk", F_BLOB, 0, NULL, 0, 0, T_NAME}, END};
+    BLOB, END};
 static const field kSetWeights[] = {
     SCALAR("total", F_U32, total), SCALAR("offset", F_U32, offset), JOB, STEP, SCALAR("checksum", F_U32, checksum),
-    {"chunk", F_BLOB, 0, NULL, 0, 0, T_NAME}, END};
+    BLOB, END};
 static const field kSelectDataset[] = {
     TEXT("name", text_a, 32, T_NAME), SCALAR("dataset_hash", F_U64, dataset_hash),
     SCALAR("train_size", F_U32, train_size), SCALAR("val_size", F_U32, val_size), END};
@@ -75,8 +88,11 @@ static const field kJobConfig[] = {
 static const field kEvalRequest[] = {
     JOB, STEP, SCALAR("batch_size", F_U16, batch_size), SCALAR("eps", F_F32, eps),
     ENUM("estimator", estimator, kEstimator), KSET, END};
-static const field kApplyUpdate[] = {
-    JOB, STEP, KSET, {"coefficients", F_SEQ_A, OFF(seq_a), NULL, 0, 0, T_NAME}, END};
+static const field kEvalSliceRequest[] = {
+    JOB, STEP, SCALAR("batch_size", F_U16, batch_size), SCALAR("eps", F_F32, eps),
+    ENUM("estimator", estimator, kEstimator), SCALAR("slice_start", F_U16, slice_start),
+    SCALAR("slice_count", F_U16, slice_count), KSET_OF(QS_MAX_SLICE_KS), END};
+static const field kApplyUpdate[] = {JOB, STEP, KSET, VALUES("coefficients", F_PER_K, seq_a, F_F32), END};
 static const field kValidateRequest[] = {JOB, STEP, SCALAR("start", F_U32, start), SCALAR("count", F_U32, count), END};
 static const field kPing[] = {SCALAR("nonce", F_U32, nonce), END};
 static const field kReset[] = {ENUM("scope", scope, kScope), END};
@@ -94,6 +110,7 @@ static const layout kLayouts[] = {
     {QS_MSG_UPDATE_ACK, "update_ack", kUpdateAck},
     {QS_MSG_VALIDATE_RESULT, "validate_result", kValidateResult},
     {QS_MSG_LOADED, "loaded", kLoaded},
+    {QS_MSG_EVAL_SLICE_RESULT, "eval_slice_result", kEvalSliceResult},
     {QS_MSG_LOAD_MODEL, "load_model", kLoadModel},
     {QS_MSG_SET_WEIGHTS, "set_weights", kSetWeights},
     {QS_MSG_SELECT_DATASET, "select_dataset", kSelectDataset},
@@ -103,6 +120,7 @@ static const layout kLayouts[] = {
     {QS_MSG_VALIDATE_REQUEST, "validate_request", kValidateRequest},
     {QS_MSG_PING, "ping", kPing},
     {QS_MSG_RESET, "reset", kReset},
+    {QS_MSG_EVAL_SLICE_REQUEST, "eval_slice_request", kEvalSliceRequest},
     {QS_MSG_ERROR, "error", kError},
 };
 
@@ -279,7 +297,7 @@ static void decode_scalar(reader *r, const field *f, qs_msg *m)
     }
 }
 
-static void decode_kset(reader *r, qs_msg *m)
+static void decode_kset(reader *r, qs_msg *m, uint16_t most)
 {
     const uint8_t *p = take(r, 3);
     if (p == NULL) {
@@ -287,8 +305,8 @@ static void decode_kset(reader *r, qs_msg *m)
     }
     const uint8_t mode = p[0];
     const uint16_t count = (uint16_t)get_le(p + 1, 2);
-    if (count < 1u || count > QS_MAX_KS) {
-        invalid(r, "k count outside [1, MAX_KS]");
+    if (count < 1u || count > most) {
+        invalid(r, most == QS_MAX_KS ? "k count outside [1, MAX_KS]" : "k count outside [1, MAX_SLICE_KS]");
         return;
     }
     m->nks = count;
@@ -320,15 +338,39 @@ static void decode_kset(reader *r, qs_msg *m)
     }
 }
 
-static void decode_seq(reader *r, float *dst, uint16_t n)
+static unsigned elem_size(kind elem)
 {
-    const uint8_t *p = take(r, 4u * n);
+    return elem == F_U64 ? 8u : 4u;
+}
+
+/* How many values a per-key or one-sided field has in m (its estimator and keys). */
+static uint16_t value_count(const field *f, const qs_msg *m)
+{
+    const int two_sided = m->estimator == QS_EST_TWO_SIDED;
+    switch (f->kind) {
+    case F_PER_K: return m->nks;
+    case F_PER_K_TWO: return two_sided ? m->nks : 0u;
+    default: return two_sided ? 0u : 1u;
+    }
+}
+
+/* n values (float32 or u64, f->elem) into the field's array. */
+static void decode_values(reader *r, const field *f, qs_msg *m, uint16_t n)
+{
+    const unsigned size = elem_size(f->elem);
+    const uint8_t *p = take(r, (size_t)size * n);
+    uint8_t *dst = (uint8_t *)m + f->offset;
     for (uint16_t i = 0; p != NULL && i < n; ++i) {
-        const uint32_t bits = (uint32_t)get_le(p + 4u * i, 4);
-        if (!finite_f32(bits)) {
+        const uint64_t v = get_le(p + size * i, size);
+        if (f->elem == F_U64) {
+            memcpy(dst + 8u * i, &v, 8);
+            continue;
+        }
+        if (!finite_f32((uint32_t)v)) {
             defer(r, "float field is not finite");
         }
-        dst[i] = f32_of(bits);
+        const float x = f32_of((uint32_t)v);
+        memcpy(dst + 4u * i, &x, 4);
     }
 }
 
@@ -347,7 +389,7 @@ static void decode_field(reader *r, const field *f, qs_msg *m)
     case F_TEXT: {
         const uint8_t *p = take(r, 1);
         const uint8_t n = p ? *p : 0u;
-        if (p != NULL && n > f->max_len) {
+        if (p != NULL && n > f->most) {
             invalid(r, "text field too long");
             return;
         }
@@ -373,15 +415,8 @@ static void decode_field(reader *r, const field *f, qs_msg *m)
         m->chunk = take(r, n);
         m->chunk_len = n;
     } break;
-    case F_KSET: decode_kset(r, m); break;
-    case F_SEQ_A: decode_seq(r, m->seq_a, m->nks); break;
-    case F_SEQ_B: decode_seq(r, m->seq_b, m->estimator == QS_EST_TWO_SIDED ? m->nks : 0u); break;
-    case F_OPT_ZERO:
-        if (m->estimator == QS_EST_ONE_SIDED) {
-            decode_seq(r, &m->loss_zero, 1);
-            m->has_loss_zero = 1;
-        }
-        break;
+    case F_KSET: decode_kset(r, m, f->most); break;
+    case F_PER_K: case F_PER_K_TWO: case F_ONE_SIDED: decode_values(r, f, m, value_count(f, m)); break;
     default: decode_scalar(r, f, m); break;
     }
 }
@@ -398,6 +433,13 @@ static void check_message(reader *r, const qs_msg *m)
     }
     if (m->type == QS_MSG_VALIDATE_RESULT && m->correct > m->count) {
         invalid(r, "correct exceeds count");
+    }
+    const int slice = m->type == QS_MSG_EVAL_SLICE_REQUEST || m->type == QS_MSG_EVAL_SLICE_RESULT;
+    if (slice && m->slice_count == 0u) {
+        invalid(r, "slice_count must be at least 1");
+    }
+    if (m->type == QS_MSG_EVAL_SLICE_REQUEST && (uint32_t)m->slice_start + m->slice_count > m->batch_size) {
+        invalid(r, "the slice ends after the batch");
     }
 }
 
@@ -473,6 +515,19 @@ static void put(writer *w, uint64_t v, unsigned n)
     }
 }
 
+/* Value i of a per-key or one-sided field at src: a u64, or a float32's bits. */
+static uint64_t value_at(const field *f, const uint8_t *src, uint16_t i)
+{
+    if (f->elem == F_U64) {
+        uint64_t v;
+        memcpy(&v, src + 8u * i, 8);
+        return v;
+    }
+    float x;
+    memcpy(&x, src + 4u * i, 4);
+    return bits_f32(x);
+}
+
 static void encode_field(writer *w, const field *f, const qs_msg *m)
 {
     const uint8_t *src = (const uint8_t *)m + f->offset;
@@ -483,10 +538,10 @@ static void encode_field(writer *w, const field *f, const qs_msg *m)
     case F_U64: case F_F64: { uint64_t x; memcpy(&x, src, 8); put(w, x, 8); } break;
     case F_TEXT: {
         const size_t n = strlen((const char *)src);
-        put(w, n > f->max_len ? f->max_len : n, 1);
-        uint8_t *p = room(w, n > f->max_len ? f->max_len : n);
+        put(w, n > f->most ? f->most : n, 1);
+        uint8_t *p = room(w, n > f->most ? f->most : n);
         if (p != NULL) {
-            memcpy(p, src, n > f->max_len ? f->max_len : n);
+            memcpy(p, src, n > f->most ? f->most : n);
         }
     } break;
     case F_BLOB: {
@@ -504,16 +559,9 @@ static void encode_field(writer *w, const field *f, const qs_msg *m)
             put(w, m->ks[i], 2);
         }
     } break;
-    case F_SEQ_A: case F_SEQ_B: {
-        const uint16_t n = (f->kind == F_SEQ_B && m->estimator != QS_EST_TWO_SIDED) ? 0u : m->nks;
-        const float *seq = f->kind == F_SEQ_A ? m->seq_a : m->seq_b;
-        for (uint16_t i = 0; i < n; ++i) {
-            put(w, bits_f32(seq[i]), 4);
-        }
-    } break;
-    case F_OPT_ZERO:
-        if (m->estimator == QS_EST_ONE_SIDED) {
-            put(w, bits_f32(m->loss_zero), 4);
+    case F_PER_K: case F_PER_K_TWO: case F_ONE_SIDED:
+        for (uint16_t i = 0; i < value_count(f, m); ++i) {
+            put(w, value_at(f, src, i), elem_size(f->elem));
         }
         break;
     }
@@ -524,6 +572,11 @@ qs_status qs_encode(const qs_msg *msg, uint8_t *out, size_t cap, size_t *len)
     const layout *l = find_layout(msg->type);
     if (l == NULL) {
         return QS_ERR_ARG;
+    }
+    for (const field *f = l->fields; f->name != NULL; ++f) {
+        if (f->kind == F_KSET && msg->nks > f->most) {
+            return QS_ERR_ARG; /* a slice message's sums have room for 512 keys only */
+        }
     }
     writer w = {out, cap < QS_MAX_PAYLOAD ? cap : QS_MAX_PAYLOAD, 0, 0};
     uint8_t *h = room(&w, QS_HEADER_SIZE);
@@ -586,14 +639,19 @@ static void tb_u64(text_buf *t, uint64_t v, unsigned base, unsigned width)
     }
 }
 
-static void tb_seq(text_buf *t, const float *seq, uint16_t n)
+/* Comma-separated: float32 values as their bits in hex, u64 values in decimal. */
+static void tb_values(text_buf *t, const field *f, const uint8_t *src, uint16_t n)
 {
     for (uint16_t i = 0; i < n; ++i) {
         if (i != 0u) {
             tb_char(t, ',');
         }
-        tb_str(t, "0x");
-        tb_u64(t, bits_f32(seq[i]), 16, 8);
+        if (f->elem == F_U64) {
+            tb_u64(t, value_at(f, src, i), 10, 0);
+        } else {
+            tb_str(t, "0x");
+            tb_u64(t, value_at(f, src, i), 16, 8);
+        }
     }
 }
 
@@ -635,13 +693,7 @@ int qs_msg_field_text(const qs_msg *msg, const char *name, char *out, size_t cap
                 tb_u64(&t, msg->ks[i], 10, 0);
             }
             break;
-        case F_SEQ_A: tb_seq(&t, msg->seq_a, msg->nks); break;
-        case F_SEQ_B: tb_seq(&t, msg->seq_b, msg->estimator == QS_EST_TWO_SIDED ? msg->nks : 0u); break;
-        case F_OPT_ZERO:
-            if (msg->has_loss_zero) {
-                tb_seq(&t, &msg->loss_zero, 1);
-            }
-            break;
+        case F_PER_K: case F_PER_K_TWO: case F_ONE_SIDED: tb_values(&t, f, src, value_count(f, msg)); break;
         }
         return !t.overflow;
     }

@@ -16,6 +16,7 @@
 #define QS_MAX_PAYLOAD 12288u /* largest encoded message, header included */
 #define QS_MAX_CHUNK 8192u    /* largest LoadModel / SetWeights chunk */
 #define QS_MAX_KS 1024u       /* most sample keys in one message */
+#define QS_MAX_SLICE_KS 512u  /* most keys in an EvalSliceRequest / EvalSliceResult */
 #define QS_HEADER_SIZE 4u
 #define QS_TEXT_MAX 64u
 
@@ -26,6 +27,7 @@ enum {
     QS_MSG_UPDATE_ACK = 0x04,
     QS_MSG_VALIDATE_RESULT = 0x05,
     QS_MSG_LOADED = 0x06,
+    QS_MSG_EVAL_SLICE_RESULT = 0x07,
     QS_MSG_LOAD_MODEL = 0x41,
     QS_MSG_SET_WEIGHTS = 0x42,
     QS_MSG_SELECT_DATASET = 0x43,
@@ -35,6 +37,7 @@ enum {
     QS_MSG_VALIDATE_REQUEST = 0x47,
     QS_MSG_PING = 0x48,
     QS_MSG_RESET = 0x49,
+    QS_MSG_EVAL_SLICE_REQUEST = 0x4B,
     QS_MSG_ERROR = 0x7F
 };
 
@@ -73,24 +76,43 @@ typedef struct {
     uint32_t start, count, correct, ram_kib, max_payload, train_size, val_size;
     uint64_t seed, model_hash, dataset_hash;
     float eps, loss_zero;
-    uint8_t has_loss_zero;
     double loss_sum;
     char text_a[QS_TEXT_MAX + 1]; /* board_id, name, detail */
     char text_b[QS_TEXT_MAX + 1]; /* firmware_version */
     const uint8_t *chunk;         /* LoadModel/SetWeights bytes (into the decoded buffer) */
     uint16_t chunk_len;
     uint16_t nks;
+    uint16_t slice_start, slice_count; /* EvalSliceRequest / EvalSliceResult */
     uint16_t ks[QS_MAX_KS];
-    float seq_a[QS_MAX_KS]; /* loss_plus or coefficients */
-    float seq_b[QS_MAX_KS]; /* loss_minus */
+    /* The per-key values. No message carries both float32 values and u64 sums, so they
+     * share memory: the agent holds four messages, and the sums would otherwise add
+     * 8 KiB to each. A slice message has at most QS_MAX_SLICE_KS keys, so sum_plus and
+     * sum_minus fill exactly the two float arrays; sum_zero (one-sided) takes the place
+     * of sum_minus (two-sided), as no message has both. */
+    union {
+        struct {
+            float seq_a[QS_MAX_KS]; /* loss_plus or coefficients */
+            float seq_b[QS_MAX_KS]; /* loss_minus */
+        };
+        struct {
+            uint64_t sum_plus[QS_MAX_SLICE_KS];
+            union {
+                uint64_t sum_minus[QS_MAX_SLICE_KS];
+                uint64_t sum_zero;
+            };
+        };
+    };
 } qs_msg;
+
+_Static_assert(2u * QS_MAX_SLICE_KS * sizeof(uint64_t) == 2u * QS_MAX_KS * sizeof(float),
+               "the slice sums must fit the float arrays they share memory with");
 
 /* Decode one message (untrusted bytes). On failure *err says why and *detail (may be
  * NULL) a short reason; returns QS_ERR_FORMAT. */
 qs_status qs_decode(const uint8_t *data, size_t len, qs_msg *msg, qs_decode_error *err, const char **detail);
 
 /* Encode msg (fields of msg->type) into out. QS_ERR_TOO_LARGE beyond cap or
- * QS_MAX_PAYLOAD; QS_ERR_ARG for an unknown type. */
+ * QS_MAX_PAYLOAD; QS_ERR_ARG for an unknown type or more keys than the type allows. */
 qs_status qs_encode(const qs_msg *msg, uint8_t *out, size_t cap, size_t *len);
 
 /* The ERROR_KINDS name of a decode error ("truncated", ...). */
