@@ -138,3 +138,27 @@ async def test_fleet_with_emulated_m55_board_matches_reference(
         m55.close()
         _closed_cleanly(host)
     _assert_same_training(result, reference, BOARDS_M55)
+
+
+async def test_fleet_of_c_boards_splits_batches_and_matches_reference(
+    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str]
+) -> None:
+    """One key a step over two C boards and a Python board: the key's batch is cut into
+    slices (EvalSliceRequest, SPEC 6.10) and the weights are the single-process run's."""
+    spec = SPEC.model_copy(update={"policy": PolicySpec(name="fixed", config={"q": 1})})
+    boards = [
+        start_host_board(tmp_path / name, dataset=dataset_blob, board_id=name)
+        for name in ("c-0", "c-1")
+    ]
+    try:
+        paths = [*(str(b.link_path) for b in boards), python_pty[1]]
+        result = await _train(paths, [python_pty[0]], ["c-0", "c-1", "py-0"], spec=spec)
+    finally:
+        for board in boards:
+            _closed_cleanly(board)
+    reference = train_zo(spec)
+    assert result.split_steps >= spec.steps - 2  # the first steps may start with fewer boards
+    assert result.state.checksum() == reference.state.checksum()
+    assert [s.train_loss for s in result.steps] == [s.train_loss for s in reference.steps]
+    assert result.faults == 0
+    assert result.work.get("c-0", 0) > 0 and result.work.get("c-1", 0) > 0
