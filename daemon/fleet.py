@@ -66,7 +66,9 @@ __all__ = [
     "BoardSession",
     "Fleet",
     "FleetEvent",
+    "error_matches",
     "reply_key",
+    "request_key",
 ]
 
 _log = structlog.get_logger("qsched.fleet")
@@ -140,7 +142,7 @@ def request_key(msg: DataMessage) -> Hashable:
     raise ValueError(f"{msg.type} expects no answer")
 
 
-def _error_matches(error: Error, key: Hashable) -> bool:
+def error_matches(error: Error, key: Hashable) -> bool:
     """Whether a typed Error refuses the request waiting under ``key``."""
     if not isinstance(key, tuple) or not error.ref_type:
         return False
@@ -366,7 +368,7 @@ class BoardSession:
         self.last_seen_wall = time.time()
         if isinstance(msg, Error):
             self.last_error = msg
-            matched = [k for k in self._waiters if _error_matches(msg, k)]
+            matched = [k for k in self._waiters if error_matches(msg, k)]
             for k in matched:
                 _settle(self._waiters[k], exc=BoardErrorReply(self.board_id, msg))
             return bool(matched)

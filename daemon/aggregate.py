@@ -1,0 +1,612 @@
+"""A host's boards as one board: ``qsched bridge --aggregate NAME``.
+
+The daemon's work per step grows with the boards it talks to: one request, one result
+and one ack each. A host with many boards can instead present them as a single board
+``NAME``: the aggregator fans every daemon message out to its member boards and folds
+their answers into one, so the daemon's work grows with hosts, not boards.
+
+- Loading (``JobConfig``, ``SelectDataset``, ``LoadModel``, ``SetWeights``) and
+  ``ApplyUpdate`` go to every member. ``Loaded`` goes up once every member confirmed
+  the same resource; an ``UpdateAck`` once every member reported a checksum, and only
+  if all are equal. When members disagree the answer is ``Error(internal)`` naming the
+  update, so the daemon resynchronises the host, every member with it: a diverged
+  board is found (logged by id) and resynchronised, and the daemon still compares the
+  one checksum with its own.
+- ``EvalRequest`` keys are shared among the members by their measured throughput
+  (``qsched.daemon.planner``); in INT8 mode, when members outnumber the keys, a key's
+  batch is cut into slices (SPEC 6.10) and the slices' sums are folded into the
+  whole-batch loss, bit for bit. An ``EvalSliceRequest`` is shared by keys. A member's
+  refusal, loss or silence refuses the whole request (the daemon gives it elsewhere).
+- ``ValidateRequest`` goes to the fastest member; ``Ping`` to the first, whose heartbeat
+  answers for the host (its unsolicited heartbeats go up as the host's).
+
+The protocol is unchanged: to the daemon the host is one board of the summed speed.
+Members are fixed when the aggregator starts; one whose link ends is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+
+from qsched.daemon.fleet import error_matches, reply_key, request_key
+from qsched.daemon.planner import StepSplit, ThroughputEstimate, choose_parts, plan_units
+from qsched.protocol.codec import decode, encode
+from qsched.protocol.errors import ProtocolError
+from qsched.protocol.links.base import LinkClosedError, LinkError
+from qsched.protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    TYPE_CODES,
+    ApplyUpdate,
+    BoardErrorCode,
+    DataMessage,
+    Error,
+    EvalRequest,
+    EvalResult,
+    EvalSliceRequest,
+    EvalSliceResult,
+    Heartbeat,
+    Hello,
+    JobConfig,
+    LoadModel,
+    Ping,
+    Reset,
+    SelectDataset,
+    SetWeights,
+    ValidateRequest,
+)
+from qsched.zo.intloss import sliced_batch_loss
+
+__all__ = ["MEMBER_REPLY_TIMEOUT_S", "HostAggregator", "Member", "await_members"]
+
+_log = structlog.get_logger("qsched.aggregate")
+
+# How long the aggregator waits for a member's answer before refusing the request.
+MEMBER_REPLY_TIMEOUT_S: Final = 60.0
+_HELLO: Final = ("hello",)  # the waiter of a member's Hello after a Reset
+_FANNED_OUT: Final = (JobConfig, SelectDataset, LoadModel, SetWeights, ApplyUpdate)
+_PROTOCOL_CODES: Final[dict[str, BoardErrorCode]] = {
+    "unsupported_version": "unsupported_version",
+    "oversized": "too_large",
+}
+
+Send = Callable[[DataMessage], Awaitable[None]]
+
+
+@dataclass
+class Member:
+    """One board behind the aggregator: its open link and the Hello it said."""
+
+    link: Any
+    hello: Hello
+    alive: bool = True
+    throughput: ThroughputEstimate = field(default_factory=ThroughputEstimate)
+    slice_throughput: dict[int, ThroughputEstimate] = field(default_factory=dict)
+    waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict)
+
+    @property
+    def board_id(self) -> str:
+        """The member's own id (logs only: the daemon never sees it)."""
+        return self.hello.board_id
+
+    def rate(self, parts: int) -> float:
+        """Measured whole-batch keys per second on ``parts`` slices a key (else whole)."""
+        sliced = self.slice_throughput.get(parts)
+        if parts > 1 and sliced is not None and sliced.observations:
+            return sliced.rate
+        return self.throughput.rate
+
+    def expect(self, key: Hashable) -> asyncio.Future[DataMessage]:
+        """The waiter of the answer under ``key`` (one per key: a transfer's chunks share it)."""
+        future = self.waiters.get(key)
+        if future is None or future.done():
+            future = self.waiters[key] = asyncio.get_running_loop().create_future()
+        return future
+
+    def resolve(self, msg: DataMessage) -> bool:
+        """Hand an answer to its waiter(s); False: nobody waited for it. A Hello also
+        updates what the member holds (after a Reset, say)."""
+        if isinstance(msg, Hello):
+            self.hello = msg
+            keys: list[Hashable] = [_HELLO]
+        elif isinstance(msg, Error):
+            keys = [k for k in self.waiters if error_matches(msg, k)]
+        else:
+            keys = [reply_key(msg)]
+        resolved = False
+        for key in keys:
+            future = self.waiters.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+                resolved = True
+        return resolved
+
+    def fail(self, reason: str) -> None:
+        """The link ended: every waiter fails."""
+        self.alive = False
+        for future in self.waiters.values():
+            if not future.done():
+                future.set_exception(LinkClosedError(self.board_id, "closed", reason))
+        self.waiters.clear()
+
+
+@dataclass
+class _Part:
+    """One member's share of an eval request, and when it was sent and answered."""
+
+    member: Member
+    request: EvalRequest | EvalSliceRequest
+    future: asyncio.Future[DataMessage]
+    parts: int  # slices per key of the split it belongs to
+    cost: float  # whole-batch keys
+    sent: float
+    done: float | None = None
+
+    def answered(self, _future: object) -> None:
+        """The answer's done-callback: when it came."""
+        self.done = asyncio.get_running_loop().time()
+
+    def observe(self) -> None:
+        """Fold its time into the member's estimate of its kind (whole or sliced)."""
+        seconds = max((self.done or self.sent) - self.sent, 1e-6)
+        if self.parts == 1:
+            self.member.throughput.observe(self.cost, seconds)
+        else:
+            estimate = self.member.slice_throughput.setdefault(self.parts, ThroughputEstimate())
+            estimate.observe(self.cost, seconds)
+
+
+class _Refused(Exception):
+    """A member refused or failed: the request is refused up with this error."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(error.detail)
+        self.error = error
+
+
+class HostAggregator:
+    """Serves ``members`` as the one board ``name`` (see the module docstring).
+
+    Args:
+        name: the board id the daemon sees.
+        members: the boards, their links open and their Hellos heard.
+        reply_timeout_s: how long a member may take to answer.
+        heartbeat_interval: seconds between the host's own heartbeats when the first
+            member says none.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        members: Sequence[Member],
+        *,
+        reply_timeout_s: float = MEMBER_REPLY_TIMEOUT_S,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        if not members:
+            raise ValueError("an aggregate needs at least one member board")
+        self.name = name
+        self.members = list(members)
+        self.reply_timeout_s = reply_timeout_s
+        self.heartbeat_interval = heartbeat_interval
+        self._int8 = False
+        self._batch_size = 1
+        self._booted = time.monotonic()
+        self._send: Send | None = None
+        self.sliced = 0  # eval requests answered from batch slices of the members
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def alive(self) -> list[Member]:
+        """The members still linked."""
+        return [m for m in self.members if m.alive]
+
+    def hello(self) -> Hello:
+        """The host's Hello: the least of the members' limits, hashes only if shared."""
+        hellos = [m.hello for m in self.alive()] or [self.members[0].hello]
+
+        def common(values: list[int]) -> int:
+            return values[0] if len(set(values)) == 1 else 0
+
+        return Hello(
+            protocol_version=min(h.protocol_version for h in hellos),
+            board_id=self.name,
+            firmware_version=f"aggregate-{len(hellos)}"[:24],
+            npu=hellos[0].npu,
+            ram_kib=min(h.ram_kib for h in hellos),
+            max_batch=min(h.max_batch for h in hellos),
+            max_payload=min(h.max_payload for h in hellos),
+            model_hash=common([h.model_hash for h in hellos]),
+            dataset_hash=common([h.dataset_hash for h in hellos]),
+        )
+
+    async def serve(self, upstream: Any, connects: Callable[[], int] | None = None) -> str:
+        """Act as the board until the upstream link or every member ends.
+
+        Args:
+            upstream: the host's link to the daemon (``send``, ``incoming``).
+            connects: the upstream's (re)connection count: a change means Hello again.
+
+        Returns:
+            ``"closed"`` (upstream ended) or ``"members gone"``.
+        """
+
+        async def send(msg: DataMessage) -> None:
+            with contextlib.suppress(LinkError):  # broker away: the daemon asks again
+                await upstream.send(encode(msg))
+
+        self._send = send
+        await send(self.hello())
+        readers = [
+            asyncio.create_task(self._read(m), name=f"aggregate[{m.board_id}].reader")
+            for m in self.members
+        ]
+        watcher = asyncio.create_task(self._watch(connects), name="aggregate.watch")
+        down = asyncio.create_task(self._downlink(upstream), name="aggregate.downlink")
+        members_gone: asyncio.Task[Any] = asyncio.create_task(_all_done(readers))
+        try:
+            done, _ = await asyncio.wait([down, members_gone], return_when=asyncio.FIRST_COMPLETED)
+            return "closed" if down in done else "members gone"
+        finally:
+            tasks = [down, watcher, members_gone, *readers, *self._tasks]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ daemon -> members
+
+    async def _downlink(self, upstream: Any) -> None:
+        async for data in upstream.incoming():
+            try:
+                msg = decode(data)
+            except ProtocolError as exc:
+                code = _PROTOCOL_CODES.get(exc.kind, "malformed")
+                await self._up(Error(code=code, ref_type=exc.msg_type or 0, detail=exc.kind))
+                continue
+            await self._dispatch(msg)
+            if not self.alive():
+                return
+
+    async def _dispatch(self, msg: DataMessage) -> None:
+        """Send ``msg`` on to the members now (so every member sees the daemon's order),
+        and fold their answers in the background."""
+        if isinstance(msg, JobConfig):
+            self._int8, self._batch_size = msg.numerics == "int8", msg.batch_size
+        if isinstance(msg, _FANNED_OUT):
+            futures = await self._to_all(msg)
+            self._fold(self._fold_same(msg, futures))
+        elif isinstance(msg, EvalRequest | EvalSliceRequest):
+            parts = await self._share_eval(msg)
+            self._fold(self._fold_eval(msg, parts))
+        elif isinstance(msg, ValidateRequest | Ping):
+            member = self._first() if isinstance(msg, Ping) else self._fastest()
+            if member is not None:
+                futures = await self._to([member], msg)
+                self._fold(self._relay(msg, futures[0]))
+        elif isinstance(msg, Reset):
+            futures = [(m, m.expect(_HELLO)) for m in self.alive()]
+            for member, _ in futures:
+                await self._send_to(member, msg)
+            self._fold(self._hello_after(msg, futures))
+        elif isinstance(msg, Error):
+            _log.warning("daemon reported an error", host=self.name, detail=msg.detail)
+        else:
+            await self._up(Error(code="unknown_type", ref_type=_code(msg), detail=msg.type))
+
+    async def _to_all(self, msg: DataMessage) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
+        return await self._to(self.alive(), msg)
+
+    async def _to(
+        self, members: Sequence[Member], msg: DataMessage
+    ) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
+        """Send ``msg`` to ``members``, each answer's waiter registered first."""
+        key = request_key(msg)
+        out = []
+        for member in members:
+            future = member.expect(key)
+            out.append((member, future))
+            await self._send_to(member, msg)
+        return out
+
+    async def _send_to(self, member: Member, msg: DataMessage) -> None:
+        try:
+            await member.link.send(encode(msg))
+        except LinkClosedError:
+            member.fail("link closed")
+        except LinkError as exc:  # not acknowledged: its answer times out, the request fails
+            _log.warning(
+                "message to a member not delivered", member=member.board_id, error=str(exc)
+            )
+
+    def _first(self) -> Member | None:
+        alive = self.alive()
+        return alive[0] if alive else None
+
+    def _fastest(self) -> Member | None:
+        alive = self.alive()
+        return max(alive, key=lambda m: m.throughput.rate) if alive else None
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def _share_eval(self, msg: EvalRequest | EvalSliceRequest) -> list[_Part]:
+        """Plan the request's keys (and, INT8, slices) over the members and send the
+        parts."""
+        members = self.alive()
+        if not members:
+            return []
+        split = self._split(msg, members)
+        by_address = {str(i): m for i, m in enumerate(members)}
+        rates = {str(i): m.rate(split.parts) for i, m in enumerate(members)}
+        out = []
+        loop = asyncio.get_running_loop()
+        for address, units in plan_units(split, split.units, rates).items():
+            member = by_address[address]
+            request = self._part_request(msg, split, units)
+            ((_, future),) = await self._to([member], request)
+            part = _Part(member, request, future, split.parts, split.cost(units), loop.time())
+            future.add_done_callback(part.answered)
+            out.append(part)
+        return out
+
+    def _split(self, msg: EvalRequest | EvalSliceRequest, members: list[Member]) -> StepSplit:
+        """Whole keys, or, for an INT8 EvalRequest, slices when that is faster."""
+        if isinstance(msg, EvalRequest) and self._int8:
+
+            def rates(parts: int) -> dict[str, float]:
+                return {str(i): m.rate(parts) for i, m in enumerate(members)}
+
+            parts = choose_parts(len(msg.ks), msg.batch_size, rates)
+            self.sliced += parts > 1
+            return StepSplit(len(msg.ks), msg.batch_size, parts)
+        return StepSplit(len(msg.ks), msg.batch_size)
+
+    @staticmethod
+    def _part_request(
+        msg: EvalRequest | EvalSliceRequest, split: StepSplit, units: list[int]
+    ) -> EvalRequest | EvalSliceRequest:
+        """A member's share: the keys of its units, on the request's batch or a slice."""
+        ks = tuple(sorted(msg.ks[split.key(u)] for u in units))
+        if split.parts == 1:
+            return msg.model_copy(update={"ks": ks})
+        start, count = split.bounds(split.part(units[0]))
+        return EvalSliceRequest(
+            job_id=msg.job_id,
+            step=msg.step,
+            batch_size=msg.batch_size,
+            eps=msg.eps,
+            estimator=msg.estimator,
+            slice_start=start,
+            slice_count=count,
+            ks=ks,
+        )
+
+    async def _fold_eval(
+        self, msg: EvalRequest | EvalSliceRequest, parts: list[_Part]
+    ) -> DataMessage:
+        """The members' answers as one answer to ``msg``."""
+        if not parts:
+            raise _Refused(_error(msg, "not_ready", "no member board"))
+        answers = []
+        for part in parts:
+            answer = await self._answer(part.member, part.request, part.future)
+            if isinstance(answer, Error):
+                raise _Refused(answer.model_copy(update={"ref_type": _code(msg)}))
+            if not isinstance(answer, EvalResult | EvalSliceResult):
+                raise _Refused(_error(msg, "internal", f"{part.member.board_id}: {answer.type}"))
+            part.observe()
+            answers.append(answer)
+        return _merged(msg, answers)
+
+    async def _hello_after(
+        self, msg: Reset, futures: list[tuple[Member, asyncio.Future[DataMessage]]]
+    ) -> DataMessage:
+        """After a Reset: the host's Hello once every member said its own."""
+        for member, future in futures:
+            with contextlib.suppress(_Refused):
+                await self._answer(member, msg, future)
+        return self.hello()
+
+    # ------------------------------------------------------------------ folding
+
+    def _fold(self, work: Awaitable[DataMessage | None]) -> None:
+        """Run one fold in the background; its answer (or refusal) goes up."""
+
+        async def run() -> None:
+            try:
+                answer = await work
+            except _Refused as exc:
+                answer = exc.error
+            if answer is not None:
+                await self._up(answer)
+
+        task = asyncio.create_task(run(), name=f"aggregate[{self.name}].fold")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fold_same(
+        self, msg: DataMessage, futures: list[tuple[Member, asyncio.Future[DataMessage]]]
+    ) -> DataMessage | None:
+        """Every member's answer to a fanned-out message: one if all agree."""
+        if isinstance(msg, LoadModel | SetWeights) and msg.offset + len(msg.chunk) < msg.total:
+            return None  # not the last chunk: the transfer's waiters answer at its end
+        answers = [await self._answer(member, msg, future) for member, future in futures]
+        if not answers:
+            raise _Refused(_error(msg, "not_ready", "no member board"))
+        for answer in answers:
+            if isinstance(answer, Error):
+                return answer
+        first = answers[0]
+        if all(answer == first for answer in answers):
+            return first
+        if isinstance(msg, ApplyUpdate):
+            members = [m.board_id for m, _ in futures]
+            seen = {b: getattr(a, "checksum", None) for b, a in zip(members, answers, strict=True)}
+            _log.warning("members diverged; asking for a resync", host=self.name, checksums=seen)
+            return _error(msg, "internal", "member boards disagree on the weights")
+        return _error(msg, "internal", "member boards answered differently")
+
+    async def _relay(
+        self, msg: DataMessage, part: tuple[Member, asyncio.Future[DataMessage]]
+    ) -> DataMessage:
+        member, future = part
+        return await self._answer(member, msg, future)
+
+    async def _answer(
+        self, member: Member, msg: DataMessage, future: asyncio.Future[DataMessage]
+    ) -> DataMessage:
+        """A member's answer; its silence or loss is a refusal of ``msg``."""
+        try:
+            async with asyncio.timeout(self.reply_timeout_s):
+                return await future
+        except TimeoutError as exc:
+            raise _Refused(_error(msg, "busy", f"{member.board_id} did not answer")) from exc
+        except LinkError as exc:
+            raise _Refused(_error(msg, "not_ready", f"{member.board_id} is gone")) from exc
+
+    async def _up(self, msg: DataMessage) -> None:
+        if self._send is not None:
+            await self._send(msg)
+
+    # ------------------------------------------------------------------ members -> daemon
+
+    async def _read(self, member: Member) -> None:
+        """A member's messages: answers to their waiters; the first member's heartbeats
+        go up as the host's; the rest is dropped (its Hellos after a Reset, say)."""
+        try:
+            async for data in member.link.incoming():
+                try:
+                    msg = decode(data)
+                except ProtocolError:
+                    continue
+                if member.resolve(msg):
+                    continue
+                if isinstance(msg, Heartbeat) and member is self._first():
+                    await self._up(msg)
+        except LinkError:
+            pass
+        finally:
+            member.fail("link closed")
+            _log.warning("member board gone", host=self.name, member=member.board_id)
+
+    async def _watch(self, connects: Callable[[], int] | None) -> None:
+        """Say Hello again after the upstream reconnected (the daemon may have missed it)."""
+        if connects is None:
+            return
+        seen = connects()
+        while True:
+            await asyncio.sleep(0.2)
+            if connects() != seen:
+                seen = connects()
+                await self._up(self.hello())
+
+
+async def _all_done(tasks: Sequence[asyncio.Task[None]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _code(msg: DataMessage) -> int:
+    return TYPE_CODES[type(msg)]
+
+
+def _error(msg: DataMessage, code: Any, detail: str) -> Error:
+    return Error(
+        code=code,
+        ref_type=_code(msg),
+        job_id=getattr(msg, "job_id", 0),
+        step=getattr(msg, "step", 0),
+        detail=detail[:64],
+    )
+
+
+def _merged(msg: EvalRequest | EvalSliceRequest, answers: list[Any]) -> DataMessage:
+    """One answer from the parts' answers (keys of a whole batch or of slices)."""
+    two_sided = msg.estimator == "two_sided"
+    compute_us = max(a.compute_us for a in answers)
+    if isinstance(msg, EvalSliceRequest):
+        plus = {k: v for a in answers for k, v in zip(a.ks, a.sum_plus, strict=True)}
+        minus = {k: v for a in answers for k, v in zip(a.ks, a.sum_minus, strict=True)}
+        zeros = {a.sum_zero for a in answers}
+        if not two_sided and len(zeros) != 1:
+            raise _Refused(_error(msg, "internal", "member boards disagree on L0"))
+        return EvalSliceResult(
+            job_id=msg.job_id,
+            step=msg.step,
+            compute_us=compute_us,
+            estimator=msg.estimator,
+            slice_start=msg.slice_start,
+            slice_count=msg.slice_count,
+            ks=msg.ks,
+            sum_plus=tuple(plus[k] for k in msg.ks),
+            sum_minus=tuple(minus[k] for k in msg.ks) if two_sided else (),
+            sum_zero=None if two_sided else zeros.pop(),
+        )
+    if all(isinstance(a, EvalResult) for a in answers):
+        lp = {k: v for a in answers for k, v in zip(a.ks, a.loss_plus, strict=True)}
+        lm = {k: v for a in answers for k, v in zip(a.ks, a.loss_minus, strict=True)}
+        bases = {a.loss_zero for a in answers}
+        if not two_sided and len(bases) != 1:
+            raise _Refused(_error(msg, "internal", "member boards disagree on L0"))
+        return EvalResult(
+            job_id=msg.job_id,
+            step=msg.step,
+            compute_us=compute_us,
+            estimator=msg.estimator,
+            ks=msg.ks,
+            loss_plus=tuple(lp[k] for k in msg.ks),
+            loss_minus=tuple(lm[k] for k in msg.ks) if two_sided else (),
+            loss_zero=None if two_sided else bases.pop(),
+        )
+    return _folded_slices(msg, answers)
+
+
+def _folded_slices(msg: EvalRequest, answers: list[EvalSliceResult]) -> EvalResult:
+    """Whole-batch losses from slice sums: floor(sum / B) per key (SPEC 6.10)."""
+    two_sided = msg.estimator == "two_sided"
+    plus: dict[int, list[int]] = {}
+    minus: dict[int, list[int]] = {}
+    zero: dict[tuple[int, int], int] = {}
+    for a in answers:
+        for i, k in enumerate(a.ks):
+            plus.setdefault(k, []).append(a.sum_plus[i])
+            if two_sided:
+                minus.setdefault(k, []).append(a.sum_minus[i])
+        if a.sum_zero is not None:
+            zero[(a.slice_start, a.slice_count)] = a.sum_zero
+
+    def loss(sums: list[int]) -> float:
+        return float(sliced_batch_loss(sums, msg.batch_size))
+
+    return EvalResult(
+        job_id=msg.job_id,
+        step=msg.step,
+        compute_us=max(a.compute_us for a in answers),
+        estimator=msg.estimator,
+        ks=msg.ks,
+        loss_plus=tuple(loss(plus[k]) for k in msg.ks),
+        loss_minus=tuple(loss(minus[k]) for k in msg.ks) if two_sided else (),
+        loss_zero=None if two_sided else loss(list(zero.values())),
+    )
+
+
+async def await_members(links: Sequence[Any], timeout: float) -> list[Member]:
+    """The boards on ``links`` as members, once each said its Hello (others dropped).
+
+    Raises:
+        TimeoutError: a board said no Hello within ``timeout`` seconds.
+    """
+
+    async def hello_of(link: Any) -> Member:
+        async for data in link.incoming():
+            with contextlib.suppress(ProtocolError):
+                msg = decode(data)
+                if isinstance(msg, Hello):
+                    return Member(link, msg)
+        raise LinkClosedError(getattr(link, "board_id", "?"), "closed", "no Hello")
+
+    async with asyncio.timeout(timeout):
+        return list(await asyncio.gather(*(hello_of(link) for link in links)))

@@ -1,0 +1,147 @@
+"""A host's boards as one board (``HostAggregator``): the daemon sees one board per host
+and the run ends with the single-process weights — whole keys, batch slices inside the
+host, a member that diverges, a member that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from qsched.daemon.aggregate import HostAggregator, await_members
+from qsched.daemon.engine import JobResult, StepEngine
+from qsched.daemon.fleet import Fleet
+from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
+from qsched.firmware.virtual.faults import FaultPlan
+from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.inproc import InProcTransport
+from qsched.zo.trainer import train_zo
+
+# Modelled NPU time well above the host's compute: the members measure even rates.
+LATENCY = LatencyProfile(macs_per_forward=20_000_000)
+
+
+def _spec(**over: object) -> JobSpec:
+    base: dict[str, object] = {
+        "name": "aggregate",
+        "steps": 6,
+        "eval_every": 3,
+        "batch_size": 4,
+        "numerics": "int8",
+        "policy": PolicySpec(name="fixed", config={"q": 4}),
+    }
+    base.update(over)
+    return JobSpec.model_validate(base)
+
+
+@contextlib.asynccontextmanager
+async def _host(
+    daemon_side: InProcTransport, name: str, agents: Sequence[BoardAgent]
+) -> AsyncIterator[HostAggregator]:
+    """``agents`` behind one aggregator, attached to the daemon's transport as ``name``."""
+    async with InProcTransport() as local, asyncio.TaskGroup() as tasks:
+        ends = [local.attach(a.board_id) for a in agents]
+        served = [tasks.create_task(serve_link(a, e)) for a, e in zip(agents, ends, strict=True)]
+        links = []
+        async for event in local.events():
+            links.append(event.link)  # type: ignore[union-attr]
+            if len(links) == len(agents):
+                break
+        aggregator = HostAggregator(name, await await_members(links, timeout=10))
+        upstream = daemon_side.attach(name)
+        serving = tasks.create_task(aggregator.serve(upstream))
+        try:
+            yield aggregator
+        finally:
+            for task in [serving, *served]:
+                task.cancel()
+
+
+async def _run(
+    spec: JobSpec,
+    hosts: dict[str, list[BoardAgent]],
+    plain: int = 0,
+    aggregators: list[HostAggregator] | None = None,
+) -> JobResult:
+    async with (
+        InProcTransport() as transport,
+        Fleet(transport) as fleet,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        for name, agents in hosts.items():
+            host = await stack.enter_async_context(_host(transport, name, agents))
+            if aggregators is not None:
+                aggregators.append(host)
+        for i in range(plain):
+            agent = BoardAgent(f"plain-{i}", latency=LATENCY)
+            stack.push_async_callback(
+                _cancel,
+                asyncio.create_task(serve_link(agent, transport.attach(agent.board_id))),
+            )
+        names = [*hosts, *(f"plain-{i}" for i in range(plain))]
+        async with asyncio.timeout(30):
+            while not all((s := fleet.find(n)) and s.hello for n in names):
+                await fleet.wait_changed(0.1)
+        return await asyncio.wait_for(StepEngine(spec, fleet).run(), 120)
+
+
+async def _cancel(task: asyncio.Task[object]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+def _boards(prefix: str, count: int, faults: Sequence[str] = ()) -> list[BoardAgent]:
+    plan = FaultPlan.parse(list(faults), seed=3)
+    return [
+        BoardAgent(f"{prefix}-{i}", latency=LATENCY, faults=plan.for_board(f"{prefix}-{i}"))
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("numerics", ["int8", "fp32"])
+async def test_two_hosts_and_a_plain_board_match_the_trainer(numerics: str) -> None:
+    """The daemon sees three boards; eight virtual boards did the work, same bits."""
+    over = {"numerics": numerics} | ({"lr": 0.05, "eps": 0.01} if numerics == "fp32" else {})
+    spec = _spec(**over)
+    hosts = {"host-a": _boards("a", 4), "host-b": _boards("b", 3)}
+    result = await _run(spec, hosts, plain=1)
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert result.steps == train_zo(spec).steps
+    assert set(result.work) <= {"host-a", "host-b", "plain-0"} and result.work.get("host-a")
+    assert result.faults == 0
+
+
+async def test_a_host_splits_batches_for_its_members() -> None:
+    """One host of four boards, one key a step: the host cuts the key's batch into
+    slices (INT8) and answers with the whole-batch loss bits."""
+    spec = _spec(policy=PolicySpec(name="fixed", config={"q": 1}))
+    aggregators: list[HostAggregator] = []
+    result = await _run(spec, {"host-a": _boards("a", 4)}, aggregators=aggregators)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert aggregators[0].sliced >= spec.steps - 1  # the first may start unmeasured
+
+
+async def test_a_diverged_member_gets_its_host_resynchronised() -> None:
+    """A member reporting a wrong checksum: the host refuses the update, the daemon
+    resynchronises it, and the run still ends with the reference weights."""
+    spec = _spec(steps=5)
+    hosts = {"host-a": _boards("a", 2) + _boards("liar", 1, ["bad-checksum:0.5"])}
+    result = await _run(spec, hosts, plain=1)
+    assert result.status == "completed"
+    assert result.faults >= 1
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
+async def test_a_member_that_dies_leaves_its_host_working() -> None:
+    """A member crashes mid-job: its host refuses that request once (the daemon gives
+    it elsewhere), then goes on with the others."""
+    spec = _spec(steps=6)
+    hosts = {"host-a": _boards("a", 2) + _boards("dies", 1, ["crash-at-step:2"])}
+    result = await _run(spec, hosts, plain=1)
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert result.work.get("host-a")
