@@ -2,6 +2,7 @@
 
     qsched bridge --serial /dev/ttyACM0 --serial /dev/ttyACM1 --mqtt broker:1883
     qsched bridge --serial '/dev/qsched/stlink-*' --mqtt broker:1883 --fleet lab
+    qsched bridge --serial '/dev/qsched/stlink-*' --aggregate lab-host-1
 
 A fleet can span many hosts behind one broker: each host with USB boards runs a bridge,
 one daemon somewhere trains on all of them. For every serial port the bridge opens the
@@ -12,6 +13,10 @@ opened), and then acts as that board on MQTT: a birth message and a Last Will on
 board's presence topic, its data-plane messages relayed unchanged between the serial link
 and ``boards/<id>/out`` / ``boards/<id>/in``. To the daemon a bridged board is an MQTT
 board like any other; the bridge never decodes more than a Hello.
+
+With ``--aggregate NAME`` the bridge presents all its boards as the one board ``NAME``
+instead (``qsched.daemon.aggregate``): it fans each request out and folds the answers
+into one, so the daemon's work grows with hosts rather than boards.
 
 Settings (broker, TLS, credentials, prefix, fleet, ports) come from the daemon
 configuration (``--config`` / ``$QSCHED_CONFIG``); the options override them.
@@ -39,7 +44,14 @@ from qsched.protocol.links.base import (
 )
 from qsched.protocol.messages import TYPE_CODES, Hello, Reset
 
-__all__ = ["HELLO_ASK_AFTER_S", "HELLO_RETRY_S", "bridge_board", "main", "run_bridge"]
+__all__ = [
+    "HELLO_ASK_AFTER_S",
+    "HELLO_RETRY_S",
+    "bridge_board",
+    "main",
+    "run_aggregate",
+    "run_bridge",
+]
 
 _log = structlog.get_logger("qsched.bridge")
 
@@ -220,6 +232,80 @@ async def run_bridge(
             await _cancel_until_done(bridges)
 
 
+class _QueuedLink:
+    """A serial link whose incoming messages were already being pumped into a queue."""
+
+    def __init__(self, link: Any, queue: asyncio.Queue[bytes], pump: asyncio.Task[None]) -> None:
+        self.link, self.queue, self.pump = link, queue, pump
+        self.board_id = link.board_id
+
+    async def send(self, payload: bytes) -> None:
+        await self.link.send(payload)
+
+    async def incoming(self) -> Any:
+        while (data := await self.queue.get()) != _END:
+            yield data
+
+
+async def _member(link: Any, ask_after: float) -> Any:
+    """The board on ``link`` as a member of an aggregate, once it said Hello."""
+    from qsched.daemon.aggregate import Member
+
+    queue: asyncio.Queue[bytes] = asyncio.Queue(INCOMING_QUEUE_SIZE)
+    pump = asyncio.create_task(_pump(link, queue), name=f"aggregate[{link.board_id}].pump")
+    got = await _await_hello(link, queue, ask_after)
+    if got is None:
+        pump.cancel()
+        raise LinkClosedError(link.board_id, "closed", "the port closed before a Hello")
+    return Member(_QueuedLink(link, queue, pump), got[0])
+
+
+async def run_aggregate(
+    devices: Sequence[str],
+    cfg: Any,
+    topics: Any,
+    name: str,
+    *,
+    baudrate: int = 921600,
+    reopen_interval: float = 1.0,
+    gather_s: float = 5.0,
+    ask_after: float = HELLO_ASK_AFTER_S,
+) -> str:
+    """Serve the boards on ``devices`` as the one MQTT board ``name`` (``HostAggregator``).
+
+    The members are the boards whose ports open within ``gather_s`` seconds (or, with
+    no glob pattern, as soon as every port did) and say Hello.
+
+    Returns:
+        Why it stopped: ``"closed"`` or ``"members gone"``.
+    """
+    from qsched.daemon.aggregate import HostAggregator
+    from qsched.protocol.links.mqtt import MqttEndpoint
+    from qsched.protocol.links.serial import SerialTransport
+
+    patterns = any(ch in d for d in devices for ch in "*?[")
+    async with SerialTransport(
+        devices, baudrate=baudrate, reopen_interval=reopen_interval
+    ) as transport:
+        links: list[Any] = []
+        events = transport.events()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(gather_s):
+                async for event in events:
+                    if isinstance(event, BoardAppeared):
+                        links.append(event.link)
+                    if not patterns and len(links) == len(devices):
+                        break
+        if not links:
+            raise LinkError(name, "no_boards", f"no serial board opened in {gather_s:.0f} s")
+        members = await asyncio.gather(*(_member(link, ask_after) for link in links))
+        aggregator = HostAggregator(name, members)
+        async with MqttEndpoint(cfg, topics, name) as endpoint:
+            await endpoint.wait_connected()
+            _log.info("boards aggregated", host=name, members=[m.board_id for m in members])
+            return await aggregator.serve(endpoint, lambda: endpoint.connection.connects)
+
+
 def _finished(task: asyncio.Task[str]) -> None:
     if not task.cancelled() and task.exception() is not None:
         _log.error("bridge task failed", task=task.get_name(), error=repr(task.exception()))
@@ -267,6 +353,11 @@ def _parser() -> argparse.ArgumentParser:
         "--baud", type=int, help="line speed (default: the configuration's serial.baudrate)"
     )
     p.add_argument(
+        "--aggregate",
+        metavar="NAME",
+        help="present every board as the one board NAME: fan requests out, fold answers in",
+    )
+    p.add_argument(
         "--host-uplink",
         metavar="NAME",
         help="send the boards' messages up in batches on hosts/NAME/out (SPEC 8.1)",
@@ -297,7 +388,13 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], Any, Any, int, float
 
 
 async def _run(
-    devices: list[str], mqtt: Any, topics: Any, baud: int, reopen: float, host: str | None
+    devices: list[str],
+    mqtt: Any,
+    topics: Any,
+    baud: int,
+    reopen: float,
+    host: str | None,
+    aggregate: str | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -308,10 +405,18 @@ async def _run(
         "bridge starting", ports=devices, broker=f"{mqtt.host}:{mqtt.port}", fleet=topics.fleet
     )
     try:
+        if aggregate is not None:
+            why = await run_aggregate(
+                devices, mqtt, topics, aggregate, baudrate=baud, reopen_interval=reopen
+            )
+            _log.info("aggregate ended", host=aggregate, reason=why)
+            return
         async with _uplink(mqtt, topics, host) as uplink:
             await run_bridge(
                 devices, mqtt, topics, baudrate=baud, reopen_interval=reopen, uplink=uplink
             )
+    except LinkError as exc:
+        _log.error("bridge failed", reason=exc.reason, detail=exc.detail)
     except asyncio.CancelledError:
         _log.info("bridge stopping")
     finally:
@@ -344,9 +449,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         devices, mqtt, topics, baud, reopen = _settings(args)
         if args.host_uplink is not None:
             topics.host_out(args.host_uplink)  # one topic level, or ValueError now
+        if args.aggregate is not None:
+            topics.board_in(args.aggregate)  # a board id: one topic level, or ValueError now
+            if args.host_uplink is not None:
+                raise ValueError("--aggregate sends one board's messages: no --host-uplink")
     except ValueError as exc:
         print(f"qsched bridge: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run(devices, mqtt, topics, baud, reopen, args.host_uplink))
+        asyncio.run(_run(devices, mqtt, topics, baud, reopen, args.host_uplink, args.aggregate))
     return 0

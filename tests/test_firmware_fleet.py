@@ -12,13 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from qsched.daemon.bridge import run_aggregate
 from qsched.daemon.engine import JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.native import HostBoard, m55_unavailable_reason, start_host_board
 from qsched.firmware.qemu import QemuBoard, start_qemu_board
 from qsched.firmware.virtual.board import BoardAgent, DatasetCatalog, LatencyProfile, serve_link
+from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.config import MqttConfig
+from qsched.protocol.links.mqtt import MqttEndpoint, MqttTransport
 from qsched.protocol.links.serial import SerialEndpoint, SerialTransport
+from qsched.protocol.topics import TopicMap
 from qsched.zo.blob import encode_dataset_blob
 from qsched.zo.trainer import TrainResult, train_zo
 from qsched.zo.workload import Workload
@@ -162,3 +167,52 @@ async def test_fleet_of_c_boards_splits_batches_and_matches_reference(
     assert [s.train_loss for s in result.steps] == [s.train_loss for s in reference.steps]
     assert result.faults == 0
     assert result.work.get("c-0", 0) > 0 and result.work.get("c-1", 0) > 0
+
+
+async def test_aggregating_bridge_of_c_boards_trains_as_one_board(
+    tmp_path: Path,
+    dataset_blob: Path,
+    python_pty: tuple[int, str],
+    mqtt_broker: MosquittoBroker,
+) -> None:
+    """`qsched bridge --aggregate`: two C boards and a Python board on serial ports are
+    one MQTT board to the daemon (beside an ordinary MQTT board); INT8 keys and batch
+    slices are shared inside the host, and the weights are the single-process run's."""
+    spec = SPEC.model_copy(update={"policy": PolicySpec(name="fixed", config={"q": 2})})
+    cfg = MqttConfig(host=mqtt_broker.host, port=mqtt_broker.port, reconnect_min_s=0.1)
+    topics = TopicMap(fleet="aggregate")
+    boards = [
+        start_host_board(tmp_path / name, dataset=dataset_blob, board_id=name)
+        for name in ("c-0", "c-1")
+    ]
+    paths = [*(str(b.link_path) for b in boards), python_pty[1]]
+    datasets = DatasetCatalog()
+    try:
+        async with (
+            _python_board(python_pty[0], "py-0", datasets),
+            MqttTransport(cfg, topics) as transport,
+            Fleet(transport) as fleet,
+            MqttEndpoint(cfg, topics, "mqtt-0") as endpoint,
+        ):
+            plain = asyncio.create_task(
+                serve_link(BoardAgent("mqtt-0", latency=LatencyProfile.off()), endpoint)
+            )
+            host = asyncio.create_task(
+                run_aggregate(paths, cfg, topics, "host-0", reopen_interval=0.05, gather_s=10)
+            )
+            try:
+                await _all_joined(fleet, ["host-0", "mqtt-0"])
+                result = await asyncio.wait_for(StepEngine(spec, fleet).run(), timeout=300)
+            finally:
+                for task in (host, plain):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+    finally:
+        for board in boards:
+            _closed_cleanly(board)
+    reference = train_zo(spec)
+    assert result.state.checksum() == reference.state.checksum()
+    assert [s.train_loss for s in result.steps] == [s.train_loss for s in reference.steps]
+    assert result.faults == 0
+    assert set(result.work) <= {"host-0", "mqtt-0"} and result.work.get("host-0")
