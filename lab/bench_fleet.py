@@ -66,6 +66,8 @@ __all__ = [
 _log = structlog.get_logger("qsched.bench.fleet")
 
 LINKS: Final = ("mqtt", "serial")
+# Also on request: serial boards behind ``qsched bridge`` processes, the daemon on MQTT.
+ALL_LINKS: Final = (*LINKS, "bridge")
 DEFAULT_BATCH: Final = (
     4  # samples per perturbed forward pass: a realistic minibatch (1: the worst case)
 )
@@ -80,6 +82,8 @@ STEP_TYPES: Final = {
     0x46: "apply_update",
     0x04: "update_ack",
     0x4A: "step_order",
+    0x4B: "eval_slice_request",
+    0x07: "eval_slice_result",
 }
 
 
@@ -106,6 +110,9 @@ class BenchConfig:
             off, every board gets its own update and request (the design before).
         host_uplink: each board process sends its boards' messages in batches on one
             host topic (``qsched board --host-uplink``).
+        bridges: ``qsched bridge`` processes of the ``bridge`` link; the boards are dealt
+            to them in contiguous groups.
+        aggregate: each bridge presents its boards as one board (``--aggregate``).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -123,6 +130,8 @@ class BenchConfig:
     pipeline: bool = True
     fleet_topic: bool = True
     host_uplink: bool = False
+    bridges: int = 4
+    aggregate: bool = False
 
 
 @dataclass
@@ -331,6 +340,84 @@ class _Clock:
             self.engine.stop()
 
 
+def _daemon_boards(config: BenchConfig, link: str, boards: int) -> int:
+    """How many boards the daemon sees: an aggregating bridge is one."""
+    if link == "bridge" and config.aggregate:
+        return min(config.bridges, boards)
+    return boards
+
+
+@contextlib.asynccontextmanager
+async def _bridged_boards(
+    config: BenchConfig, boards: int, broker: str | None, fleet: str, extra: Sequence[str]
+) -> AsyncIterator[list[Any]]:
+    """``boards`` serial boards behind ``config.bridges`` bridge processes: each board's
+    line is a relayed pty pair (``qsched.lab.noisy_line``, in a process of its own), the
+    board process opens one end and a bridge the other."""
+    import subprocess
+
+    from qsched.lab.procs import qsched_argv
+
+    assert broker is not None
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "qsched.lab.noisy_line", "--lines", str(boards)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        assert relay.stdout is not None
+        lines = [relay.stdout.readline().decode().split() for _ in range(boards)]
+        if relay.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the serial line relay did not start")
+        width = max(2, len(str(boards - 1)))
+        groups = _groups(boards, config.processes)
+        for start, size in groups:
+            ports = [a for d, b in lines[start : start + size] for a in ("--serial", b)]
+            board_args = ["--id-prefix", f"bench{start:0{width}d}", *ports, *extra]
+            procs.append(_quiet_process(qsched_argv("board", *board_args, log_level="warning")))
+        for i, (start, size) in enumerate(_groups(boards, config.bridges)):
+            ports = [a for d, _ in lines[start : start + size] for a in ("--serial", d)]
+            mode = ["--aggregate", f"bench-host-{i}"] if config.aggregate else []
+            args = ["bridge", *ports, "--mqtt", broker, "--fleet", fleet, *mode]
+            procs.append(_quiet_process(qsched_argv(*args, log_level="warning")))
+        yield []
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        assert relay.stdin is not None
+        relay.stdin.close()
+        try:
+            relay.wait(10)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+
+
+def _groups(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, size) of ``parts`` contiguous groups of ``count`` items (the first larger)."""
+    n = max(1, min(count, parts))
+    sizes = [count // n + (1 if i < count % n else 0) for i in range(n)]
+    return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+
+
+def _quiet_process(argv: list[str]) -> Any:
+    import subprocess
+
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
 @contextlib.asynccontextmanager
 async def _daemon_transport(
     link: str, ports: list[Any], broker: str | None, fleet: str
@@ -386,22 +473,27 @@ async def bench_one(
         extra.append("--no-fleet-topic")
     if config.host_uplink and link == "mqtt":
         extra.append("--host-uplink")
-    meter = BrokerMeter(broker) if link == "mqtt" and broker is not None else None
-    async with (
-        _metering(meter),
-        board_processes(
+    meter = BrokerMeter(broker) if link != "serial" and broker is not None else None
+    boards_process = (
+        _bridged_boards(config, boards, broker, fleet_name, extra)
+        if link == "bridge"
+        else board_processes(
             boards,
             mqtt=broker if link == "mqtt" else None,
             fleet=fleet_name,
             processes=config.processes,
             extra=extra,
             id_prefix="bench",
-        ) as ports,
+        )
+    )
+    async with (
+        _metering(meter),
+        boards_process as ports,
         _daemon_transport(link, ports, broker, fleet_name) as inner,
         CountingTransport(inner, counter) as transport,
         Fleet(transport) as fleet,
     ):
-        await wait_for_boards(fleet, boards)
+        await wait_for_boards(fleet, _daemon_boards(config, link, boards))
         knobs = EngineConfig(
             audit_every=1 if config.audit else 0, validate_on="daemon", pipeline=config.pipeline
         )
@@ -488,7 +580,7 @@ async def _metering(meter: BrokerMeter | None) -> AsyncIterator[None]:
 
 @contextlib.asynccontextmanager
 async def _broker(config: BenchConfig) -> AsyncIterator[str | None]:
-    if "mqtt" not in config.links:
+    if "mqtt" not in config.links and "bridge" not in config.links:
         yield None
     elif config.mqtt is not None:
         yield config.mqtt
@@ -701,8 +793,10 @@ def _batches(text: str) -> tuple[int, ...]:
 
 def _links(text: str) -> tuple[str, ...]:
     values = tuple(part.strip() for part in text.split(","))
-    if not values or any(v not in LINKS for v in values):
-        raise argparse.ArgumentTypeError(f"want a comma list of {', '.join(LINKS)}, got {text!r}")
+    if not values or any(v not in ALL_LINKS for v in values):
+        raise argparse.ArgumentTypeError(
+            f"want a comma list of {', '.join(ALL_LINKS)}, got {text!r}"
+        )
     return values
 
 
@@ -713,7 +807,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--boards", type=_int_list, default=(1, 2, 4, 8), help="fleet sizes (default 1,2,4,8)"
     )
-    p.add_argument("--links", type=_links, default=LINKS, help="mqtt, serial or both (default)")
+    p.add_argument(
+        "--links",
+        type=_links,
+        default=LINKS,
+        help="mqtt, serial (default: both) and/or bridge (serial boards behind --bridges "
+        "qsched bridge processes, the daemon on MQTT)",
+    )
+    p.add_argument(
+        "--bridges", type=int, default=4, help="bridge processes of the bridge link (default 4)"
+    )
+    p.add_argument(
+        "--aggregate",
+        action="store_true",
+        help="each bridge presents its boards as one board (qsched bridge --aggregate)",
+    )
     p.add_argument("--q", type=int, default=64, help="perturbations per step (default 64)")
     p.add_argument(
         "--batch",
@@ -767,10 +875,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    if min(args.q, args.warmup, args.min_steps, args.board_processes) < 1 or args.seconds <= 0:
+    if (
+        min(args.q, args.warmup, args.min_steps, args.board_processes, args.bridges) < 1
+        or args.seconds <= 0
+    ):
         raise ValueError(
-            "--q, --batch, --warmup, --min-steps and --board-processes must be at least 1, "
-            "--seconds positive"
+            "--q, --batch, --warmup, --min-steps, --board-processes and --bridges must be "
+            "at least 1, --seconds positive"
         )
     return BenchConfig(
         boards=args.boards,
@@ -787,6 +898,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         pipeline=not args.no_pipeline,
         fleet_topic=not args.no_fleet_topic,
         host_uplink=args.host_uplink,
+        bridges=args.bridges,
+        aggregate=args.aggregate,
     )
 
 

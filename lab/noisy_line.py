@@ -9,20 +9,29 @@ The frame CRC must catch every such byte; what it cannot fix, retransmission mus
     with NoisyLine(seed=1) as line:
         line.error_rate = 1e-3
         ... qsched daemon --serial line.daemon_port; qsched board --serial line.board_port
+
+As a process, ``python -m qsched.lab.noisy_line --lines N [--error-rate R]`` holds N
+lines, prints ``<daemon port> <board port>`` for each, then ``ready``, and relays until
+its standard input closes or it gets SIGTERM (the fleet benchmark's serial bridges: the
+relays' CPU is then not the benchmark's).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
 import select
+import signal
+import sys
 import threading
 import tty
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
-__all__ = ["NoisyLine"]
+__all__ = ["NoisyLine", "main"]
 
 _READ_BYTES = 4096
 
@@ -126,3 +135,30 @@ class NoisyLine:
             os.close(fd)
         self._daemon_side.close()
         self._board_side.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Hold ``--lines`` relays until standard input closes or SIGTERM arrives."""
+    p = argparse.ArgumentParser(prog="python -m qsched.lab.noisy_line")
+    p.add_argument("--lines", type=int, default=1, help="how many lines (default 1)")
+    p.add_argument("--error-rate", type=float, default=0.0, help="garbled bytes per byte")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.lines < 1 or not 0.0 <= args.error_rate <= 1.0:
+        print("--lines must be at least 1, --error-rate in [0, 1]", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.stdin.close())
+    with contextlib.ExitStack() as stack:
+        for i in range(args.lines):
+            line = stack.enter_context(NoisyLine(seed=args.seed + i))
+            line.error_rate = args.error_rate
+            print(line.daemon_port, line.board_port, flush=True)
+        print("ready", flush=True)
+        with contextlib.suppress(OSError, ValueError):
+            while sys.stdin.read(1):
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
