@@ -89,6 +89,9 @@ class Member:
     throughput: ThroughputEstimate = field(default_factory=ThroughputEstimate)
     slice_throughput: dict[int, ThroughputEstimate] = field(default_factory=dict)
     waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict)
+    # What goes down to it, in the daemon's order; one sender task drains it, so a
+    # serial link's stop-and-wait holds up this member only, never the others.
+    outbox: asyncio.Queue[DataMessage] = field(default_factory=asyncio.Queue)
 
     @property
     def board_id(self) -> str:
@@ -154,7 +157,9 @@ class _Part:
 
     def observe(self) -> None:
         """Fold its time into the member's estimate of its kind (whole or sliced)."""
-        seconds = max((self.done or self.sent) - self.sent, 1e-6)
+        # The callback may not have run yet when the answer was already there: it is now.
+        done = self.done if self.done is not None else asyncio.get_running_loop().time()
+        seconds = max(done - self.sent, 1e-6)
         if self.parts == 1:
             self.member.throughput.observe(self.cost, seconds)
         else:
@@ -246,6 +251,10 @@ class HostAggregator:
             asyncio.create_task(self._read(m), name=f"aggregate[{m.board_id}].reader")
             for m in self.members
         ]
+        senders = [
+            asyncio.create_task(self._sender(m), name=f"aggregate[{m.board_id}].sender")
+            for m in self.members
+        ]
         watcher = asyncio.create_task(self._watch(connects), name="aggregate.watch")
         down = asyncio.create_task(self._downlink(upstream), name="aggregate.downlink")
         members_gone: asyncio.Task[Any] = asyncio.create_task(_all_done(readers))
@@ -253,7 +262,7 @@ class HostAggregator:
             done, _ = await asyncio.wait([down, members_gone], return_when=asyncio.FIRST_COMPLETED)
             return "closed" if down in done else "members gone"
         finally:
-            tasks = [down, watcher, members_gone, *readers, *self._tasks]
+            tasks = [down, watcher, members_gone, *readers, *senders, *self._tasks]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -314,14 +323,20 @@ class HostAggregator:
         return out
 
     async def _send_to(self, member: Member, msg: DataMessage) -> None:
-        try:
-            await member.link.send(encode(msg))
-        except LinkClosedError:
-            member.fail("link closed")
-        except LinkError as exc:  # not acknowledged: its answer times out, the request fails
-            _log.warning(
-                "message to a member not delivered", member=member.board_id, error=str(exc)
-            )
+        member.outbox.put_nowait(msg)
+
+    async def _sender(self, member: Member) -> None:
+        """Send a member's outbox in order until its link ends."""
+        while member.alive:
+            msg = await member.outbox.get()
+            try:
+                await member.link.send(encode(msg))
+            except LinkClosedError:
+                member.fail("link closed")
+            except LinkError as exc:  # not acknowledged: its answer times out
+                _log.warning(
+                    "message to a member not delivered", member=member.board_id, error=str(exc)
+                )
 
     def _first(self) -> Member | None:
         alive = self.alive()
