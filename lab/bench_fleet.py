@@ -149,6 +149,7 @@ class BenchRow:
     work: dict[str, int] = field(default_factory=dict)
     efficiency: float | None = None
     daemon_cpu_s_per_step: float = 0.0
+    others_cpu_s_per_step: float = 0.0  # boards, bridges and broker (child processes)
     messages_per_step: float = 0.0
     broker_publishes_per_s: float | None = None
 
@@ -325,6 +326,7 @@ class _Clock:
         self.warmup, self.measured, self.counter = warmup, measured, counter
         self.times: dict[int, float] = {}
         self.cpu: dict[int, float] = {}  # this process's CPU seconds: the daemon's
+        self.others: dict[int, float] = {}  # its child processes': boards, bridges, broker
         self.engine: Any = None
 
     def on_event(self, event: Any) -> None:
@@ -333,11 +335,32 @@ class _Clock:
         done = event.step + 1
         self.times[done] = time.perf_counter()
         self.cpu[done] = time.process_time()
+        if done in (self.warmup, self.warmup + self.measured):
+            self.others[done] = children_cpu_s()
         if done == self.warmup:
             self.counter.active = True
         elif done == self.warmup + self.measured:
             self.counter.active = False
             self.engine.stop()
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process's live child processes
+    (Linux ``/proc``; 0 elsewhere): the board processes, bridges, relays and broker."""
+    import os
+
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields[1]) == me:  # ppid; utime and stime are fields 14 and 15 of stat
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def _daemon_boards(config: BenchConfig, link: str, boards: int) -> int:
@@ -391,12 +414,14 @@ async def _bridged_boards(
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        assert relay.stdin is not None
+        assert relay.stdin is not None and relay.stdout is not None
         relay.stdin.close()
         try:
             relay.wait(10)
         except subprocess.TimeoutExpired:
             relay.kill()
+            relay.wait(10)
+        relay.stdout.close()
 
 
 def _groups(count: int, parts: int) -> list[tuple[int, int]]:
@@ -515,6 +540,7 @@ async def bench_one(
         bytes_by_type=per_type,
         work=dict(sorted(result.work.items())),
         daemon_cpu_s_per_step=(clock.cpu[last] - clock.cpu[first]) / measured,
+        others_cpu_s_per_step=(clock.others[last] - clock.others[first]) / measured,
         messages_per_step=counter.messages / measured,
         broker_publishes_per_s=None if meter is None else meter.rate(start, end),
     )
@@ -718,14 +744,16 @@ def format_row(row: BenchRow, facts: ModelFacts) -> str:
         f"{row.link:<7}{row.boards:>6}{row.steps:>6}"
         f"{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
         f"{row.overhead_s * 1e3:>10.1f}{row.forward_passes_per_s:>10.1f}{efficiency:>8}"
-        f"{row.daemon_cpu_s_per_step * 1e3:>8.1f}{row.messages_per_step:>7.0f}{broker:>10}"
+        f"{row.daemon_cpu_s_per_step * 1e3:>8.1f}{row.others_cpu_s_per_step * 1e3:>8.1f}"
+        f"{row.messages_per_step:>7.0f}{broker:>10}"
         f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}"
     )
 
 
 _COLUMNS: Final = (
     f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}"
-    f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}{'cpu ms':>8}{'msgs':>7}{'broker/s':>10}"
+    f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}{'cpu ms':>8}{'rest ms':>8}{'msgs':>7}"
+    f"{'broker/s':>10}"
     f"{'payload B':>12}{'grad fp32 B':>15}"
 )
 
@@ -739,7 +767,8 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         "(without a one-board row: the modelled one-board rate)",
         "batch: samples per forward pass "
         "(--batch; 1 is the worst case, every pass pays its fixed costs alone)",
-        "cpu ms: the daemon's CPU time per step (this process; boards and broker run in others)",
+        "cpu ms: the daemon's CPU time per step (this process); rest ms: that of the "
+        "other processes (boards, bridges, relays, broker) per step, on the same cores",
         "msgs: step messages the daemon sends and receives per step (a step order once)",
         "broker/s: PUBLISH packets the broker received and sent per second ($SYS; "
         "a step order counts once in, once per board out)",

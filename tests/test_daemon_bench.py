@@ -110,6 +110,7 @@ def test_bench_fleet_tiny_run_prints_and_counts(
             assert by_type["eval_request"] == boards * shard
             assert row["messages_per_step"] == 4 * boards
         assert row["daemon_cpu_s_per_step"] > 0
+        assert row["others_cpu_s_per_step"] > 0  # the board processes and the broker
         assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
         assert row["efficiency"] == (
             1.0
@@ -129,6 +130,23 @@ def test_bench_fleet_tiny_run_prints_and_counts(
     assert sum(1 for line in lines if line.startswith(("mqtt ", "serial "))) == 4
     assert "grad B: shipping fp32 gradients instead" in printed
     assert "floor:" not in printed  # no 8-board MQTT row, so no verdict
+
+
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_bench_fleet_bridge_link(tmp_path: Path, aggregate: bool) -> None:
+    """Serial boards behind two bridges, the daemon on MQTT: four boards, or two
+    aggregated hosts the daemon sees as boards."""
+    out = tmp_path / "bridge.json"
+    argv = ["--links", "bridge", "--boards", "4", "--bridges", "2", "--q", str(Q)]
+    argv += ["--seconds", "0.1", "--min-steps", "2", "--warmup", "1", "--batch", "2"]
+    argv += ["--json", str(out), "--log", str(tmp_path / "daemon.log")]
+    assert main([*argv, *(["--aggregate"] if aggregate else [])]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["link"] == "bridge" and row["boards"] == 4
+    workers = set(row["work"])
+    assert workers == ({"bench-host-0", "bench-host-1"} if aggregate else workers)
+    assert len(workers) == (2 if aggregate else 4)
+    assert sum(row["work"].values()) == Q * (1 + row["steps"])
 
 
 async def test_bench_counting_transport_counts_by_type() -> None:
