@@ -12,7 +12,6 @@ from qsched.lab.harness import run_job_inprocess
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.trainer import train_zo
 
-
 # Modelled NPU time well above the host's compute: every board measures the same rate.
 LATENCY = LatencyProfile(macs_per_forward=20_000_000)
 
