@@ -70,6 +70,9 @@ def test_bench_fleet_tiny_run_prints_and_counts(
         ("serial", 1),
         ("serial", 2),
     ]
+    # The board processes and the broker worked (per row, a 0.1 s window may be under one
+    # clock tick of theirs).
+    assert sum(r["others_cpu_s_per_step"] for r in rows) > 0
     update = _size(ApplyUpdate(job_id=1, step=0, ks=tuple(range(Q)), coefficients=(0.5,) * Q))
     ack = _size(UpdateAck(job_id=1, step=0, checksum=0))
     for row in rows:
@@ -110,7 +113,7 @@ def test_bench_fleet_tiny_run_prints_and_counts(
             assert by_type["eval_request"] == boards * shard
             assert row["messages_per_step"] == 4 * boards
         assert row["daemon_cpu_s_per_step"] > 0
-        assert row["others_cpu_s_per_step"] > 0  # the board processes and the broker
+        assert row["others_cpu_s_per_step"] >= 0
         assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
         assert row["efficiency"] == (
             1.0
