@@ -538,45 +538,44 @@ def _error(msg: DataMessage, code: Any, detail: str) -> Error:
     )
 
 
+# Where each kind of eval answer keeps its values: (plus, minus, zero).
+_VALUE_FIELDS: Final = {
+    EvalResult: ("loss_plus", "loss_minus", "loss_zero"),
+    EvalSliceResult: ("sum_plus", "sum_minus", "sum_zero"),
+}
+
+
 def _merged(msg: EvalRequest | EvalSliceRequest, answers: list[Any]) -> DataMessage:
-    """One answer from the parts' answers (keys of a whole batch or of slices)."""
+    """One answer from the parts' answers: each key's values where its member put them
+    (whole-batch losses or slice sums), or, for slices of a whole-batch request, folded."""
+    kinds = {type(a) for a in answers}
+    cls = EvalSliceResult if isinstance(msg, EvalSliceRequest) else EvalResult
+    if kinds != {cls}:
+        if cls is EvalResult and kinds == {EvalSliceResult}:
+            return _folded_slices(msg, answers)  # type: ignore[arg-type]
+        raise _Refused(_error(msg, "internal", "member boards answered other kinds"))
+    plus, minus, zero = _VALUE_FIELDS[cls]
     two_sided = msg.estimator == "two_sided"
-    compute_us = max(a.compute_us for a in answers)
+    values = {
+        name: {k: v for a in answers for k, v in zip(a.ks, getattr(a, name), strict=True)}
+        for name in (plus, minus)
+    }
+    zeros = {getattr(a, zero) for a in answers}
+    if not two_sided and len(zeros) != 1:
+        raise _Refused(_error(msg, "internal", "member boards disagree on L0"))
+    fields: dict[str, Any] = {
+        "job_id": msg.job_id,
+        "step": msg.step,
+        "compute_us": max(a.compute_us for a in answers),
+        "estimator": msg.estimator,
+        "ks": msg.ks,
+        plus: tuple(values[plus][k] for k in msg.ks),
+        minus: tuple(values[minus][k] for k in msg.ks) if two_sided else (),
+        zero: None if two_sided else zeros.pop(),
+    }
     if isinstance(msg, EvalSliceRequest):
-        plus = {k: v for a in answers for k, v in zip(a.ks, a.sum_plus, strict=True)}
-        minus = {k: v for a in answers for k, v in zip(a.ks, a.sum_minus, strict=True)}
-        zeros = {a.sum_zero for a in answers}
-        if not two_sided and len(zeros) != 1:
-            raise _Refused(_error(msg, "internal", "member boards disagree on L0"))
-        return EvalSliceResult(
-            job_id=msg.job_id,
-            step=msg.step,
-            compute_us=compute_us,
-            estimator=msg.estimator,
-            slice_start=msg.slice_start,
-            slice_count=msg.slice_count,
-            ks=msg.ks,
-            sum_plus=tuple(plus[k] for k in msg.ks),
-            sum_minus=tuple(minus[k] for k in msg.ks) if two_sided else (),
-            sum_zero=None if two_sided else zeros.pop(),
-        )
-    if all(isinstance(a, EvalResult) for a in answers):
-        lp = {k: v for a in answers for k, v in zip(a.ks, a.loss_plus, strict=True)}
-        lm = {k: v for a in answers for k, v in zip(a.ks, a.loss_minus, strict=True)}
-        bases = {a.loss_zero for a in answers}
-        if not two_sided and len(bases) != 1:
-            raise _Refused(_error(msg, "internal", "member boards disagree on L0"))
-        return EvalResult(
-            job_id=msg.job_id,
-            step=msg.step,
-            compute_us=compute_us,
-            estimator=msg.estimator,
-            ks=msg.ks,
-            loss_plus=tuple(lp[k] for k in msg.ks),
-            loss_minus=tuple(lm[k] for k in msg.ks) if two_sided else (),
-            loss_zero=None if two_sided else bases.pop(),
-        )
-    return _folded_slices(msg, answers)
+        fields |= {"slice_start": msg.slice_start, "slice_count": msg.slice_count}
+    return cls.model_validate(fields)
 
 
 def _folded_slices(msg: EvalRequest, answers: list[EvalSliceResult]) -> EvalResult:

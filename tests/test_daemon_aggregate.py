@@ -145,3 +145,14 @@ async def test_a_member_that_dies_leaves_its_host_working() -> None:
     assert result.status == "completed"
     assert result.state.checksum() == train_zo(spec).state.checksum()
     assert result.work.get("host-a")
+
+
+async def test_hosts_take_the_daemons_batch_slices() -> None:
+    """One key a step over two hosts and a plain board: the daemon splits the batch,
+    each host answers its EvalSliceRequests from a member, the bits are the same."""
+    spec = _spec(policy=PolicySpec(name="fixed", config={"q": 1}))
+    hosts = {"host-a": _boards("a", 2), "host-b": _boards("b", 2)}
+    result = await _run(spec, hosts, plain=1)
+    assert result.split_steps >= spec.steps - 2  # the first steps may start with fewer boards
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert result.work.get("host-a") and result.work.get("host-b")
