@@ -277,7 +277,10 @@ class _Shared:
 
     The boards of a fleet apply the same update to the same weights every step; the
     result is a pure function of both, so it is computed once and copied to each board
-    whose weights are equal (compared in full, not by checksum).
+    whose weights are equal (compared in full, not by checksum). A board whose update is
+    being computed by another board of the process waits for that one computation
+    (``updating``) instead of queueing behind every board's evaluation for ``lock``: a
+    real board never waits for another board's work.
     """
 
     workload: Workload
@@ -285,19 +288,39 @@ class _Shared:
     _updates: OrderedDict[tuple[object, ...], tuple[TrainState, TrainState]] = field(
         default_factory=OrderedDict
     )
+    _memo_lock: threading.Lock = field(default_factory=threading.Lock)  # the dict only
+    # (event loop id, update key) -> done when that board's computation ended.
+    updating: dict[tuple[object, ...], asyncio.Future[None]] = field(default_factory=dict)
+
+    @staticmethod
+    def update_key(
+        state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> tuple[object, ...]:
+        """What identifies one update of one state (the checksum narrows, equality decides)."""
+        return (step, tuple(pairs), state.checksum())
+
+    def cached_update(
+        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> TrainState | None:
+        """The memoised result of this update on these weights, or None."""
+        with self._memo_lock:
+            hit = self._updates.get(self.update_key(state, step, pairs))
+        if hit is not None and _same_state(hit[0], state):
+            return hit[1].copy()
+        return None
 
     def apply_update(
         self, state: TrainState, step: int, pairs: list[tuple[int, float]]
     ) -> TrainState:
         """``Workload.apply_update``, memoised across boards (call with ``lock`` held)."""
-        key = (step, tuple(pairs), state.checksum())
-        hit = self._updates.get(key)
-        if hit is not None and _same_state(hit[0], state):
-            return hit[1].copy()
+        cached = self.cached_update(state, step, pairs)
+        if cached is not None:
+            return cached
         new_state = self.workload.apply_update(state, step, pairs)
-        self._updates[key] = (state.copy(), new_state.copy())
-        while len(self._updates) > _UPDATE_CACHE_SIZE:
-            self._updates.popitem(last=False)
+        with self._memo_lock:
+            self._updates[self.update_key(state, step, pairs)] = (state.copy(), new_state.copy())
+            while len(self._updates) > _UPDATE_CACHE_SIZE:
+                self._updates.popitem(last=False)
         return new_state
 
 
@@ -873,13 +896,34 @@ class BoardAgent:
         if self._last_update is not None and self._last_update[0] == msg:
             return [self._last_update[1]]  # a duplicate delivery: the same answer again
         self._check_step(msg.job_id, msg.step, state)
-        assert self._shared is not None
-        new_state, _ = await self._compute(self._shared.apply_update, state, msg.step, msg.pairs())
+        new_state = await self._updated(state, msg.step, msg.pairs())
         self._state = new_state
         checksum = self.faults.checksum(msg.step, new_state.checksum())
         ack = UpdateAck(job_id=msg.job_id, step=msg.step, checksum=checksum)
         self._last_update = (msg, ack)
         return [ack]
+
+    async def _updated(
+        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> TrainState:
+        """The weights after the update: memoised when a board of this process already
+        computed it, awaited when one is computing it, else computed here."""
+        shared = self._shared
+        assert shared is not None
+        key = (id(asyncio.get_running_loop()), *shared.update_key(state, step, pairs))
+        pending = shared.updating.get(key)
+        if pending is not None:
+            await asyncio.shield(pending)
+        cached = shared.cached_update(state, step, pairs)
+        if cached is not None:
+            return cached
+        done = shared.updating[key] = asyncio.get_running_loop().create_future()
+        try:
+            new_state, _ = await self._compute(shared.apply_update, state, step, pairs)
+            return new_state
+        finally:
+            shared.updating.pop(key, None)
+            done.set_result(None)
 
     async def _on_validate(self, msg: ValidateRequest) -> list[DataMessage]:
         workload, state = self._ready(msg.job_id)
