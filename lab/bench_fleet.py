@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 import struct
 import sys
 import time
@@ -150,6 +151,7 @@ class BenchRow:
     efficiency: float | None = None
     daemon_cpu_s_per_step: float = 0.0
     others_cpu_s_per_step: float = 0.0  # boards, bridges and broker (child processes)
+    timeline_ms: dict[str, float] = field(default_factory=dict)  # StepTimeline medians
     messages_per_step: float = 0.0
     broker_publishes_per_s: float | None = None
 
@@ -160,6 +162,41 @@ class BenchRow:
 
 
 # --------------------------------------------------------------------------- byte counting
+
+
+class StepTimeline:
+    """When each measured step's messages passed the daemon, relative to the moment its
+    update went out (the step order, or the first ApplyUpdate of the previous step): the
+    first and last ack, the first and last result, and the next step's update."""
+
+    MARKS: Final = ("first ack", "last ack", "first result", "last result", "next step")
+
+    def __init__(self) -> None:
+        self.opened: dict[int, float] = {}
+        self.acks: dict[int, list[float]] = {}
+        self.results: dict[int, list[float]] = {}
+
+    def note(self, kind: str, step: int, now: float) -> None:
+        """One step message of type ``kind`` for ``step`` passed at ``now``."""
+        if kind in ("step_order", "apply_update"):
+            self.opened.setdefault(step + 1, now)  # the update of step t opens step t + 1
+        elif kind == "update_ack":
+            self.acks.setdefault(step + 1, []).append(now)
+        elif kind in ("eval_result", "eval_slice_result"):
+            self.results.setdefault(step, []).append(now)
+
+    def medians_ms(self) -> dict[str, float]:
+        """Each mark's median over the steps that have it, in ms after the step opened."""
+        marks: dict[str, list[float]] = {m: [] for m in self.MARKS}
+        for step, start in self.opened.items():
+            acks, results = self.acks.get(step, []), self.results.get(step, [])
+            for name, times in (("ack", acks), ("result", results)):
+                if times:
+                    marks[f"first {name}"].append(min(times) - start)
+                    marks[f"last {name}"].append(max(times) - start)
+            if step + 1 in self.opened:
+                marks["next step"].append(self.opened[step + 1] - start)
+        return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
 
 
 class ByteCounter:
@@ -175,6 +212,7 @@ class ByteCounter:
         self.steps: range | None = None
         self.bytes: Counter[str] = Counter()
         self.messages = 0  # every message counted, both ways (a fleet publish once)
+        self.timeline = StepTimeline()
         self._channels: dict[int, CountingChannel] = {}
 
     def channel(self, inner: Any) -> CountingChannel:
@@ -195,6 +233,9 @@ class ByteCounter:
             if step in self.steps:
                 self.bytes[kind] += len(payload)
                 self.messages += 1
+                raw = _step_of(payload)
+                assert raw is not None
+                self.timeline.note(kind, raw, time.perf_counter())
         elif self.active:
             self.bytes[kind] += len(payload)
             self.messages += 1
@@ -541,6 +582,7 @@ async def bench_one(
         work=dict(sorted(result.work.items())),
         daemon_cpu_s_per_step=(clock.cpu[last] - clock.cpu[first]) / measured,
         others_cpu_s_per_step=(clock.others[last] - clock.others[first]) / measured,
+        timeline_ms=counter.timeline.medians_ms(),
         messages_per_step=counter.messages / measured,
         broker_publishes_per_s=None if meter is None else meter.rate(start, end),
     )
@@ -777,6 +819,10 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         f"grad B: shipping fp32 gradients instead, 2 x boards x {facts.modelled_params:,} "
         "parameters x 4",
     ]
+    for row in rows:
+        if row.timeline_ms:
+            marks = ", ".join(f"{k} {v:.1f}" for k, v in row.timeline_ms.items())
+            lines.append(f"timeline, {row.link} {row.boards} boards, ms after the update: {marks}")
     floor = _floor(rows)
     if floor is not None:
         verdict = "met" if floor >= EFFICIENCY_FLOOR else "NOT met"

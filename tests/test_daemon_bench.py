@@ -114,6 +114,9 @@ def test_bench_fleet_tiny_run_prints_and_counts(
             assert row["messages_per_step"] == 4 * boards
         assert row["daemon_cpu_s_per_step"] > 0
         assert row["others_cpu_s_per_step"] >= 0
+        marks = row["timeline_ms"]  # medians after the update went out, in order
+        assert 0 < marks["first ack"] <= marks["last ack"] < marks["next step"]
+        assert marks["first result"] <= marks["last result"] < marks["next step"]
         assert row["payload_bytes_per_step"] == sum(v for k, v in by_type.items() if k != "other")
         assert row["efficiency"] == (
             1.0
