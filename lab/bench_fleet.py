@@ -185,17 +185,22 @@ class StepTimeline:
         elif kind in ("eval_result", "eval_slice_result"):
             self.results.setdefault(step, []).append(now)
 
-    def medians_ms(self) -> dict[str, float]:
-        """Each mark's median over the steps that have it, in ms after the step opened."""
+    def medians_ms(self, steps: range | None = None) -> dict[str, float]:
+        """Each mark's median, in ms after the step opened, over the steps (of ``steps``)
+        that have all of them (so the medians keep the marks' order)."""
         marks: dict[str, list[float]] = {m: [] for m in self.MARKS}
         for step, start in self.opened.items():
-            acks, results = self.acks.get(step, []), self.results.get(step, [])
-            for name, times in (("ack", acks), ("result", results)):
-                if times:
-                    marks[f"first {name}"].append(min(times) - start)
-                    marks[f"last {name}"].append(max(times) - start)
-            if step + 1 in self.opened:
-                marks["next step"].append(self.opened[step + 1] - start)
+            if steps is not None and step not in steps:
+                continue
+            acks, results = self.acks.get(step), self.results.get(step)
+            if not acks or not results or step + 1 not in self.opened:
+                continue
+            for name, value in zip(
+                self.MARKS,
+                (min(acks), max(acks), min(results), max(results), self.opened[step + 1]),
+                strict=True,
+            ):
+                marks[name].append(value - start)
         return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
 
 
@@ -227,15 +232,14 @@ class ByteCounter:
         code = payload[3] if len(payload) >= 4 else -1
         kind = STEP_TYPES.get(code, "other")
         if self.steps is not None and kind != "other":
-            step = _step_of(payload)
+            step = raw = _step_of(payload)
+            if raw is not None:
+                self.timeline.note(kind, raw, time.perf_counter())
             if kind == "step_order" and step is not None:
                 step += 1  # it opens the next step (its update ends this one)
             if step in self.steps:
                 self.bytes[kind] += len(payload)
                 self.messages += 1
-                raw = _step_of(payload)
-                assert raw is not None
-                self.timeline.note(kind, raw, time.perf_counter())
         elif self.active:
             self.bytes[kind] += len(payload)
             self.messages += 1
@@ -348,15 +352,19 @@ def _spec(config: BenchConfig, steps: int) -> Any:
     )
 
 
+def _ideal_samples(config: BenchConfig, boards: int) -> int:
+    """Samples per sign the busiest board evaluates in an ideal step: the fleet's even
+    share (with batch slices, INT8, a board can take less than a whole key, so boards
+    beyond q still shorten the step), plus the audit's extra key."""
+    audit = config.batch if config.audit and boards > 1 else 0
+    return math.ceil(config.q * config.batch / boards) + audit
+
+
 def _ideal_step_s(config: BenchConfig, boards: int, computed_macs: int) -> float:
     from qsched.firmware.virtual.board import LatencyProfile
 
-    # The fleet's share of the step's samples, evenly: with batch slices (INT8) a board
-    # can take less than a whole key, so boards beyond q still shorten the step.
-    samples = math.ceil(config.q * config.batch / boards)
-    audit = config.batch if config.audit and boards > 1 else 0
     return LatencyProfile.named(config.model_latency).forward_seconds(
-        computed_macs, 2 * (samples + audit)
+        computed_macs, 2 * _ideal_samples(config, boards)
     )
 
 
@@ -582,7 +590,7 @@ async def bench_one(
         work=dict(sorted(result.work.items())),
         daemon_cpu_s_per_step=(clock.cpu[last] - clock.cpu[first]) / measured,
         others_cpu_s_per_step=(clock.others[last] - clock.others[first]) / measured,
-        timeline_ms=counter.timeline.medians_ms(),
+        timeline_ms=counter.timeline.medians_ms(counter.steps),
         messages_per_step=counter.messages / measured,
         broker_publishes_per_s=None if meter is None else meter.rate(start, end),
     )
@@ -696,9 +704,8 @@ def _fill_efficiency(rows: list[BenchRow], config: BenchConfig) -> None:
 
 def _one_board_ideal(config: BenchConfig, rows: list[BenchRow]) -> float:
     row = rows[0]
-    # Ideal times are linear in the shard size: scale this row's down to one board.
-    largest = math.ceil(config.q / row.boards) + (1 if config.audit and row.boards > 1 else 0)
-    return row.ideal_step_s * config.q / largest
+    # Ideal times are linear in the samples: scale this row's up to one board's.
+    return row.ideal_step_s * _ideal_samples(config, 1) / _ideal_samples(config, row.boards)
 
 
 # --------------------------------------------------------------------------- report
