@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -36,12 +35,18 @@ from typing import Any, Final
 import structlog
 
 from qsched.daemon.fleet import error_matches, reply_key, request_key
-from qsched.daemon.planner import StepSplit, ThroughputEstimate, choose_parts, plan_units
+from qsched.daemon.planner import (
+    StepSplit,
+    ThroughputEstimate,
+    choose_parts,
+    estimate_for,
+    observe_split,
+    plan_units,
+)
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
 from qsched.protocol.messages import (
-    HEARTBEAT_INTERVAL_S,
     TYPE_CODES,
     ApplyUpdate,
     BoardErrorCode,
@@ -100,10 +105,7 @@ class Member:
 
     def rate(self, parts: int) -> float:
         """Measured whole-batch keys per second on ``parts`` slices a key (else whole)."""
-        sliced = self.slice_throughput.get(parts)
-        if parts > 1 and sliced is not None and sliced.observations:
-            return sliced.rate
-        return self.throughput.rate
+        return estimate_for(self.throughput, self.slice_throughput, parts).rate
 
     def expect(self, key: Hashable) -> asyncio.Future[DataMessage]:
         """The waiter of the answer under ``key`` (one per key: a transfer's chunks share it)."""
@@ -160,11 +162,8 @@ class _Part:
         # The callback may not have run yet when the answer was already there: it is now.
         done = self.done if self.done is not None else asyncio.get_running_loop().time()
         seconds = max(done - self.sent, 1e-6)
-        if self.parts == 1:
-            self.member.throughput.observe(self.cost, seconds)
-        else:
-            estimate = self.member.slice_throughput.setdefault(self.parts, ThroughputEstimate())
-            estimate.observe(self.cost, seconds)
+        member = self.member
+        observe_split(member.throughput, member.slice_throughput, self.parts, self.cost, seconds)
 
 
 class _Refused(Exception):
@@ -182,8 +181,6 @@ class HostAggregator:
         name: the board id the daemon sees.
         members: the boards, their links open and their Hellos heard.
         reply_timeout_s: how long a member may take to answer.
-        heartbeat_interval: seconds between the host's own heartbeats when the first
-            member says none.
     """
 
     def __init__(
@@ -192,17 +189,13 @@ class HostAggregator:
         members: Sequence[Member],
         *,
         reply_timeout_s: float = MEMBER_REPLY_TIMEOUT_S,
-        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
     ) -> None:
         if not members:
             raise ValueError("an aggregate needs at least one member board")
         self.name = name
         self.members = list(members)
         self.reply_timeout_s = reply_timeout_s
-        self.heartbeat_interval = heartbeat_interval
-        self._int8 = False
-        self._batch_size = 1
-        self._booted = time.monotonic()
+        self._int8 = False  # from the JobConfig: INT8 requests may be cut into slices
         self._send: Send | None = None
         self.sliced = 0  # eval requests answered from batch slices of the members
         self._tasks: set[asyncio.Task[None]] = set()
@@ -285,7 +278,7 @@ class HostAggregator:
         """Send ``msg`` on to the members now (so every member sees the daemon's order),
         and fold their answers in the background."""
         if isinstance(msg, JobConfig):
-            self._int8, self._batch_size = msg.numerics == "int8", msg.batch_size
+            self._int8 = msg.numerics == "int8"
         if isinstance(msg, _FANNED_OUT):
             futures = await self._to_all(msg)
             self._fold(self._fold_same(msg, futures))

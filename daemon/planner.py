@@ -24,6 +24,8 @@ __all__ = [
     "ThroughputEstimate",
     "batch_slices",
     "choose_parts",
+    "estimate_for",
+    "observe_split",
     "plan_shards",
     "plan_units",
     "predicted_seconds",
@@ -113,6 +115,32 @@ def reassign(
     """
     candidates = {b: r for b, r in rates.items() if b not in exclude} or dict(rates)
     return plan_shards(missing, candidates)
+
+
+def estimate_for(
+    whole: ThroughputEstimate, sliced: Mapping[int, ThroughputEstimate], parts: int
+) -> ThroughputEstimate:
+    """A board's rate on whole batches (``parts`` 1) or on slices of ``parts`` per key;
+    slices not measured yet take the whole-batch estimate (so a split is tried once at
+    face value, then judged on what it measured)."""
+    if parts == 1:
+        return whole
+    estimate = sliced.get(parts)
+    return estimate if estimate is not None and estimate.observations else whole
+
+
+def observe_split(
+    whole: ThroughputEstimate,
+    sliced: dict[int, ThroughputEstimate],
+    parts: int,
+    cost: float,
+    seconds: float,
+) -> None:
+    """Fold one shard's time (``cost`` whole-batch keys) into the estimate of its kind."""
+    if parts == 1:
+        whole.observe(cost, seconds)
+    else:
+        sliced.setdefault(parts, ThroughputEstimate()).observe(cost, seconds)
 
 
 def batch_slices(batch_size: int, parts: int) -> list[tuple[int, int]]:

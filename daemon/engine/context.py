@@ -22,7 +22,14 @@ import structlog
 
 from qsched.daemon.errors import Interrupted, JobError
 from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
-from qsched.daemon.planner import StepSplit, ThroughputEstimate, choose_parts, plan_units
+from qsched.daemon.planner import (
+    StepSplit,
+    ThroughputEstimate,
+    choose_parts,
+    estimate_for,
+    observe_split,
+    plan_units,
+)
 from qsched.protocol.control import Event, EventKind
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest, EvalSliceRequest
@@ -387,13 +394,8 @@ class JobContext:
 
 
 def throughput_of(session: BoardSession, parts: int = 1) -> ThroughputEstimate:
-    """The board's measured rate on whole batches (``parts`` 1) or on slices of ``parts``
-    per key; slices not measured yet take the whole-batch estimate (so a split is tried
-    once at face value, then judged on what it measured)."""
-    if parts == 1:
-        return session.throughput
-    sliced = session.slice_throughput.get(parts)
-    return sliced if sliced is not None and sliced.observations else session.throughput
+    """The board's measured rate on whole batches or on slices (``estimate_for``)."""
+    return estimate_for(session.throughput, session.slice_throughput, parts)
 
 
 def planning_rates(workers: Sequence[BoardSession], parts: int = 1) -> dict[str, float]:
@@ -410,11 +412,9 @@ def observe_throughput(
     session: BoardSession, split: StepSplit, units: Sequence[int], seconds: float
 ) -> None:
     """Fold one answered (or late) shard's time into the estimate of its kind."""
-    if split.parts == 1:
-        session.throughput.observe(split.cost(units), seconds)
-        return
-    estimate = session.slice_throughput.setdefault(split.parts, ThroughputEstimate())
-    estimate.observe(split.cost(units), seconds)
+    observe_split(
+        session.throughput, session.slice_throughput, split.parts, split.cost(units), seconds
+    )
 
 
 def fault_text(exc: BoardFaultError, where: str) -> str:

@@ -336,7 +336,7 @@ class StepEngine:
         t, q = self.step, self._policy_q()
         self.ctx.status_line = f"step {t}/{self.spec.steps} q={q}"
         await self._sync.sync_boards()
-        losses = await self._collector.collect(t, q, self._updates.take_prefetch(t))
+        losses = await self._collector.collect(t, q, self._updates.take_prefetch(t, q))
         try:
             settled = settle_step(self.spec, t, q, losses, self.result.forward_passes)
         except LossError as exc:

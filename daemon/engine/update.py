@@ -38,8 +38,8 @@ class UpdateSender:
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
-        # Eval requests of the next step sent with the update: (step, flights).
-        self._prefetch: tuple[int, Flights] | None = None
+        # Eval requests of the next step sent with the update: (step, q, flights).
+        self._prefetch: tuple[int, int, Flights] | None = None
 
     async def broadcast(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
         """``ApplyUpdate(t)`` to every board at step t; wait for and check every ack."""
@@ -109,17 +109,18 @@ class UpdateSender:
             flights[task] = flight
             session.set_state("busy", "eval")
         cast.start()  # after every board's task: each registers its waiters first
-        self._prefetch = (t + 1, flights)
+        self._prefetch = (t + 1, next_q, flights)
         if sent:
             await asyncio.wait(sent)
 
-    def take_prefetch(self, t: int) -> Flights:
-        """The requests of step ``t`` already out with the last update (none: empty)."""
+    def take_prefetch(self, t: int, q: int) -> Flights:
+        """The requests of step ``t`` with ``q`` keys already out with the last update
+        (none: empty; their work units are numbered for that q)."""
         prefetch, self._prefetch = self._prefetch, None
         if prefetch is None:
             return {}
-        step, flights = prefetch
-        if step == t:
+        step, planned_q, flights = prefetch
+        if (step, planned_q) == (t, q):
             return flights
         self._prefetch = prefetch  # not this step's: dropped as on a stop
         self.drop()
@@ -134,7 +135,7 @@ class UpdateSender:
             self._prefetch = prefetch
             self.drop()
             return
-        flights = prefetch[1]
+        flights = prefetch[2]
         if flights:
             loop = asyncio.get_running_loop()
             limit = max(f.deadline for f in flights.values()) - loop.time()
@@ -146,7 +147,7 @@ class UpdateSender:
                     session.set_state("ready", "answered")
                 if isinstance(error, BoardFaultError):
                     ctx.fault(session, fault_text(error, f"step {ctx.step}"))
-            self._prefetch = (prefetch[0], flights)  # the unanswered ones: dropped below
+            self._prefetch = (prefetch[0], prefetch[1], flights)  # unanswered: dropped below
         if ctx.unverified:
             await asyncio.wait(list(ctx.unverified.values()), timeout=ctx.config.reply_timeout_s)
         self.drop()
@@ -156,7 +157,7 @@ class UpdateSender:
         boards hold updates nobody checked, so they are resynchronised before new work."""
         ctx = self.ctx
         if self._prefetch is not None:
-            _, flights = self._prefetch
+            flights = self._prefetch[2]
             self._prefetch = None
             for task, flight in flights.items():
                 task.cancel()
