@@ -113,7 +113,8 @@ class BenchConfig:
             host topic (``qsched board --host-uplink``).
         bridges: ``qsched bridge`` processes of the ``bridge`` link; the boards are dealt
             to them in contiguous groups.
-        aggregate: each bridge presents its boards as one board (``--aggregate``).
+        aggregate: each bridge presents its boards as one board (``--aggregate``); over
+            MQTT, each board process does (``qsched.lab.host_boards``).
     """
 
     boards: tuple[int, ...] = (1, 2, 4, 8)
@@ -413,10 +414,40 @@ def children_cpu_s() -> float:
 
 
 def _daemon_boards(config: BenchConfig, link: str, boards: int) -> int:
-    """How many boards the daemon sees: an aggregating bridge is one."""
-    if link == "bridge" and config.aggregate:
+    """How many boards the daemon sees: an aggregating bridge or host is one."""
+    if config.aggregate and link == "bridge":
         return min(config.bridges, boards)
+    if config.aggregate and link == "mqtt":
+        return min(config.processes, boards)
     return boards
+
+
+@contextlib.asynccontextmanager
+async def _hosted_boards(
+    config: BenchConfig, boards: int, broker: str | None, fleet: str
+) -> AsyncIterator[list[Any]]:
+    """``boards`` virtual boards in ``config.processes`` processes, each process one
+    aggregated board on MQTT (``qsched.lab.host_boards``)."""
+    import subprocess
+
+    assert broker is not None
+    procs = []
+    for i, (_, size) in enumerate(_groups(boards, config.processes)):
+        argv = [sys.executable, "-m", "qsched.lab.host_boards", "--mqtt", broker]
+        argv += ["--fleet", fleet, "--name", f"bench-host-{i}", "--count", str(size)]
+        argv += ["--model-latency", config.model_latency, "--id-prefix", f"bench{i}"]
+        procs.append(_quiet_process(argv))
+    try:
+        yield []
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
 
 @contextlib.asynccontextmanager
@@ -551,6 +582,8 @@ async def bench_one(
     boards_process = (
         _bridged_boards(config, boards, broker, fleet_name, extra)
         if link == "bridge"
+        else _hosted_boards(config, boards, broker, fleet_name)
+        if link == "mqtt" and config.aggregate
         else board_processes(
             boards,
             mqtt=broker if link == "mqtt" else None,
@@ -902,7 +935,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--aggregate",
         action="store_true",
-        help="each bridge presents its boards as one board (qsched bridge --aggregate)",
+        help="each bridge (qsched bridge --aggregate) or, over MQTT, each board process "
+        "presents its boards as one board",
     )
     p.add_argument("--q", type=int, default=64, help="perturbations per step (default 64)")
     p.add_argument(

@@ -138,6 +138,19 @@ def test_bench_fleet_tiny_run_prints_and_counts(
     assert "floor:" not in printed  # no 8-board MQTT row, so no verdict
 
 
+def test_bench_fleet_aggregated_mqtt_hosts(tmp_path: Path) -> None:
+    """Four virtual boards in two processes, each process one aggregated MQTT board."""
+    out = tmp_path / "hosts.json"
+    argv = ["--links", "mqtt", "--boards", "4", "--board-processes", "2", "--aggregate"]
+    argv += ["--q", str(Q), "--seconds", "0.1", "--min-steps", "2", "--warmup", "1"]
+    argv += ["--batch", "2", "--json", str(out), "--log", str(tmp_path / "daemon.log")]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert set(row["work"]) == {"bench-host-0", "bench-host-1"}
+    assert sum(row["work"].values()) == Q * (1 + row["steps"])
+    assert row["messages_per_step"] == 1 + 2 * 2  # one order, an ack and a result per host
+
+
 @pytest.mark.parametrize("aggregate", [False, True])
 def test_bench_fleet_bridge_link(tmp_path: Path, aggregate: bool) -> None:
     """Serial boards behind two bridges, the daemon on MQTT: four boards, or two
