@@ -378,20 +378,10 @@ class HostAggregator:
         msg: EvalRequest | EvalSliceRequest, split: StepSplit, units: list[int]
     ) -> EvalRequest | EvalSliceRequest:
         """A member's share: the keys of its units, on the request's batch or a slice."""
-        ks = tuple(sorted(msg.ks[split.key(u)] for u in units))
-        if split.parts == 1:
-            return msg.model_copy(update={"ks": ks})
-        start, count = split.bounds(split.part(units[0]))
-        return EvalSliceRequest(
-            job_id=msg.job_id,
-            step=msg.step,
-            batch_size=msg.batch_size,
-            eps=msg.eps,
-            estimator=msg.estimator,
-            slice_start=start,
-            slice_count=count,
-            ks=ks,
-        )
+        share = msg.model_copy(update={"ks": tuple(sorted(msg.ks[split.key(u)] for u in units))})
+        if split.parts == 1 or isinstance(share, EvalSliceRequest):
+            return share
+        return EvalSliceRequest.of(share, *split.bounds(split.part(units[0])))
 
     async def _fold_eval(
         self, msg: EvalRequest | EvalSliceRequest, parts: list[_Part]

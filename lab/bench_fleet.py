@@ -46,7 +46,7 @@ from typing import Any, Final, Self
 
 import structlog
 
-from qsched.lab.demo import board_processes, sigterm_as_interrupt, wait_for_boards
+from qsched.lab.demo import board_processes, sigterm_as_interrupt, stop_processes, wait_for_boards
 from qsched.protocol.links.base import BoardAppeared, LinkEvent
 
 __all__ = [
@@ -428,7 +428,6 @@ async def _hosted_boards(
 ) -> AsyncIterator[list[Any]]:
     """``boards`` virtual boards in ``config.processes`` processes, each process one
     aggregated board on MQTT (``qsched.lab.host_boards``)."""
-    import subprocess
 
     assert broker is not None
     procs = []
@@ -440,14 +439,7 @@ async def _hosted_boards(
     try:
         yield []
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        await asyncio.to_thread(stop_processes, procs)
 
 
 @contextlib.asynccontextmanager
@@ -487,13 +479,7 @@ async def _bridged_boards(
             procs.append(_quiet_process(qsched_argv(*args, log_level="warning")))
         yield []
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        await asyncio.to_thread(stop_processes, procs)
         assert relay.stdin is not None and relay.stdout is not None
         relay.stdin.close()
         try:

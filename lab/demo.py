@@ -63,6 +63,7 @@ __all__ = [
     "q_trajectory",
     "run_demo",
     "sigterm_as_interrupt",
+    "stop_processes",
     "wait_for_boards",
 ]
 
@@ -233,7 +234,7 @@ async def board_processes(
             )
         yield ports
     finally:
-        await asyncio.to_thread(_stop_processes, procs)
+        await asyncio.to_thread(stop_processes, procs)
         for port in ports:
             port.close()
 
@@ -277,7 +278,8 @@ def _board_argv(
     return out
 
 
-def _stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process still running, wait for them (bounded), kill the rest."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -377,6 +377,17 @@ class EvalRequest(WireModel):
 class EvalSliceRequest(WireModel):
     """INT8: sum the losses of samples [start, start + count) of the batch for keys ``ks``."""
 
+    @classmethod
+    def of(cls, request: EvalRequest, start: int, count: int) -> EvalSliceRequest:
+        """``request``'s keys on the batch slice ``[start, start + count)``."""
+        return cls.model_validate(
+            {
+                **request.model_dump(exclude={"type"}),
+                "slice_start": start,
+                "slice_count": count,
+            }
+        )
+
     type: Literal["eval_slice_request"] = "eval_slice_request"
     job_id: U32
     step: U32
@@ -481,19 +492,17 @@ class StepOrder(WireModel):
         for shard in self.shards:
             if shard.board_id != board_id or not shard.ks:
                 continue
-            common = {
-                "job_id": self.job_id,
-                "step": self.step + 1,
-                "batch_size": self.batch_size,
-                "eps": self.eps,
-                "estimator": self.estimator,
-                "ks": shard.ks,
-            }
-            if shard.slice_count == 0:
-                return EvalRequest.model_validate(common)
-            return EvalSliceRequest.model_validate(
-                {**common, "slice_start": shard.slice_start, "slice_count": shard.slice_count}
+            request = EvalRequest(
+                job_id=self.job_id,
+                step=self.step + 1,
+                batch_size=self.batch_size,
+                eps=self.eps,
+                estimator=self.estimator,
+                ks=shard.ks,
             )
+            if shard.slice_count == 0:
+                return request
+            return EvalSliceRequest.of(request, shard.slice_start, shard.slice_count)
         return None
 
     def names(self, board_id: str) -> bool:

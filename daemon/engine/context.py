@@ -343,22 +343,18 @@ class JobContext:
     ) -> EvalRequest | EvalSliceRequest:
         """The request for ``units`` of step ``t`` (all of one slice)."""
         spec = self.spec
-        keys = tuple(sorted(split.key(u) for u in units))
-        common = {
-            "job_id": self.job_id,
-            "step": t,
-            "batch_size": spec.batch_size,
-            "eps": spec.eps,
-            "estimator": spec.estimator,
-            "ks": keys,
-        }
-        if split.parts == 1:
-            return EvalRequest.model_validate(common)
-        (part,) = {split.part(u) for u in units}
-        start, count = split.bounds(part)
-        return EvalSliceRequest.model_validate(
-            {**common, "slice_start": start, "slice_count": count}
+        request = EvalRequest(
+            job_id=self.job_id,
+            step=t,
+            batch_size=spec.batch_size,
+            eps=spec.eps,
+            estimator=spec.estimator,
+            ks=tuple(sorted(split.key(u) for u in units)),
         )
+        if split.parts == 1:
+            return request
+        (part,) = {split.part(u) for u in units}
+        return EvalSliceRequest.of(request, *split.bounds(part))
 
     def deadline(
         self, session: BoardSession, cost: float, now: float, split: StepSplit | None = None
