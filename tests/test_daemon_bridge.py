@@ -158,3 +158,24 @@ def test_bridge_without_ports_is_a_usage_error(
     assert main(["--mqtt", "127.0.0.1:1883"]) == 2
     assert "no serial ports" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--aggregate", "lab/3"], "topic level"),
+        (["--aggregate", "lab-3", "--host-uplink", "lab-3"], "no --host-uplink"),
+    ],
+)
+def test_bridge_aggregate_usage_errors(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    said: str,
+) -> None:
+    """A name that is not one topic level, or --aggregate with --host-uplink: exit 2."""
+    monkeypatch.delenv("QSCHED_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--serial", "/dev/null", "--mqtt", "127.0.0.1:1883", *extra]) == 2
+    assert said in capsys.readouterr().err
