@@ -225,7 +225,7 @@ class EvalResult(WireModel):
 
 
 class EvalSliceResult(WireModel):
-    """INT8 loss sums of a slice of the batch for each requested k (SPEC 6.10)."""
+    """INT8 loss sums of a slice of the batch for each requested k (section 6.10)."""
 
     type: Literal["eval_slice_result"] = "eval_slice_result"
     job_id: U32
