@@ -299,12 +299,10 @@ class _Shared:
         """What identifies one update of one state (the checksum narrows, equality decides)."""
         return (step, tuple(pairs), state.checksum())
 
-    def cached_update(
-        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
-    ) -> TrainState | None:
-        """The memoised result of this update on these weights, or None."""
+    def cached_update(self, state: TrainState, key: tuple[object, ...]) -> TrainState | None:
+        """The memoised result of the update ``key`` (``update_key``) on these weights."""
         with self._memo_lock:
-            hit = self._updates.get(self.update_key(state, step, pairs))
+            hit = self._updates.get(key)
         if hit is not None and _same_state(hit[0], state):
             return hit[1].copy()
         return None
@@ -313,12 +311,13 @@ class _Shared:
         self, state: TrainState, step: int, pairs: list[tuple[int, float]]
     ) -> TrainState:
         """``Workload.apply_update``, memoised across boards (call with ``lock`` held)."""
-        cached = self.cached_update(state, step, pairs)
+        key = self.update_key(state, step, pairs)
+        cached = self.cached_update(state, key)
         if cached is not None:
             return cached
         new_state = self.workload.apply_update(state, step, pairs)
         with self._memo_lock:
-            self._updates[self.update_key(state, step, pairs)] = (state.copy(), new_state.copy())
+            self._updates[key] = (state.copy(), new_state.copy())
             while len(self._updates) > _UPDATE_CACHE_SIZE:
                 self._updates.popitem(last=False)
         return new_state
@@ -910,11 +909,12 @@ class BoardAgent:
         computed it, awaited when one is computing it, else computed here."""
         shared = self._shared
         assert shared is not None
-        key = (id(asyncio.get_running_loop()), *shared.update_key(state, step, pairs))
+        update = shared.update_key(state, step, pairs)
+        key = (id(asyncio.get_running_loop()), *update)
         pending = shared.updating.get(key)
         if pending is not None:
             await asyncio.shield(pending)
-        cached = shared.cached_update(state, step, pairs)
+        cached = shared.cached_update(state, update)
         if cached is not None:
             return cached
         done = shared.updating[key] = asyncio.get_running_loop().create_future()
