@@ -41,6 +41,7 @@ from qsched.protocol.links.base import (
     BoardAppeared,
     LinkClosedError,
     LinkError,
+    cancel_until_done,
 )
 from qsched.protocol.messages import TYPE_CODES, Hello, Reset
 
@@ -62,7 +63,6 @@ HELLO_RETRY_S: Final = 5.0
 _HELLO_CODE: Final = TYPE_CODES[Hello]
 _END: Final = b""  # the serial link ended (a real message is never empty)
 SHUTDOWN_TIMEOUT_S: Final = 10.0
-RECANCEL_S: Final = 0.5
 
 
 def _hello_of(data: bytes) -> Hello | None:
@@ -312,16 +312,8 @@ def _finished(task: asyncio.Task[str]) -> None:
 
 
 async def _cancel_until_done(tasks: set[asyncio.Task[str]]) -> None:
-    """Cancel the tasks again and again until they end (bounded): on Python 3.11 a
-    cancellation that races with a result inside ``asyncio.wait_for`` (aiomqtt's publish
-    uses it) is swallowed, and one ``cancel()`` would leave the task running."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SHUTDOWN_TIMEOUT_S
-    pending = {t for t in tasks if not t.done()}
-    while pending and loop.time() < deadline:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    """Cancel the bridges until they end (bounded: ``cancel_until_done``)."""
+    pending = await cancel_until_done(tasks, SHUTDOWN_TIMEOUT_S)
     if pending:
         _log.error("bridges did not stop", tasks=sorted(t.get_name() for t in pending))
 

@@ -34,13 +34,13 @@ from qsched.firmware.virtual.board import (
 )
 from qsched.firmware.virtual.faults import CorruptingStream, FaultError, FaultPlan
 from qsched.firmware.virtual.latency import DK_BAUD
+from qsched.protocol.links.base import cancel_until_done
 from qsched.protocol.messages import PROTOCOL_VERSION
 
 __all__ = ["board_ids", "build_parser", "main", "parse_speeds"]
 
 EXIT_USAGE = 2
 SHUTDOWN_TIMEOUT_S = 10.0
-SHUTDOWN_RECANCEL_S = 0.5
 _log = structlog.get_logger("qsched.firmware.board")
 
 
@@ -327,17 +327,8 @@ async def _serve_all(
 
 
 async def _cancel_all(tasks: list[asyncio.Task[str]]) -> None:
-    """Cancel and await the boards, again and again until they are done (bounded).
-
-    Cancelling once is not enough on Python 3.11: ``asyncio.wait_for`` (used inside
-    aiomqtt's publish) swallows a cancellation that races with the awaited result.
-    """
-    deadline = asyncio.get_running_loop().time() + SHUTDOWN_TIMEOUT_S
-    pending = {t for t in tasks if not t.done()}
-    while pending and asyncio.get_running_loop().time() < deadline:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=SHUTDOWN_RECANCEL_S)
+    """Cancel the boards until they are done (bounded: ``cancel_until_done``)."""
+    pending = await cancel_until_done(tasks, SHUTDOWN_TIMEOUT_S)
     if pending:
         _log.error("boards did not stop", boards=sorted(t.get_name() for t in pending))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -38,9 +38,36 @@ __all__ = [
     "MultiTransport",
     "SendTimeoutError",
     "Transport",
+    "cancel_until_done",
     "close_queue",
     "iterate_queue",
 ]
+
+# How long cancel_until_done keeps cancelling, and how often.
+CANCEL_TIMEOUT_S = 10.0
+RECANCEL_S = 0.5
+
+
+async def cancel_until_done(
+    tasks: Iterable[asyncio.Task[Any]], timeout: float = CANCEL_TIMEOUT_S
+) -> set[asyncio.Task[Any]]:
+    """Cancel the tasks again and again until they end (bounded); returns those that did
+    not. On Python 3.11 a cancellation that races with a result inside ``asyncio.wait_for``
+    (aiomqtt's connect and publish use it) is swallowed, so one ``cancel()`` and an
+    unbounded wait can hang a shutdown."""
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending = {t for t in tasks if not t.done()}
+    while pending and loop.time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: the caller is shutting down, not reporting
+    return pending
+
 
 # Bounded queues everywhere: a board that floods the daemon fills its own queue and
 # its link applies back-pressure (serial: no acks; MQTT: the client's queue) instead of

@@ -60,6 +60,7 @@ from qsched.protocol.links.base import (
     LinkEvent,
     MessageTooLargeError,
     SendTimeoutError,
+    cancel_until_done,
     close_queue,
     iterate_queue,
 )
@@ -518,7 +519,7 @@ class MqttTransport:
             self.topics,
         )
         if self._task is not None:
-            self._task.cancel()
+            await cancel_until_done([self._task])
         if self._tasks is not None:
             await self._tasks.__aexit__(None, None, None)
         for link in self._links.values():
@@ -799,9 +800,7 @@ class MqttEndpoint:
             self.topics,
         )
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_until_done([self._task])
         close_queue(self._inbox)
 
 
@@ -840,11 +839,7 @@ class HostUplink:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for task in (self._flush, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_until_done([t for t in (self._flush, self._task) if t is not None])
 
     async def send(self, board_id: str, payload: bytes) -> None:
         """Queue one board's message for the next batch and wait until it is published.
