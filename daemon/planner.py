@@ -12,6 +12,7 @@ the boards' measured rates.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -184,21 +185,24 @@ class StepSplit:
         """The unit of key ``key`` on slice ``part``."""
         return part * self.q + key
 
+    @functools.cached_property
+    def slices(self) -> list[tuple[int, int]]:
+        """(start, count) of every slice, in order (``batch_slices``, computed once)."""
+        return batch_slices(self.batch_size, self.parts)
+
     def bounds(self, part: int) -> tuple[int, int]:
         """(start, count) of slice ``part``."""
-        return batch_slices(self.batch_size, self.parts)[part]
+        return self.slices[part]
 
     def part_of(self, start: int, count: int) -> int | None:
         """The slice index with these bounds (None: not a slice of this split)."""
-        slices = batch_slices(self.batch_size, self.parts)
-        return slices.index((start, count)) if (start, count) in slices else None
+        return self.slices.index((start, count)) if (start, count) in self.slices else None
 
     def cost(self, units: Sequence[int]) -> float:
         """Work of ``units`` in whole-batch keys (what ``ThroughputEstimate`` counts)."""
         if self.parts == 1:
             return float(len(units))
-        slices = batch_slices(self.batch_size, self.parts)
-        return sum(slices[self.part(u)][1] for u in units) / self.batch_size
+        return sum(self.slices[self.part(u)][1] for u in units) / self.batch_size
 
 
 def plan_units(
@@ -222,9 +226,11 @@ def plan_units(
     if len(fastest) < len(parts):
         return {b: by_part[p] for b, p in zip(sorted(rates), parts, strict=False)}
     groups: dict[int, list[str]] = {p: [b] for p, b in zip(parts, fastest, strict=False)}
+    totals = {p: rates[group[0]] for p, group in groups.items()}  # each group's rate
     for board in fastest[len(parts) :]:
-        part = min(parts, key=lambda p: (sum(rates[b] for b in groups[p]) / len(by_part[p]), p))
+        part = min(parts, key=lambda p: (totals[p] / len(by_part[p]), p))
         groups[part].append(board)
+        totals[part] += rates[board]
     plan: dict[str, list[int]] = {}
     for part in parts:
         plan.update(plan_shards(by_part[part], {b: rates[b] for b in groups[part]}))
@@ -233,7 +239,10 @@ def plan_units(
 
 def predicted_seconds(split: StepSplit, rates: Mapping[str, float]) -> float:
     """Time of the step's slowest board under ``plan_units`` at the given rates."""
-    plan = plan_units(split, split.units, rates)
+    return _slowest(split, plan_units(split, split.units, rates), rates)
+
+
+def _slowest(split: StepSplit, plan: Mapping[str, list[int]], rates: Mapping[str, float]) -> float:
     return max(split.cost(units) / max(rates[b], 1e-12) for b, units in plan.items())
 
 
@@ -272,7 +281,7 @@ def choose_parts(
         plan = plan_units(split, split.units, sliced)
         if any(len(units) > MAX_SLICE_KS for units in plan.values()):
             continue
-        seconds = predicted_seconds(split, sliced)
+        seconds = _slowest(split, plan, sliced)
         if seconds <= best_s * (1 - MIN_SPLIT_GAIN):
             best, best_s = parts, seconds
     return best
