@@ -77,6 +77,13 @@ class JobSpec(_Frozen):
     backbone: str | None = Field(
         default=None, description="pretrained model to start from: an int8 .tflite file"
     )
+    recalibrate_every: int = Field(
+        default=0,
+        ge=0,
+        lt=2**32,
+        description="INT8 with the FP16 buffer: every N steps, double the weight scale of "
+        "each trainable channel whose weights reach the int8 clamp (0: scales stay fixed)",
+    )
     policy: PolicySpec = Field(default_factory=PolicySpec)
     eval_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
@@ -117,6 +124,15 @@ class JobSpec(_Frozen):
     def _check_lr_unit(self) -> JobSpec:
         if self.numerics == "fp32" and self.lr_unit != "weight":
             raise ValueError("FP32 learning rates are in weight units: lr_unit must be 'weight'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_recalibration(self) -> JobSpec:
+        if self.recalibrate_every and (self.numerics != "int8" or self.accumulator != "fp16"):
+            raise ValueError(
+                "recalibrate_every needs INT8 numerics with the FP16 buffer "
+                f"(numerics {self.numerics!r}, accumulator {self.accumulator!r})"
+            )
         return self
 
     @model_validator(mode="after")

@@ -25,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from qsched.protocol.jobspec import JobSpec
-from qsched.zo import accum_int8, engine, intloss, prng, update
+from qsched.zo import accum_int8, engine, intloss, prng, recalibrate, update
+from qsched.zo import kernels_int8 as ki
 from qsched.zo.datasets import Dataset, load_dataset
 from qsched.zo.errors import StateError, WorkloadError, ZooError
 from qsched.zo.graph import Conv2D, Dense, Model, QuantizedLayer, QuantModel
@@ -68,8 +69,9 @@ _MAX_SET_ELEMENTS: Final = 1 << 24
 _VALIDATION_CHUNK: Final = 1024
 
 _STATE_MAGIC: Final = b"QZST"
-_STATE_VERSION: Final = 1
+_STATE_VERSION: Final = 2
 _STATE_HEADER: Final = struct.Struct("<4sHBBQII")
+_EXPS_COUNT: Final = struct.Struct("<I")  # version 2: the number of scale exponents
 _PARAM_CODES: Final[dict[np.dtype[Any] | None, int]] = {
     np.dtype(np.float32): 1,
     np.dtype(np.int8): 2,
@@ -87,18 +89,23 @@ class TrainState:
 
     ``params`` is float32 (FP32 mode) or int8 (INT8 mode); ``buffer`` is the FP16
     accumulation buffer, the INT8 accumulator state (``accum_int8``), or None (FP32).
-    ``step`` is the next step to run.
+    ``scale_exps`` are the recalibration exponents, one int8 per trainable channel
+    (``recalibrate.py``), or None when the job's scales stay fixed. ``step`` is the next
+    step to run.
     """
 
     step: int
     params: Flat
     buffer: Flat | None = None
+    scale_exps: Flat | None = None
+
+    def _parts(self) -> list[Flat]:
+        return [p for p in (self.params, self.buffer, self.scale_exps) if p is not None]
 
     def weight_bytes(self) -> bytes:
-        """The params' bytes then the buffer's, little-endian: what ``SetWeights`` carries
-        and the checksum covers (SPEC section 5)."""
-        parts = [self.params] if self.buffer is None else [self.params, self.buffer]
-        return b"".join(_le_bytes(part) for part in parts)
+        """The params' bytes, the buffer's, then the scale exponents, little-endian: what
+        ``SetWeights`` carries and the checksum covers (SPEC section 5)."""
+        return b"".join(_le_bytes(part) for part in self._parts())
 
     def checksum(self) -> int:
         """CRC-32 of :meth:`weight_bytes` (SPEC section 5)."""
@@ -117,22 +124,21 @@ class TrainState:
         Raises:
             StateError: ``raw`` is not exactly as long as this state's weight bytes.
         """
-        params = self.params
-        size = params.size * params.itemsize
-        expected = size + (0 if self.buffer is None else self.buffer.size * self.buffer.itemsize)
+        expected = sum(part.size * part.itemsize for part in self._parts())
         if len(raw) != expected:
             raise StateError(f"weights are {len(raw)} bytes, the job needs {expected}")
-        new_params = np.frombuffer(raw, params.dtype.newbyteorder("<"), params.size).astype(
-            params.dtype
-        )
-        buffer = None
-        if self.buffer is not None:
-            dtype = self.buffer.dtype
-            buffer = np.frombuffer(raw, dtype.newbyteorder("<"), offset=size).astype(dtype)
-        return TrainState(step, new_params, buffer)
+        offset, read = 0, []
+        for part in self._parts():
+            read.append(_read(raw, part.dtype, part.size, offset))
+            offset += part.size * part.itemsize
+        params = read.pop(0)
+        buffer = read.pop(0) if self.buffer is not None else None
+        exps = read.pop(0) if self.scale_exps is not None else None
+        return TrainState(step, params, buffer, exps)
 
     def to_bytes(self) -> bytes:
-        """Serialise: a 24-byte header (magic, version, codes, step, sizes), params, buffer.
+        """Serialise: a 28-byte header (magic, version, codes, step, sizes), params,
+        buffer, scale exponents.
 
         Returns:
             Little-endian bytes that :meth:`from_bytes` reads back.
@@ -147,7 +153,8 @@ class TrainState:
             self.params.size,
             0 if buffer is None else buffer.size,
         )
-        return header + self.weight_bytes()
+        exps = 0 if self.scale_exps is None else self.scale_exps.size
+        return header + _EXPS_COUNT.pack(exps) + self.weight_bytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrainState:
@@ -165,39 +172,46 @@ class TrainState:
         if len(data) < _STATE_HEADER.size:
             raise StateError("train state: truncated header")
         magic, version, pcode, bcode, step, n_params, n_buffer = _STATE_HEADER.unpack_from(data)
-        if magic != _STATE_MAGIC or version != _STATE_VERSION:
+        if magic != _STATE_MAGIC or version not in (1, _STATE_VERSION):
             raise StateError(f"train state: bad magic {magic!r} or version {version}")
+        n_exps, header_size = 0, _STATE_HEADER.size
+        if version >= 2:  # version 1 states (before recalibration) have no exponents
+            if len(data) < header_size + _EXPS_COUNT.size:
+                raise StateError("train state: truncated header")
+            (n_exps,) = _EXPS_COUNT.unpack_from(data, header_size)
+            header_size += _EXPS_COUNT.size
         pdtype = _code_dtype(_PARAM_CODES, pcode, "params")
         if pdtype is None:
             raise StateError("train state: params need a dtype")
         bdtype = _code_dtype(_BUFFER_CODES, bcode, "buffer")
-        expected = (
-            _STATE_HEADER.size
-            + n_params * pdtype.itemsize
-            + (n_buffer * bdtype.itemsize if bdtype else 0)
-        )
+        n_buffer_bytes = n_buffer * bdtype.itemsize if bdtype else 0
+        expected = header_size + n_params * pdtype.itemsize + n_buffer_bytes + n_exps
         if len(data) != expected:
             raise StateError(f"train state: {len(data)} bytes, expected {expected}")
-        offset = _STATE_HEADER.size
-        params = np.frombuffer(data, dtype=pdtype.newbyteorder("<"), count=n_params, offset=offset)
-        buffer = None
-        if bdtype is not None:
-            offset += n_params * pdtype.itemsize
-            buffer = np.frombuffer(
-                data, dtype=bdtype.newbyteorder("<"), count=n_buffer, offset=offset
-            )
-            buffer = buffer.astype(bdtype)
-        return cls(step=int(step), params=params.astype(pdtype), buffer=buffer)
+        offset = header_size
+        params = _read(data, pdtype, n_params, offset)
+        offset += n_params * pdtype.itemsize
+        buffer = None if bdtype is None else _read(data, bdtype, n_buffer, offset)
+        exps = _read(data, np.dtype(np.int8), n_exps, offset + n_buffer_bytes) if n_exps else None
+        return cls(step=int(step), params=params, buffer=buffer, scale_exps=exps)
 
     def copy(self) -> TrainState:
         """A deep copy."""
         return TrainState(
-            self.step, self.params.copy(), None if self.buffer is None else self.buffer.copy()
+            self.step,
+            self.params.copy(),
+            None if self.buffer is None else self.buffer.copy(),
+            None if self.scale_exps is None else self.scale_exps.copy(),
         )
 
 
 def _le_bytes(array: Flat) -> bytes:
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+
+
+def _read(raw: bytes, dtype: np.dtype[Any], count: int, offset: int) -> Flat:
+    """``count`` little-endian values of ``dtype`` at ``offset``, as a native array."""
+    return np.frombuffer(raw, dtype.newbyteorder("<"), count, offset).astype(dtype)
 
 
 def _code_dtype(
@@ -301,7 +315,10 @@ class Workload:
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
         self._train_prefix: engine.Activations | None = None
-        self._prepared: engine.PreparedInt8 | None = None  # prepared on the first pass
+        # Prepared on the first pass, again when recalibration changes the exponents.
+        self._prepared: engine.PreparedInt8 | None = None
+        self._prepared_exps: bytes | None = None
+        self._gains_at: tuple[bytes | None, npt.NDArray[np.float32]] | None = None
         self._x_train: Flat = dataset.x_train
         self._x_val: Flat = dataset.x_val
         if qmodel is not None:
@@ -310,6 +327,7 @@ class Workload:
             self._loss_scale_q24 = intloss.scale_q24(scale)
             self._x_train = quantize_input(qmodel, dataset.x_train)
             self._x_val = quantize_input(qmodel, dataset.x_val)
+        self.recalibration = self._recalibration_layout() if spec.recalibrate_every else None
 
     # ------------------------------------------------------------------ construction
 
@@ -381,16 +399,86 @@ class Workload:
         """True in INT8 mode."""
         return bool(self.spec.numerics == "int8")
 
+    def _recalibration_layout(self) -> recalibrate.ChannelLayout:
+        """The trainable channels and how far each may grow (the blob's requantisation
+        parameters, as ``blob.encode_blob`` computes them)."""
+        assert self.qmodel is not None  # the spec allows recalibration in INT8 only
+        tensors, multipliers, shifts = [], [], []
+        for s in self.segments:
+            node = self.model.node(s.layer)
+            assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
+            layer = self.qmodel.layers[s.layer]
+            stage = ki.prepare_output_stage(
+                self.qmodel.tensors[node.inputs[0]],
+                layer.weight_scales,
+                self.qmodel.tensors[node.output],
+                node.activation,
+            )
+            tensors.append((s.size, len(layer.weight_scales), weight_channel_axis(node) != 0))
+            multipliers.append(stage.multiplier)
+            shifts.append(stage.shift)
+        return recalibrate.ChannelLayout.of(
+            tensors, np.concatenate(multipliers), np.concatenate(shifts)
+        )
+
+    def _channel_exps(self, exps: Flat | None) -> dict[str, Flat]:
+        """Each trainable layer's slice of the state's scale exponents."""
+        if exps is None or self.qmodel is None:
+            return {}
+        out, first = {}, 0
+        for s in self.segments:
+            channels = len(self.qmodel.layers[s.layer].weight_scales)
+            out[s.layer] = exps[first : first + channels]
+            first += channels
+        return out
+
+    def quant_model_at(self, exps: Flat | None) -> QuantModel:
+        """The INT8 model's quantisation under scale exponents ``exps`` (section "Scale
+        recalibration"): trainable layers with scales ``s * 2^e`` and their biases
+        rescaled; the weights are the blob's (a forward pass takes the state's)."""
+        assert self.qmodel is not None
+        per_layer = self._channel_exps(exps)
+        if not per_layer:
+            return self.qmodel
+        layers = dict(self.qmodel.layers)
+        for name, e in per_layer.items():
+            old = layers[name]
+            layers[name] = QuantizedLayer(
+                old.weight,
+                recalibrate.effective_scales(old.weight_scales, e),
+                recalibrate.effective_bias(old.bias, e),
+            )
+        q = self.qmodel
+        return QuantModel(model=q.model, tensors=q.tensors, layers=layers, source=q.source)
+
+    def _prepared_at(self, exps: Flat | None) -> engine.PreparedInt8:
+        key = None if exps is None else exps.tobytes()
+        if self._prepared is None or self._prepared_exps != key:
+            self._prepared = engine.prepare_int8(self.quant_model_at(exps))
+            self._prepared_exps = key
+        return self._prepared
+
     @functools.cached_property
     def update_gain(self) -> npt.NDArray[np.float32] | None:
+        """The gains of :meth:`update_gain_at` at the calibrated scales."""
+        return self.update_gain_at(None)
+
+    def update_gain_at(self, exps: Flat | None) -> npt.NDArray[np.float32] | None:
         """Per-element gains of an INT8 job with a weight-unit learning rate (SPEC 4.2):
-        each weight's channel gain ``1 / s_c^2``, channels along the weight's channel
-        axis (output channels; the last axis of a depthwise weight). None otherwise."""
+        each weight's channel gain ``1 / s_c^2`` (``s_c`` recalibrated by ``exps``),
+        channels along the weight's channel axis (output channels; the last axis of a
+        depthwise weight). None otherwise."""
         if self.qmodel is None or self.spec.lr_unit != "weight":
             return None
+        key = None if exps is None else exps.tobytes()
+        if self._gains_at is None or self._gains_at[0] != key:
+            self._gains_at = (key, self._gains(self.quant_model_at(exps)))
+        return self._gains_at[1]
+
+    def _gains(self, qmodel: QuantModel) -> npt.NDArray[np.float32]:
         parts = []
         for s in self.segments:
-            layer = self.qmodel.layers[s.layer]
+            layer = qmodel.layers[s.layer]
             gains = update.channel_gains(layer.weight_scales)
             node = self.model.node(s.layer)
             assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
@@ -421,7 +509,10 @@ class Workload:
         ).astype(np.int8)
         if self.spec.accumulator == "int8":
             return TrainState(0, params, accum_int8.initial_state(self.tensor_sizes))
-        return TrainState(0, params, np.zeros(self.num_params, dtype=np.float16))
+        exps = None
+        if self.recalibration is not None:
+            exps = np.zeros(self.recalibration.channels, dtype=np.int8)
+        return TrainState(0, params, np.zeros(self.num_params, dtype=np.float16), exps)
 
     def check_state(self, state: TrainState) -> None:
         """Raise StateError unless ``state`` has this workload's sizes and dtypes."""
@@ -438,11 +529,23 @@ class Workload:
             and (expected.dtype != state.buffer.dtype or expected.shape != state.buffer.shape)
         ):
             raise StateError("state buffer does not match the job's accumulator")
+        self._check_exps(state.scale_exps)
         if self.int8 and self.spec.accumulator == "int8" and state.buffer is not None:
             try:  # the shifts must be in range now, not fail the next update
                 accum_int8.split_state(state.buffer, self.tensor_sizes)
             except ValueError as exc:
                 raise StateError(str(exc)) from exc
+
+    def _check_exps(self, exps: Flat | None) -> None:
+        layout = self.recalibration
+        if layout is None:
+            if exps is not None:
+                raise StateError("state has scale exponents, the job does not recalibrate")
+            return
+        if exps is None or exps.dtype != np.int8 or exps.shape != (layout.channels,):
+            raise StateError(f"state needs {layout.channels} int8 scale exponents")
+        if np.any(exps < 0) or np.any(exps.astype(np.int64) > layout.exp_limit):
+            raise StateError("a scale exponent is outside [0, its channel's limit]")
 
     # ------------------------------------------------------------------ one step
 
@@ -470,7 +573,9 @@ class Workload:
         """
         keys, sets = self._perturbed_sets(state, step, ks)
         idx = self.batch(step)
-        losses = self._set_losses(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        losses = self._set_losses(
+            sets, self._train_inputs(idx), self.dataset.y_train[idx], state.scale_exps
+        )
         return self._pairs(keys, losses)
 
     def perturbed_loss_sums(
@@ -491,7 +596,9 @@ class Workload:
             raise ValueError(f"slice [{start}, {start + count}) outside the batch")
         keys, sets = self._perturbed_sets(state, step, ks)
         idx = self.batch(step)[start : start + count]
-        sums = self._set_loss_sums(sets, self._train_inputs(idx), self.dataset.y_train[idx])
+        sums = self._set_loss_sums(
+            sets, self._train_inputs(idx), self.dataset.y_train[idx], state.scale_exps
+        )
         pairs = self._pairs(keys, sums)
         return LossSums(
             plus={k: int(v) for k, v in pairs.plus.items()},
@@ -600,10 +707,16 @@ class Workload:
             )
             return TrainState(step + 1, new_w, new_b)
         assert state.buffer is not None
+        exps = state.scale_exps
         new_w, new_f16 = update.apply_int8_fp16(
-            weights, state.buffer.astype(np.float16), seed, step, pairs, self.update_gain
+            weights, state.buffer.astype(np.float16), seed, step, pairs, self.update_gain_at(exps)
         )
-        return TrainState(step + 1, new_w, new_f16)
+        if self.recalibration is not None and recalibrate.recalibration_due(
+            step, self.spec.recalibrate_every
+        ):
+            assert exps is not None  # check_state: a recalibrating job's state has them
+            new_w, new_f16, exps = recalibrate.recalibrate(new_w, new_f16, exps, self.recalibration)
+        return TrainState(step + 1, new_w, new_f16, exps)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -612,10 +725,11 @@ class Workload:
         sets: Sequence[Flat],
         x: Inputs,
         y: npt.NDArray[np.int64],
+        exps: Flat | None,
     ) -> list[float]:
         """Mean batch loss of each flat weight set, in engine calls of bounded size."""
         out: list[float] = []
-        for per_sample in self._chunked_losses(sets, x, y):
+        for per_sample in self._chunked_losses(sets, x, y, exps):
             if self.int8:
                 out.extend(
                     float(intloss.q16_to_float(v)) for v in intloss.batch_loss_q16(per_sample)
@@ -625,35 +739,31 @@ class Workload:
         return out
 
     def _set_loss_sums(
-        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64]
+        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
     ) -> list[float]:
         """INT8: the sum of each set's per-sample Q16 losses (exact as float64 below 2^53)."""
         out: list[float] = []
-        for per_sample in self._chunked_losses(sets, x, y):
+        for per_sample in self._chunked_losses(sets, x, y, exps):
             out.extend(float(v) for v in per_sample.astype(np.int64).sum(axis=-1))
         return out
 
     def _chunked_losses(
-        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64]
+        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
     ) -> Iterator[Flat]:
         """Per-sample losses (P, B) of the sets, P bounded so one engine call stays small."""
         chunk = max(1, min(len(sets), _MAX_SET_ELEMENTS // max(1, self.num_params)))
         for start in range(0, len(sets), chunk):
-            yield self._per_sample_losses(np.stack(sets[start : start + chunk]), x, y)
+            yield self._per_sample_losses(np.stack(sets[start : start + chunk]), x, y, exps)
 
-    def _logits(
-        self,
-        stacked: Flat,
-        x: Inputs,
-    ) -> Flat:
-        """Logits (P, B, C) of P flat weight sets on one input batch."""
+    def _logits(self, stacked: Flat, x: Inputs, exps: Flat | None) -> Flat:
+        """Logits (P, B, C) of P flat weight sets on one input batch (INT8: under the
+        state's scale exponents ``exps``)."""
         count = stacked.shape[0]
         views = {s: stacked[:, s.start : s.stop].reshape(count, *s.shape) for s in self.segments}
         if self.qmodel is not None:
             weight_sets = {s.layer: views[s].astype(np.int8) for s in self.segments}
-            if self._prepared is None:
-                self._prepared = engine.prepare_int8(self.qmodel)
-            logits: Flat = engine.run_int8_perturbed(self._prepared, x, weight_sets)
+            prepared = self._prepared_at(exps)
+            logits: Flat = engine.run_int8_perturbed(prepared, x, weight_sets)
             return logits
         param_sets = {
             layer: (views[self._segment(layer, "weight")], views[self._segment(layer, "bias")])
@@ -663,13 +773,10 @@ class Workload:
         return logits_f
 
     def _per_sample_losses(
-        self,
-        stacked: Flat,
-        x: Inputs,
-        y: npt.NDArray[np.int64],
+        self, stacked: Flat, x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
     ) -> Flat:
         """Per-sample losses (P, B): Q16 ints in INT8 mode, float32 in FP32 mode."""
-        logits = self._logits(stacked, x)
+        logits = self._logits(stacked, x, exps)
         if self.qmodel is not None:
             assert self._loss_table is not None
             q16: Flat = intloss.loss_q16(
@@ -707,7 +814,7 @@ class Workload:
         for lo in range(start, stop, _VALIDATION_CHUNK):
             hi = min(stop, lo + _VALIDATION_CHUNK)
             y = self.dataset.y_val[lo:hi]
-            logits = self._logits(state.params[None, :], self._x_val[lo:hi])[0]
+            logits = self._logits(state.params[None, :], self._x_val[lo:hi], state.scale_exps)[0]
             if self.qmodel is not None:
                 assert self._loss_table is not None
                 q16 = intloss.loss_q16(
@@ -726,11 +833,12 @@ class Workload:
     # ------------------------------------------------------------------ export
 
     def to_quant_model(self, state: TrainState) -> QuantModel:
-        """The INT8 model with the state's weights (scales unchanged; float view dequantised)."""
+        """The INT8 model with the state's weights and scales (the calibrated ones, or as
+        recalibration left them; float view dequantised)."""
         self.check_state(state)
         if self.qmodel is None:
             raise WorkloadError("to_quant_model needs an INT8 job (numerics='int8')")
-        layers = dict(self.qmodel.layers)
+        layers = dict(self.quant_model_at(state.scale_exps).layers)
         for seg in self.segments:
             old = layers[seg.layer]
             weight = state.params[seg.start : seg.stop].astype(np.int8).reshape(seg.shape)
