@@ -1011,7 +1011,7 @@ def _decode_cases() -> list[tuple[str, bytes]]:
         ("magic_before_version", b"QX\x09\x30"),
         ("version_before_type", b"QS\x09\x30"),
         ("version_before_body", ping[:2] + b"\x09" + ping[3:] + b"\x00"),
-        ("type_before_body", b"QS\x01\x30"),
+        ("type_before_body", b"QS" + bytes([PROTOCOL_VERSION]) + b"\x30"),
         # The walk: truncation and the checks that decide how to read on.
         ("enum_before_truncation", heartbeat[:12] + b"\x09"),
         ("text_length_before_truncation", _hello_bytes(b"a" * 33, b"")[:39]),
@@ -1138,7 +1138,7 @@ _JOB_SPECS: Final = [
         "trainable": "last:2",
     },
     # CRC-32 of this one's JSON is 0, so its job id is 1.
-    {"name": "crc-zero", "dataset": "digitsylN^H}nE"},
+    {"name": "crc-zero", "dataset": "digitsafcsB(l"},
 ]
 
 

@@ -433,6 +433,11 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
         _Scalar("batch_size", "H"),
         _Scalar("eps", "f", "INT8: a whole number of steps"),
         _Enum("lr_unit", get_args(LrUnit)),
+        _Scalar(
+            "recalibrate_every",
+            "I",
+            "INT8 + FP16 buffer: steps between scale recalibrations; 0 = off",
+        ),
     ),
     EvalRequest: (
         _JOB,

@@ -68,7 +68,7 @@ __all__ = [
     "job_id_of",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 # Largest encoded data-plane message (header included). Sized so that one message
 # carries MAX_KS keys with two float32 losses each, as an explicit list; a board's
 # receive buffer is this big (C: QS_MAX_PAYLOAD).
@@ -360,6 +360,7 @@ class JobConfig(WireModel):
     batch_size: U16
     eps: F32
     lr_unit: LrUnit
+    recalibrate_every: U32 = 0
 
 
 class EvalRequest(WireModel):
@@ -620,4 +621,5 @@ def job_config(spec: JobSpec) -> JobConfig:
         batch_size=spec.batch_size,
         eps=spec.eps,
         lr_unit=spec.lr_unit,
+        recalibrate_every=spec.recalibrate_every,
     )

@@ -24,7 +24,14 @@ from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.config import MqttConfig
 from qsched.protocol.links.mqtt import HostUplink, MqttEndpoint, MqttTransport, build_client
 from qsched.protocol.links.mqtt import step_order_messages as messages_of
-from qsched.protocol.messages import TYPE_CODES, ApplyUpdate, Ping, Shard, StepOrder
+from qsched.protocol.messages import (
+    PROTOCOL_VERSION,
+    TYPE_CODES,
+    ApplyUpdate,
+    Ping,
+    Shard,
+    StepOrder,
+)
 from qsched.protocol.topics import TopicMap
 from qsched.zo.trainer import train_zo
 
@@ -57,7 +64,7 @@ def test_step_order_gives_each_named_board_its_messages() -> None:
     assert (request.batch_size, request.eps, request.estimator) == (4, ORDER.eps, "two_sided")
     assert [decode(m) for m in messages_of(payload, "b")] == [update]
     assert messages_of(payload, "c") == []
-    assert messages_of(b"QS\x01\x4a\x00", "a") == []  # truncated
+    assert messages_of(b"QS" + bytes([PROTOCOL_VERSION]) + b"\x4a\x00", "a") == []  # truncated
     assert messages_of(encode(Ping(nonce=1)), "a") == []  # not an order
 
 

@@ -20,6 +20,7 @@ from qsched.protocol.identity import dataset_hash64, model_hash64
 from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import (
     MAX_CHUNK,
+    PROTOCOL_VERSION,
     ApplyUpdate,
     Error,
     EvalRequest,
@@ -41,6 +42,7 @@ from qsched.protocol.messages import (
     job_config,
 )
 from qsched.zo.blob import encode_dataset_blob
+from qsched.zo.recalibrate import RECAL_EXP_MAX
 from qsched.zo.workload import TrainState, Workload
 
 
@@ -352,11 +354,11 @@ def test_board_refuses_bad_requests_with_typed_errors(board: Board, job: Job) ->
     assert isinstance(stale, Error) and stale.code == "stale_step"
     other = board.client.request(request.model_copy(update={"job_id": job.config.job_id ^ 1}))
     assert isinstance(other, Error) and other.code == "unknown_job"
-    board.client.send_payload(b"QS\x01\x48\x01")
+    board.client.send_payload(b"QS" + bytes([PROTOCOL_VERSION]) + b"\x48\x01")
     assert board.client.recv() == Error(
         code="malformed", ref_type=0x48, detail="message shorter than its layout"
     )
-    board.client.send_payload(b"QS\x02\x48\x01\x00\x00\x00")
+    board.client.send_payload(b"QS" + bytes([PROTOCOL_VERSION + 1]) + b"\x48\x01\x00\x00\x00")
     assert board.client.recv().code == "unsupported_version"  # type: ignore[union-attr]
 
 
@@ -368,7 +370,7 @@ def test_board_answers_a_frame_longer_than_any_message(
 
     monkeypatch.setattr(framing, "MAX_PAYLOAD", 1 << 16)  # our side would refuse to send it
     # Zero bytes keep COBS at one byte of overhead each, so the frame fits the board's reader.
-    board.client.send_payload(b"QS\x01\x45" + bytes(12300))
+    board.client.send_payload(b"QS" + bytes([PROTOCOL_VERSION]) + b"\x45" + bytes(12300))
     answer = board.client.recv()
     assert isinstance(answer, Error) and answer.code == "too_large" and answer.ref_type == 0
     assert isinstance(board.client.request(Ping(nonce=7)), Heartbeat)  # still serving
@@ -470,3 +472,73 @@ def test_board_int8_accumulator_job_matches_python(
     )
     want = wl.perturbed_losses(state, 33, (4,))
     assert isinstance(result, EvalResult) and result.loss_plus == (want.plus[4],)
+
+
+def test_board_recalibrating_job_matches_python(board: Board, job: Job) -> None:
+    """A recalibrating job: weights with scale exponents from SetWeights give Python's
+    losses, the update of a due step recalibrates to Python's checksum, and exponents out
+    of range or a recalibrating INT8-accumulator job are refused."""
+    spec = job.spec.model_copy(update={"recalibrate_every": 4})
+    config = job_config(spec)
+    _load(board, job)
+    assert isinstance(board.client.request(config), Loaded)
+    wl = Workload(
+        spec,
+        job.workload.model,
+        job.workload.qmodel,
+        job.workload.dataset,
+        job.workload.trainable_layers,
+    )
+    assert wl.recalibration is not None
+    rng = np.random.default_rng(5)
+    params = rng.integers(-127, 128, wl.num_params).astype(np.int8)
+    buffer = (rng.uniform(-1, 1, wl.num_params) * 0.9).astype(np.float16)
+    exps = rng.integers(0, 3, wl.recalibration.channels).astype(np.int8)
+    state = TrainState(39, params, buffer, exps)
+    _send_weights(board, config, state)
+    result = board.client.request(
+        EvalRequest(
+            job_id=config.job_id, step=39, batch_size=16, eps=1.0, estimator="two_sided", ks=(2, 5)
+        )
+    )
+    want = wl.perturbed_losses(state, 39, (2, 5))
+    assert isinstance(result, EvalResult)
+    assert result.loss_plus == (want.plus[2], want.plus[5])
+    assert result.loss_minus == (want.minus[2], want.minus[5])
+    ack = board.client.request(
+        ApplyUpdate(job_id=config.job_id, step=39, ks=(2, 5), coefficients=(0.5, -0.75))
+    )
+    after = wl.apply_update(state, 39, [(2, 0.5), (5, -0.75)])
+    assert after.scale_exps is not None and not np.array_equal(after.scale_exps, exps)
+    assert ack == UpdateAck(job_id=config.job_id, step=39, checksum=after.checksum())
+    too_far = TrainState(39, params, buffer, np.full_like(exps, RECAL_EXP_MAX + 1))
+    refused = _send_weights(board, config, too_far, expect_loaded=False)
+    assert isinstance(refused, Error) and refused.code == "malformed"
+    acc8 = job_config(spec.model_copy(update={"accumulator": "int8", "recalibrate_every": 0}))
+    bad = acc8.model_copy(update={"recalibrate_every": 4})
+    assert isinstance(board.client.request(bad), Loaded)
+    refusal = board.client.recv()
+    assert isinstance(refusal, Error) and refusal.code == "model_invalid"
+
+
+def _send_weights(
+    board: Board, config: JobConfig, state: TrainState, expect_loaded: bool = True
+) -> object:
+    raw = state.weight_bytes()
+    for offset in range(0, len(raw), MAX_CHUNK):
+        board.client.send(
+            SetWeights(
+                total=len(raw),
+                offset=offset,
+                job_id=config.job_id,
+                step=state.step,
+                checksum=zlib.crc32(raw),
+                chunk=raw[offset : offset + MAX_CHUNK],
+            )
+        )
+    answer = board.client.recv()
+    if expect_loaded:
+        assert answer == Loaded(
+            resource="weights", job_id=config.job_id, crc32=zlib.crc32(raw), size=len(raw)
+        )
+    return answer

@@ -274,3 +274,39 @@ def test_core_int8_accumulator_matches_python(tool: ToolProcess) -> None:
         weights, state = want_w, want_s
         shifts_seen.append(state[-3:].tolist())
     assert shifts_seen[15] == [8, 8, 8] and shifts_seen[31] == [7, 7, 7], shifts_seen
+
+
+def test_core_recalibration_matches_python(tool: ToolProcess) -> None:
+    """Scale recalibration of one tensor, channel-major and channel-minor, with channels at
+    their exponent limit, a zero multiplier and odd weights carrying half steps."""
+    from qsched.zo.recalibrate import ChannelLayout, recalibrate
+
+    rng = np.random.default_rng(21)
+    for case, minor in enumerate((False, True, False)):
+        channels, per_channel = 6, 9
+        count = channels * per_channel
+        weights = rng.integers(-127, 128, count).astype(np.int8)
+        buffer = rng.uniform(-0.999, 0.999, count).astype(np.float16)
+        multipliers = rng.integers(1 << 30, 1 << 31, channels)
+        multipliers[1] = 0
+        shifts = rng.integers(-12, 0, channels)
+        shifts[2] = 28
+        exps = rng.integers(0, 3, channels).astype(np.int8)
+        layout = ChannelLayout.of([(count, channels, minor)], multipliers, shifts)
+        for _ in range(3):  # again and again: some channels reach their limit
+            channel_of = layout.element_channel
+            weights[channel_of == case] = 127 * np.sign(weights[channel_of == case] | 1)
+            want = recalibrate(weights, buffer, exps, layout)
+            got = tool.ask(
+                f"recal {channels} {int(minor)} {' '.join(map(str, multipliers))} "
+                f"{' '.join(map(str, shifts))} {weights.tobytes().hex()} "
+                f"{buffer.astype('<f2').tobytes().hex()} {exps.tobytes().hex()}"
+            )
+            assert got == " ".join(
+                [
+                    want[0].tobytes().hex(),
+                    want[1].astype("<f2").tobytes().hex(),
+                    want[2].tobytes().hex(),
+                ]
+            ), (case, got)
+            weights, buffer, exps = want

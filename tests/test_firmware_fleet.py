@@ -216,3 +216,21 @@ async def test_aggregating_bridge_of_c_boards_trains_as_one_board(
     assert [s.train_loss for s in result.steps] == [s.train_loss for s in reference.steps]
     assert result.faults == 0
     assert set(result.work) <= {"host-0", "mqtt-0"} and result.work.get("host-0")
+
+
+async def test_recalibrating_job_on_c_and_python_boards_matches_reference(
+    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str]
+) -> None:
+    """Scale recalibration every 2 steps: a C board (sanitizer build) and a Python board
+    grow the same channels and train to the single-process weights and exponents."""
+    spec = SPEC.model_copy(update={"recalibrate_every": 2})
+    reference = train_zo(spec)
+    assert reference.state.scale_exps is not None and reference.state.scale_exps.max() > 0
+    board = start_host_board(tmp_path / "c-0", dataset=dataset_blob, board_id="c-0", sanitized=True)
+    try:
+        result = await _train(
+            [str(board.link_path), python_pty[1]], [python_pty[0]], BOARDS_HOST, spec=spec
+        )
+    finally:
+        _closed_cleanly(board)
+    _assert_same_training(result, reference, BOARDS_HOST)

@@ -823,6 +823,7 @@ _SPEC_KEYS = [
     "eps",
     "trainable",
     "backbone",
+    "recalibrate_every",
     "policy",
     "eval_every",
     "checkpoint_every",

@@ -107,9 +107,7 @@ def recalibration_due(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
-def recalibrate(
-    weights: I8, buffer: F16, exps: I8, layout: ChannelLayout
-) -> tuple[I8, F16, I8]:
+def recalibrate(weights: I8, buffer: F16, exps: I8, layout: ChannelLayout) -> tuple[I8, F16, I8]:
     """One recalibration of the state (new arrays; the inputs are not modified).
 
     A channel grows when one of its weights is at +-127 and its exponent is below its

@@ -224,20 +224,103 @@ static int acc8(const qs_agent *a)
     return a->config.accumulator == QS_ACC_INT8;
 }
 
+static int recalibrates(const qs_agent *a)
+{
+    return a->config.recalibrate_every != 0u;
+}
+
 /* Bytes of the accumulator state: FP16 (2 per weight) or INT8 (1 per weight + shifts). */
 static uint32_t buffer_bytes(const qs_agent *a)
 {
     return acc8(a) ? a->model.num_params + a->ntensors : 2u * a->model.num_params;
 }
 
-/* The weight checksum (SPEC 5): weights, then the accumulator state's bytes. */
+/* Bytes of the whole state (SetWeights): weights, buffer, scale exponents. */
+static uint32_t state_bytes(const qs_agent *a)
+{
+    return a->model.num_params + buffer_bytes(a) + (recalibrates(a) ? a->nchannels : 0u);
+}
+
+/* The weight checksum (SPEC 5): weights, the accumulator state's bytes, the exponents. */
 static uint32_t state_checksum(const qs_agent *a)
 {
     const uint32_t crc = qs_crc32_update(0, a->weights, a->model.num_params);
     if (acc8(a)) {
         return qs_crc32_update(crc, a->buffer, buffer_bytes(a));
     }
-    return qs_crc32_fp16(crc, a->buffer, a->model.num_params);
+    const uint32_t with_buffer = qs_crc32_fp16(crc, a->buffer, a->model.num_params);
+    return recalibrates(a) ? qs_crc32_update(with_buffer, a->exps, a->nchannels) : with_buffer;
+}
+
+/* round_half_away(b / 2^e) in integers (SPEC "Scale recalibration"). */
+static int32_t shifted_bias(int32_t b, int32_t e)
+{
+    if (e == 0) {
+        return b;
+    }
+    const int64_t magnitude = ((b < 0 ? -(int64_t)b : (int64_t)b) + ((int64_t)1 << (e - 1))) >> e;
+    return (int32_t)(b < 0 ? -magnitude : magnitude);
+}
+
+/* The channels' shifts, biases and scales under the exponents (all 0 without
+ * recalibration: the blob's values). */
+static void refresh_channels(qs_agent *a)
+{
+    uint32_t first = 0;
+    a->rescaled = 0;
+    for (uint32_t i = 0; i < a->model.n_ops; ++i) {
+        const qs_op *op = &a->model.ops[i];
+        if (!op->trainable) {
+            continue;
+        }
+        for (uint32_t c = 0; c < op->channels; ++c) {
+            const int32_t e = recalibrates(a) ? a->exps[first + c] : 0;
+            a->channel_shift[first + c] = op->blob_shift[c] + e;
+            a->channel_bias[first + c] = shifted_bias(op->blob_bias[c], e);
+            /* times a power of two: exact in float32 */
+            a->channel_scales[first + c] = op->blob_scales[c] * (float)(1u << e);
+            a->rescaled |= e != 0;
+        }
+        first += op->channels;
+    }
+}
+
+/* QS_OK when every exponent is in [0, its channel's limit] (SetWeights). */
+static qs_status check_exps(const qs_agent *a, const int8_t *exps)
+{
+    uint32_t first = 0;
+    for (uint32_t i = 0; i < a->model.n_ops; ++i) {
+        const qs_op *op = &a->model.ops[i];
+        for (uint32_t c = 0; op->trainable && c < op->channels; ++c) {
+            const int32_t e = exps[first + c];
+            if (e < 0 || e > qs_recal_exp_limit(op->rq.multiplier[c], op->blob_shift[c])) {
+                return QS_ERR_ARG;
+            }
+        }
+        first += op->trainable ? op->channels : 0u;
+    }
+    return QS_OK;
+}
+
+/* After the update of step: recalibrate every trainable tensor when it is due. */
+static void recalibrate_after(qs_agent *a, uint32_t step)
+{
+    if (!recalibrates(a) || (step + 1u) % a->config.recalibrate_every != 0u) {
+        return;
+    }
+    uint32_t first = 0, grown = 0;
+    for (uint32_t i = 0; i < a->model.n_ops; ++i) {
+        const qs_op *op = &a->model.ops[i];
+        if (op->trainable) {
+            grown += qs_recalibrate_fp16(a->weights + op->param_offset, a->buffer + op->param_offset,
+                                         op->weight_count, op->channels, op->opcode == QS_OP_DEPTHWISE,
+                                         a->exps + first, op->rq.multiplier, op->blob_shift);
+            first += op->channels;
+        }
+    }
+    if (grown != 0u) {
+        refresh_channels(a);
+    }
 }
 
 static void drop_state(qs_agent *a)
@@ -280,6 +363,8 @@ static void rebuild(qs_agent *a)
     if (acc8(a)) {
         memset((int8_t *)a->buffer + a->model.num_params, QS_ACC8_SHIFT_MIN, a->ntensors);
     }
+    memset(a->exps, 0, a->nchannels);
+    refresh_channels(a);
     a->step = 0;
     a->state_ok = 1;
     a->have_last_update = 0;
@@ -288,6 +373,42 @@ static void rebuild(qs_agent *a)
 static uint32_t le32(const uint8_t *p)
 {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* After the activation arena: the SetWeights staging area (weights, buffer, exponents:
+ * 3P + C) and the C channels' exponents, shifts, biases and scales (13C bytes). */
+static qs_status place_after_arena(qs_agent *a, uint8_t *p)
+{
+    const uint64_t params = a->model.num_params;
+    a->nchannels = qs_model_trainable_channels(&a->model);
+    const uint64_t channels = a->nchannels;
+    const uint64_t staging = (3u * params + channels + 15u) & ~(uint64_t)15u;
+    const uint64_t need = staging + ((channels + 15u) & ~(uint64_t)15u) + 12u * channels;
+    if (need > (uint64_t)(a->region + a->region_size - p)) {
+        return QS_ERR_TOO_LARGE;
+    }
+    a->staging = p;
+    p += staging;
+    a->exps = (int8_t *)p;
+    p += (channels + 15u) & ~(uint64_t)15u;
+    a->channel_shift = (int32_t *)(void *)p;
+    a->channel_bias = a->channel_shift + channels;
+    a->channel_scales = (float *)(void *)(a->channel_bias + channels);
+    qs_model_use_channels(&a->model, a->channel_shift, a->channel_bias, a->channel_scales);
+    a->ntensors = 0;
+    uint32_t first = 0;
+    for (uint32_t i = 0; i < a->model.n_ops; ++i) {
+        const qs_op *op = &a->model.ops[i];
+        if (op->trainable) {
+            const qs_gain g = {a->channel_scales + first, op->channels, op->opcode == QS_OP_DEPTHWISE};
+            a->gains[a->ntensors] = g;
+            a->tensor_sizes[a->ntensors++] = op->weight_count;
+            first += op->channels;
+        }
+    }
+    memset(a->exps, 0, a->nchannels);
+    refresh_channels(a);
+    return QS_OK;
 }
 
 /* Lay out the region after the blob for P parameters and prepare the model. */
@@ -309,26 +430,18 @@ static qs_status install_model(qs_agent *a, uint32_t len)
     p += (2u * params + 15u) & ~(uint64_t)15u;
     a->work = (int8_t *)p;
     p += (params + 15u) & ~(uint64_t)15u;
-    a->staging = p;
-    p += (3u * params + 15u) & ~(uint64_t)15u;
     if (p > a->region + a->region_size) {
         return QS_ERR_TOO_LARGE;
     }
     const qs_status st = qs_model_prepare(&a->model, a->region, len, (int8_t *)p,
                                           (size_t)(a->region + a->region_size - p));
-    if (st == QS_OK && a->model.num_params == 0u) {
+    if (st != QS_OK) {
+        return st;
+    }
+    if (a->model.num_params == 0u) {
         return QS_ERR_ARG; /* the blob marks no layer trainable */
     }
-    a->ntensors = 0;
-    for (uint32_t i = 0; st == QS_OK && i < a->model.n_ops; ++i) {
-        const qs_op *op = &a->model.ops[i];
-        if (op->trainable) {
-            const qs_gain g = {op->scales, op->channels, op->opcode == QS_OP_DEPTHWISE};
-            a->gains[a->ntensors] = g;
-            a->tensor_sizes[a->ntensors++] = op->weight_count;
-        }
-    }
-    return st;
+    return place_after_arena(a, p + ((a->model.arena_size + 15u) & ~(size_t)15u));
 }
 
 /* ------------------------------------------------------------------ loading */
@@ -416,7 +529,8 @@ static int same_config(const qs_msg *x, const qs_msg *y)
 {
     return x->job_id == y->job_id && x->seed == y->seed && x->numerics == y->numerics &&
            x->estimator == y->estimator && x->accumulator == y->accumulator && x->batch_size == y->batch_size &&
-           x->lr_unit == y->lr_unit && memcmp(&x->eps, &y->eps, sizeof x->eps) == 0;
+           x->lr_unit == y->lr_unit && x->recalibrate_every == y->recalibrate_every &&
+           memcmp(&x->eps, &y->eps, sizeof x->eps) == 0;
 }
 
 static void on_job_config(qs_agent *a, const qs_msg *m, const uint8_t *raw, size_t raw_len)
@@ -435,6 +549,11 @@ static void on_job_config(qs_agent *a, const qs_msg *m, const uint8_t *raw, size
     if (m->numerics != QS_NUM_INT8 || !(m->eps >= 1.0f && m->eps <= 127.0f) || (float)(int32_t)m->eps != m->eps) {
         a->config_ok = 0;
         reply_error(a, QS_BERR_MODEL_INVALID, m->type, m->job_id, 0, "this firmware runs int8 jobs with whole eps");
+        return;
+    }
+    if (m->recalibrate_every != 0u && m->accumulator != QS_ACC_FP16) {
+        a->config_ok = 0;
+        reply_error(a, QS_BERR_MODEL_INVALID, m->type, m->job_id, 0, "recalibration needs the FP16 buffer");
         return;
     }
     rebuild(a);
@@ -477,7 +596,7 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
     qs_transfer *t = &a->weights_rx;
     if (!t->active || t->total != m->total || t->crc != m->checksum || t->job_id != m->job_id ||
         t->step != m->step || m->offset == 0u) {
-        if (m->total != params + buffer_bytes(a)) {
+        if (m->total != state_bytes(a)) {
             reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "weights size differs from the job's");
             return;
         }
@@ -507,8 +626,17 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
         }
         memcpy(a->buffer, a->staging + params, buffer_bytes(a));
     } else {
+        const int8_t *exps = (const int8_t *)a->staging + 3u * params;
+        if (recalibrates(a) && check_exps(a, exps) != QS_OK) {
+            reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "scale exponent outside its range");
+            return;
+        }
         for (uint32_t i = 0; i < params; ++i) { /* little-endian binary16 */
             a->buffer[i] = (uint16_t)(a->staging[params + 2u * i] | (a->staging[params + 2u * i + 1u] << 8));
+        }
+        if (recalibrates(a)) {
+            memcpy(a->exps, exps, a->nchannels);
+            refresh_channels(a);
         }
     }
     memcpy(a->weights, a->staging, params);
@@ -523,7 +651,7 @@ static void on_set_weights(qs_agent *a, const qs_msg *m)
 static const int8_t *forward(qs_agent *a, const int8_t *input, const int8_t *flat)
 {
     const int8_t *logits = NULL;
-    if (qs_port_npu_forward(&a->model, input, flat, &logits) == QS_OK) {
+    if (!a->rescaled && qs_port_npu_forward(&a->model, input, flat, &logits) == QS_OK) {
         return logits;
     }
     return qs_model_forward(&a->model, input, flat);
@@ -711,6 +839,7 @@ static void on_apply_update(qs_agent *a, const qs_msg *m)
         reply_error(a, QS_BERR_MALFORMED, m->type, m->job_id, m->step, "update refused");
         return;
     }
+    recalibrate_after(a, m->step);
     a->step = m->step + 1u;
     const uint32_t checksum = state_checksum(a);
     a->have_last_update = 1;

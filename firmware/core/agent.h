@@ -94,6 +94,13 @@ typedef struct {
     uint32_t tensor_sizes[QS_MODEL_MAX_OPS]; /* the flat vector's tensors (trainable ops) */
     qs_gain gains[QS_MODEL_MAX_OPS];         /* their channel gains (lr_unit "weight") */
     uint32_t ntensors;
+    /* Scale recalibration (SPEC "Scale recalibration"): one exponent per trainable
+     * channel, and the channels' shifts, biases and scales the model runs with. */
+    uint32_t nchannels;
+    int8_t *exps;
+    int32_t *channel_shift, *channel_bias;
+    float *channel_scales;
+    int rescaled; /* some exponent is not 0: the NPU's compiled scales no longer hold */
     int8_t *work;
     uint8_t *staging;
     qs_transfer model_rx, weights_rx;

@@ -84,7 +84,8 @@ static const field kSelectDataset[] = {
 static const field kJobConfig[] = {
     JOB, SCALAR("seed", F_U64, seed), ENUM("numerics", numerics, kNumerics), ENUM("estimator", estimator, kEstimator),
     ENUM("accumulator", accumulator, kAccumulator), SCALAR("batch_size", F_U16, batch_size),
-    SCALAR("eps", F_F32, eps), ENUM("lr_unit", lr_unit, kLrUnit), END};
+    SCALAR("eps", F_F32, eps), ENUM("lr_unit", lr_unit, kLrUnit),
+    SCALAR("recalibrate_every", F_U32, recalibrate_every), END};
 static const field kEvalRequest[] = {
     JOB, STEP, SCALAR("batch_size", F_U16, batch_size), SCALAR("eps", F_F32, eps),
     ENUM("estimator", estimator, kEstimator), KSET, END};

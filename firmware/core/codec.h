@@ -12,7 +12,7 @@
 
 #include "qs_status.h"
 
-#define QS_PROTOCOL_VERSION 1u
+#define QS_PROTOCOL_VERSION 2u
 #define QS_MAX_PAYLOAD 12288u /* largest encoded message, header included */
 #define QS_MAX_CHUNK 8192u    /* largest LoadModel / SetWeights chunk */
 #define QS_MAX_KS 1024u       /* most sample keys in one message */
@@ -73,7 +73,7 @@ typedef struct {
     uint8_t npu, state, estimator, resource, code, ref_type, numerics, accumulator, scope, lr_unit;
     uint16_t protocol_version, max_batch, batch_size;
     uint32_t job_id, step, nonce, uptime_ms, compute_us, checksum, crc32, size, total, offset;
-    uint32_t start, count, correct, ram_kib, max_payload, train_size, val_size;
+    uint32_t start, count, correct, ram_kib, max_payload, train_size, val_size, recalibrate_every;
     uint64_t seed, model_hash, dataset_hash;
     float eps, loss_zero;
     double loss_sum;

@@ -116,6 +116,9 @@ static qs_status prepare_requant(qs_op *op, const op_record *o, const data_secti
     op->weight = (const int8_t *)data_array(d, o->weight_off, o->weight_count, 1);
     op->scales = (const float *)data_array(d, o->scales_off, o->channels, 4);
     op->channels = o->channels;
+    op->blob_shift = op->rq.shift;
+    op->blob_bias = op->bias;
+    op->blob_scales = op->scales;
     if (op->rq.multiplier == NULL || op->rq.shift == NULL || op->bias == NULL || op->weight == NULL ||
         op->scales == NULL) {
         return QS_ERR_FORMAT;
@@ -610,6 +613,29 @@ const int8_t *qs_model_forward(qs_model *m, const int8_t *input, const int8_t *f
         run_op(m, &m->ops[i], flat);
     }
     return slot(m, m->output);
+}
+
+uint32_t qs_model_trainable_channels(const qs_model *m)
+{
+    uint32_t channels = 0;
+    for (uint32_t i = 0; i < m->n_ops; ++i) {
+        channels += m->ops[i].trainable ? m->ops[i].channels : 0u;
+    }
+    return channels;
+}
+
+void qs_model_use_channels(qs_model *m, const int32_t *shift, const int32_t *bias, const float *scales)
+{
+    uint32_t first = 0;
+    for (uint32_t i = 0; i < m->n_ops; ++i) {
+        qs_op *op = &m->ops[i];
+        if (op->trainable) {
+            op->rq.shift = shift + first;
+            op->bias = bias + first;
+            op->scales = scales + first;
+            first += op->channels;
+        }
+    }
 }
 
 void qs_model_get_flat(const qs_model *m, int8_t *flat)

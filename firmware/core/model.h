@@ -54,6 +54,11 @@ typedef struct {
     const float *scales; /* per-channel weight scales (conv, dense): the weight-unit lr's gains */
     uint32_t channels;
     qs_requant rq;
+    /* The blob's own biases, scales and shifts: bias, scales and rq.shift point here
+     * until qs_model_use_channels points a trainable op elsewhere. */
+    const int32_t *blob_bias;
+    const float *blob_scales;
+    const int32_t *blob_shift;
     qs_conv_params conv;
     qs_fc_params fc;
     qs_pool_params pool;
@@ -97,5 +102,16 @@ const int8_t *qs_model_forward(qs_model *m, const int8_t *input, const int8_t *f
 
 /* Copy the blob's trainable weights into a flat vector (num_params int8). */
 void qs_model_get_flat(const qs_model *m, int8_t *flat);
+
+/* The trainable ops' output channels, summed in op order. */
+uint32_t qs_model_trainable_channels(const qs_model *m);
+
+/*
+ * Make the trainable ops requantise with shift[], add bias[] and report scales[] (one
+ * value per channel, the ops' channels in op order) instead of the blob's: scale
+ * recalibration (SPEC "Scale recalibration") changes these while the blob, which is
+ * never written, keeps the calibrated values. The arrays must outlive the model.
+ */
+void qs_model_use_channels(qs_model *m, const int32_t *shift, const int32_t *bias, const float *scales);
 
 #endif

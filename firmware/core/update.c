@@ -208,6 +208,52 @@ qs_status qs_apply_int8_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
     return QS_OK;
 }
 
+int32_t qs_recal_exp_limit(int32_t mult, int32_t shift)
+{
+    const int32_t room = QS_RECAL_SHIFT_MAX - shift;
+    if (mult == 0 || room <= 0) {
+        return 0;
+    }
+    return room < QS_RECAL_EXP_MAX ? room : QS_RECAL_EXP_MAX;
+}
+
+/* Element i of channel c: channel-minor tensors interleave their channels. */
+static uint32_t channel_element(uint32_t c, uint32_t i, uint32_t channels, uint32_t per_channel, int channel_minor)
+{
+    return channel_minor ? c + i * channels : c * per_channel + i;
+}
+
+uint32_t qs_recalibrate_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t channels, int channel_minor,
+                             int8_t *exps, const int32_t *mult, const int32_t *shift)
+{
+    if (channels == 0u || count % channels != 0u) {
+        return 0;
+    }
+    const uint32_t per_channel = count / channels;
+    uint32_t grown = 0;
+    for (uint32_t c = 0; c < channels; ++c) {
+        int32_t peak = 0;
+        for (uint32_t i = 0; i < per_channel; ++i) {
+            const int32_t v = w[channel_element(c, i, channels, per_channel, channel_minor)];
+            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
+        }
+        if (peak < QS_INT8_WEIGHT_MAX || exps[c] >= qs_recal_exp_limit(mult[c], shift[c])) {
+            continue;
+        }
+        for (uint32_t i = 0; i < per_channel; ++i) {
+            const uint32_t j = channel_element(c, i, channels, per_channel, channel_minor);
+            const int32_t half = w[j] / 2; /* C division truncates toward zero */
+            /* b / 2 and the half step are exact in float32: one rounding, to binary16. */
+            const float carried = (float)(w[j] - 2 * half) * 0.5f;
+            buf[j] = qs_f16_from_f32(qs_f16_to_f32(buf[j]) * 0.5f + carried);
+            w[j] = (int8_t)half;
+        }
+        exps[c] = (int8_t)(exps[c] + 1);
+        ++grown;
+    }
+    return grown;
+}
+
 /*
  * rint of a float32 with |x| <= 2^24 (nearest, ties to even), in integer code: the
  * result is exact, as the default rounding mode's rint is, with no libm involved.

@@ -79,6 +79,23 @@ qs_status qs_apply_int8_acc8(int8_t *w, int8_t *buf, int8_t *shifts, const uint3
                              uint32_t ntensors, qs_stream stream, const qs_pair *pairs, uint32_t npairs,
                              const qs_gain *gains);
 
+/*
+ * Scale recalibration of one trainable tensor with the FP16 buffer (SPEC "Scale
+ * recalibration", qsched.zo.recalibrate). Element j of the tensor's count elements is in
+ * channel j mod channels (channel_minor) or j div (count / channels). Each channel with
+ * a weight at +-127 whose exponent exps[c] is below its limit halves its weights toward
+ * zero, moves the half step an odd weight loses into its buffer value and adds one to
+ * exps[c]. mult and shift are the blob's requantisation parameters of the channels.
+ * Returns the number of channels that grew.
+ */
+#define QS_RECAL_EXP_MAX 8
+#define QS_RECAL_SHIFT_MAX 30
+uint32_t qs_recalibrate_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t channels, int channel_minor,
+                             int8_t *exps, const int32_t *mult, const int32_t *shift);
+
+/* The largest exponent of a channel: min(8, 30 - shift) floored at 0; 0 when mult is 0. */
+int32_t qs_recal_exp_limit(int32_t mult, int32_t shift);
+
 /* Continue the weight checksum over binary16 values, little-endian bytes. */
 uint32_t qs_crc32_fp16(uint32_t crc, const uint16_t *buf, uint32_t count);
 

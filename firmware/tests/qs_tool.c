@@ -15,6 +15,7 @@
  *   apply_f32 <seed> <step> <first> <n> (<k> <c bits>)*n <theta hex> -> hex
  *   apply_i8 <seed> <step> <first> <n> (<k> <c bits>)*n <w hex> <buf hex> -> "<w hex> <buf hex>"
  *   apply_acc8 <seed> <step> <T> <size>*T <n> (<k> <c bits>)*n <w hex> <state hex> -> "<w hex> <state hex>"
+ *   recal <C> <minor> <mult>*C <shift>*C <w hex> <buf hex> <exps hex> -> "<w hex> <buf hex> <exps hex>"
  *   ilog2 <v>                                       -> decimal
  *   forward <blob path> <inputs hex>                -> logits hex (samples back to back)
  *   budget <blob path>                              -> "<blob bytes> <params> <arena bytes>"
@@ -244,6 +245,40 @@ static void cmd_apply_acc8(void)
     putchar('\n');
 }
 
+/* Scale recalibration of one tensor of C channels (SPEC "Scale recalibration"). */
+static void cmd_recal(void)
+{
+    static int32_t mult[4096], shift[4096];
+    static int8_t exps[4096];
+    const uint32_t channels = (uint32_t)num(10);
+    const int minor = (int)num(10);
+    if (channels == 0u || channels > 4096u) {
+        printf("err channels\n");
+        return;
+    }
+    for (uint32_t c = 0; c < channels; ++c) {
+        mult[c] = (int32_t)num(10);
+    }
+    for (uint32_t c = 0; c < channels; ++c) {
+        shift[c] = (int32_t)strtol(tok(), NULL, 10);
+    }
+    const size_t nw = hex_in(g_a, sizeof g_a);
+    const size_t nb = hex_in(g_b, sizeof g_b);
+    const size_t ne = hex_in((uint8_t *)exps, sizeof exps);
+    if (nb != 2u * nw || ne != channels) {
+        printf("err sizes\n");
+        return;
+    }
+    (void)qs_recalibrate_fp16((int8_t *)g_a, (uint16_t *)(void *)g_b, (uint32_t)nw, channels, minor, exps, mult,
+                              shift);
+    hex_out(g_a, nw);
+    putchar(' ');
+    hex_out(g_b, nb);
+    putchar(' ');
+    hex_out(exps, ne);
+    putchar('\n');
+}
+
 static void cmd_cobs(int encode)
 {
     const size_t n = hex_in(g_a, sizeof g_a);
@@ -347,6 +382,8 @@ static void dispatch(const char *cmd)
         cmd_apply(cmd[6] == 'f');
     } else if (strcmp(cmd, "apply_acc8") == 0) {
         cmd_apply_acc8();
+    } else if (strcmp(cmd, "recal") == 0) {
+        cmd_recal();
     } else if (strcmp(cmd, "forward") == 0) {
         cmd_forward();
     } else if (strcmp(cmd, "budget") == 0) {

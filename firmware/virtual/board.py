@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from qsched.firmware.errors import BoardCrash
@@ -266,9 +267,11 @@ class DatasetCatalog:
 def _same_state(a: TrainState, b: TrainState) -> bool:
     if a.step != b.step or not np.array_equal(a.params, b.params):
         return False
-    return (a.buffer is None and b.buffer is None) or (
-        a.buffer is not None and b.buffer is not None and np.array_equal(a.buffer, b.buffer)
-    )
+    return _same_part(a.buffer, b.buffer) and _same_part(a.scale_exps, b.scale_exps)
+
+
+def _same_part(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
 @dataclass
@@ -739,6 +742,8 @@ class BoardAgent:
             cfg.seed,
             cfg.batch_size,
             cfg.eps,
+            cfg.lr_unit,
+            cfg.recalibrate_every,
         )
         try:
             # In a worker thread: quantising a data set can take seconds, heartbeats go on.
@@ -778,6 +783,7 @@ class BoardAgent:
             batch_size=cfg.batch_size,
             eps=cfg.eps,
             lr_unit=cfg.lr_unit,
+            recalibrate_every=cfg.recalibrate_every,
             trainable=self._trainable,
         )
         return Workload(spec, graph, qmodel, dataset, list(self._trainable))
