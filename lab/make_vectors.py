@@ -81,6 +81,7 @@ from qsched.zo.graph import Dense, Model, MulConstant, QuantizedLayer, QuantMode
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
 from qsched.zo.lookup import hard_swish_table, logistic_table, mul_constant_table
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
+from qsched.zo.recalibrate import RECAL_EXP_MAX, ChannelLayout, effective_bias, recalibrate
 from qsched.zo.spsa import Estimator, LossPairs, coefficients
 from qsched.zo.update import (
     accumulate_delta,
@@ -723,6 +724,62 @@ def _gain_vectors(out: Vectors) -> None:
         out[f"{key}.expected_buffer"] = new_b.astype("<f2").tobytes().hex()
 
 
+# (channel_minor, multipliers, shifts, exponents): saturated and free channels; a zero
+# multiplier, a shift of 29 (limit 1) and an exponent at RECAL_EXP_MAX, which never grow.
+RECAL_CASES: Final = (
+    (False, [1 << 30] * 4, [-9, -9, -9, -9], [0, 0, 1, 0]),
+    (True, [1 << 30] * 3, [-6, -7, -8], [0, 2, 0]),
+    (False, [0, 1518500250, 1518500250, 1 << 30], [-3, 29, 29, -20], [0, 0, 1, RECAL_EXP_MAX]),
+)
+# (bias, exponent) pairs of the derived bias: halves round away from zero.
+RECAL_BIASES: Final = (
+    (3, 1),
+    (-3, 1),
+    (5, 2),
+    (6, 2),
+    (-6, 2),
+    (7, 0),
+    (-(2**31), 8),
+    (2**31 - 1, 8),
+)
+
+
+def _recal_vectors(out: Vectors) -> None:
+    """Scale recalibration of one tensor (SPEC "Scale recalibration"), and derived biases."""
+    rng = np.random.Generator(np.random.Philox(97))
+    for i, (minor, multipliers, shifts, exps) in enumerate(RECAL_CASES):
+        channels, per_channel = len(exps), 5
+        count = channels * per_channel
+        layout = ChannelLayout.of(
+            [(count, channels, minor)], np.array(multipliers), np.array(shifts)
+        )
+        weights = rng.integers(-126, 127, count).astype(np.int8)
+        for c in range(channels):  # every other channel has a weight at the clamp
+            if c % 2 == 0 or i == 2:
+                weights[np.flatnonzero(layout.element_channel == c)[c % per_channel]] = (
+                    127 - 254 * (c % 3 == 1)
+                )
+        buffer = rng.uniform(-0.999, 0.999, count).astype("<f2")
+        buffer[:2] = (0.99951171875, -0.99951171875)  # 0.5 b + 0.5 rounds in binary16
+        start = np.array(exps, np.int8)
+        new_w, new_b, new_e = recalibrate(weights, buffer, start, layout)
+        key = f"recal.{i}"
+        out[f"{key}.channels"] = str(channels)
+        out[f"{key}.channel_minor"] = str(int(minor))
+        out[f"{key}.multipliers"] = ",".join(map(str, multipliers))
+        out[f"{key}.shifts"] = ",".join(map(str, shifts))
+        out[f"{key}.weights"] = weights.tobytes().hex()
+        out[f"{key}.buffer"] = buffer.tobytes().hex()
+        out[f"{key}.exps"] = start.tobytes().hex()
+        out[f"{key}.expected_weights"] = new_w.tobytes().hex()
+        out[f"{key}.expected_buffer"] = new_b.astype("<f2").tobytes().hex()
+        out[f"{key}.expected_exps"] = new_e.tobytes().hex()
+    for i, (bias, exp) in enumerate(RECAL_BIASES):
+        out[f"recal_bias.{i}.bias"] = str(bias)
+        out[f"recal_bias.{i}.exp"] = str(exp)
+        out[f"recal_bias.{i}.expected"] = str(int(effective_bias([bias], [exp])[0]))
+
+
 def _coefficient_vectors(out: Vectors) -> None:
     """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided."""
     rng = np.random.Generator(np.random.Philox(59))
@@ -963,6 +1020,7 @@ def numeric_vectors() -> Vectors:
     _batch_loss_vectors(out)
     _table_vectors(out)
     _gain_vectors(out)
+    _recal_vectors(out)
     return out
 
 

@@ -310,3 +310,17 @@ def test_core_recalibration_matches_python(tool: ToolProcess) -> None:
                 ]
             ), (case, got)
             weights, buffer, exps = want
+
+
+def test_core_recalibration_vectors(tool: ToolProcess) -> None:
+    """numeric.json recal: the C recalibration gives the committed bits."""
+    import json
+
+    vectors = json.loads((VECTORS / "numeric.json").read_text(encoding="utf-8"))
+    for i in range(3):
+        f = {k.split(".")[-1]: v for k, v in vectors.items() if k.startswith(f"recal.{i}.")}
+        got = tool.ask(
+            f"recal {f['channels']} {f['channel_minor']} {f['multipliers'].replace(',', ' ')} "
+            f"{f['shifts'].replace(',', ' ')} {f['weights']} {f['buffer']} {f['exps']}"
+        )
+        assert got == f"{f['expected_weights']} {f['expected_buffer']} {f['expected_exps']}", i

@@ -290,6 +290,40 @@ def test_gain_vectors_from_spec() -> None:
         assert rest.astype("<f2").tobytes().hex() == fields["expected_buffer"], name
 
 
+def test_recalibration_vectors_from_spec() -> None:
+    """SPEC "Scale recalibration", element by element as written: a channel with a weight
+    at +-127 and an exponent below its limit halves toward zero and carries half steps."""
+    for name, fields in _groups("numeric", "recal").items():
+        w = [int(v) for v in _i8(fields["weights"])]
+        buf = np.frombuffer(bytes.fromhex(fields["buffer"]), "<f2").copy()
+        exps = [int(v) for v in _i8(fields["exps"])]
+        channels = int(fields["channels"])
+        mults = [int(v) for v in fields["multipliers"].split(",")]
+        shifts = [int(v) for v in fields["shifts"].split(",")]
+        per = len(w) // channels
+        for c in range(channels):
+            members = [
+                c + i * channels if fields["channel_minor"] == "1" else c * per + i
+                for i in range(per)
+            ]
+            limit = 0 if mults[c] == 0 else max(0, min(8, 30 - shifts[c]))
+            if max(abs(w[j]) for j in members) != 127 or exps[c] >= limit:
+                continue
+            exps[c] += 1
+            for j in members:
+                half = int(w[j] / 2)  # toward zero
+                carried = np.float32(w[j] - 2 * half) * np.float32(0.5)
+                buf[j] = _f16(np.float32(buf[j]) * np.float32(0.5) + carried)
+                w[j] = half
+        assert np.array(w, np.int8).tobytes().hex() == fields["expected_weights"], name
+        assert buf.astype("<f2").tobytes().hex() == fields["expected_buffer"], name
+        assert np.array(exps, np.int8).tobytes().hex() == fields["expected_exps"], name
+    for name, fields in _groups("numeric", "recal_bias").items():
+        b, e = int(fields["bias"]), int(fields["exp"])
+        want = b if e == 0 else (1 if b > 0 else -1) * ((abs(b) + (1 << (e - 1))) >> e)
+        assert want == int(fields["expected"]), name
+
+
 def test_fp16_signed_zero_vector_from_library() -> None:
     """numeric.json int8_fp16_zero: apply_int8_fp16 gives +0.0 remainders where b = -0.0."""
     for fields in _groups("numeric", "int8_fp16_zero").values():
