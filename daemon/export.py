@@ -35,14 +35,19 @@ def export_model(workload: Workload, state: TrainState, fmt: str) -> bytes:
         The file's bytes.
 
     Raises:
-        ExportError: an unknown format, or ``tflite`` for an FP32 job.
+        ExportError: an unknown format, ``tflite`` for an FP32 job, or an imported
+            model whose file cannot take the trained layers in place (two layers that
+            share a buffer, channels recalibrated apart in a per-tensor layer).
     """
     if fmt == "tflite":
         if not workload.int8:
             raise ExportError("tflite export needs an INT8 job; use format npz")
         from qsched.zo.tflite_io import export_tflite
 
-        return export_tflite(workload.to_quant_model(state))
+        try:
+            return export_tflite(workload.to_quant_model(state))
+        except ValueError as exc:  # the source file cannot hold what training changed
+            raise ExportError(f"tflite export: {exc}") from None
     if fmt == "npz":
         return _npz_bytes(workload, state)
     raise ExportError(f"unknown export format {fmt!r}")

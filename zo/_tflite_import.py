@@ -75,7 +75,8 @@ class _Reader:
     tensors: dict[str, TensorQuant] = field(default_factory=dict)
     layers: dict[str, QuantizedLayer] = field(default_factory=dict)
     readers: dict[int, list[int]] = field(default_factory=dict)
-    weight_buffers: dict[str, int] = field(default_factory=dict)  # layer -> its weight's buffer
+    # layer -> its weight tensor and bias tensor (-1: none), where export writes them back
+    param_tensors: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def tensor(self, index: int, where: str) -> Any:
         if not 0 <= index < len(self.graph.tensors or []):
@@ -241,7 +242,7 @@ def _conv(r: _Reader, op: Any, code: int, where: str) -> Node:
     if not depthwise and (filt_in == 0 or cin % filt_in):
         raise TFLiteFormatError(f"{where}: filter depth {filt_in} does not divide {cin}")
     weight, bias = _float_params(layer, r.tensors[x].scale, dim)
-    name = _claim(r, out, layer, r.tensor(op.inputs[1], where).buffer)
+    name = _claim(r, out, layer, _param_tensors(op))
     return Conv2D(
         name,
         [x],
@@ -274,7 +275,7 @@ def _dense(r: _Reader, op: Any, where: str) -> Node:
     out = r.activation(op.outputs[0], where)
     weight, bias = _float_params(layer, r.tensors[x].scale, 0)
     return Dense(
-        _claim(r, out, layer, r.tensor(op.inputs[1], where).buffer),
+        _claim(r, out, layer, _param_tensors(op)),
         [x],
         out,
         weight,
@@ -289,14 +290,22 @@ def _padding(code: int, where: str) -> Padding:
     return _PADDING[code]
 
 
+def _param_tensors(op: Any) -> tuple[int, int]:
+    """A conv or dense operator's weight and bias tensors (-1: no bias)."""
+    return int(op.inputs[1]), int(op.inputs[2]) if len(op.inputs) > 2 else -1
+
+
 def _claim(
-    r: _Reader, out: str, layer: QuantizedLayer | None = None, buffer: int | None = None
+    r: _Reader,
+    out: str,
+    layer: QuantizedLayer | None = None,
+    params: tuple[int, int] | None = None,
 ) -> str:
     """The next node's provisional name, its output tensor's (see ``_rename``)."""
     if layer is not None:
         r.layers[out] = layer
-    if buffer is not None:
-        r.weight_buffers[out] = int(buffer)
+    if params is not None:
+        r.param_tensors[out] = params
     return out
 
 
@@ -305,13 +314,13 @@ def _rename(r: _Reader) -> None:
     meta = r.names_meta
     if len(meta) != len(r.nodes) or len(set(meta)) != len(meta):
         return
-    layers, buffers = {}, {}
+    layers, params = {}, {}
     for node, name in zip(r.nodes, meta, strict=True):
         if node.name in r.layers:
             layers[name] = r.layers[node.name]
-            buffers[name] = r.weight_buffers[node.name]
+            params[name] = r.param_tensors[node.name]
         node.name = name
-    r.layers, r.weight_buffers = layers, buffers
+    r.layers, r.param_tensors = layers, params
 
 
 def _pool(r: _Reader, op: Any, code: int, ops: list[Any], where: str) -> tuple[Node, int]:
@@ -666,7 +675,7 @@ def _source(data: bytes, r: _Reader, edges: _Edges, folded: list[str]) -> Source
         input_ops=tuple(edges.input_ops),
         output_ops=tuple(edges.output_ops),
         folded_ops=tuple(folded),
-        weight_bytes=_buffer_spans(data, r.weight_buffers),
+        **_layer_spans(data, r.param_tensors),
     )
 
 
@@ -693,15 +702,37 @@ def _edge_tensor(r: _Reader, index: int) -> EdgeTensor:
     )
 
 
-def _buffer_spans(data: bytes, buffers: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """Where each named buffer's bytes lie in the file: ``(offset, length)``."""
+def _layer_spans(
+    data: bytes, params: dict[str, tuple[int, int]]
+) -> dict[str, dict[str, tuple[int, int]]]:
+    """Where each layer's weight bytes, weight scales, bias bytes and bias scales lie in
+    the file, ``(offset, length)`` per layer (a layer without bias has no bias spans)."""
     root = schema.Model.GetRootAs(data, 0)
-    spans = {}
-    for name, buffer in buffers.items():
-        table = root.Buffers(buffer)._tab
-        field = table.Offset(4)  # Buffer.data, the first field
-        spans[name] = (int(table.Vector(field)), int(table.VectorLen(field)))
+    graph = root.Subgraphs(0)
+    spans: dict[str, dict[str, tuple[int, int]]] = {
+        "weight_bytes": {},
+        "weight_scale_bytes": {},
+        "bias_bytes": {},
+        "bias_scale_bytes": {},
+    }
+    for name, (weight, bias) in params.items():
+        for tensor, kind in ((weight, "weight"), (bias, "bias")):
+            if tensor < 0:
+                continue
+            t = graph.Tensors(tensor)
+            spans[f"{kind}_bytes"][name] = _vector_span(root.Buffers(t.Buffer())._tab, 4)
+            quantization = t.Quantization()
+            if quantization is not None and quantization.ScaleLength() > 0:
+                spans[f"{kind}_scale_bytes"][name] = _vector_span(quantization._tab, 8)
     return spans
+
+
+def _vector_span(table: Any, slot: int) -> tuple[int, int]:
+    """``(offset, bytes)`` of the vector in a flatbuffer table's field: Buffer.data (slot
+    4, bytes) or QuantizationParameters.scale (slot 8, float32)."""
+    field = table.Offset(slot)
+    width = 4 if slot == 8 else 1
+    return int(table.Vector(field)), int(table.VectorLen(field)) * width
 
 
 def _ints(values: Any) -> list[int]:

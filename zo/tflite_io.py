@@ -69,7 +69,12 @@ def export_tflite(
     """
     source = qmodel.source
     if source is not None and not (own_form or weights_as_inputs):
-        return source.with_weights({name: layer.weight for name, layer in qmodel.layers.items()})
+        layers = qmodel.layers
+        return source.with_weights(
+            {name: layer.weight for name, layer in layers.items()},
+            scales={name: layer.weight_scales for name, layer in layers.items()},
+            biases={name: layer.bias for name, layer in layers.items()},
+        )
     data: bytes = build_tflite(qmodel, batch=batch, weights_as_inputs=weights_as_inputs)
     return data
 
