@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo import engine
+from qsched.zo.data import RESNET8_CIFAR10
 from qsched.zo.recalibrate import (
     RECAL_EXP_MAX,
     ChannelLayout,
@@ -166,3 +167,54 @@ def test_off_the_state_has_no_exponents_and_the_bits_are_unchanged() -> None:
     raw = state.to_bytes()
     v1 = raw[:4] + (1).to_bytes(2, "little") + raw[6:24] + raw[28:]
     assert TrainState.from_bytes(v1).checksum() == state.checksum()
+
+
+CONV = (
+    "model/batch_normalization_6/FusedBatchNormV3;model/conv2d_7/BiasAdd/ReadVariableOp/"
+    "resource;model/conv2d_7/BiasAdd;model/conv2d_8/Conv2D;model/conv2d_7/Conv2D"
+)
+
+
+def _resnet8_job(trainable: str | list[str]) -> tuple[Workload, TrainState]:
+    spec = JobSpec(
+        dataset="eurosat:size=32,scale=255",
+        backbone=str(RESNET8_CIFAR10),
+        numerics="int8",
+        trainable=trainable,
+        steps=1,
+        batch_size=8,
+        recalibrate_every=1,
+        policy=PolicySpec(name="fixed", config={"q": 1}),
+    )
+    wl = Workload.from_spec(spec)
+    return wl, train_zo(spec, workload=wl).state
+
+
+def test_an_imported_model_exports_its_recalibrated_layers_in_place() -> None:
+    """The user's own file comes back with the grown scales, the biases and the bias
+    tensors' scales rewritten: read again, it computes what the job computes."""
+    from qsched.daemon.export import export_model
+    from qsched.zo.tflite_io import import_tflite
+
+    wl, state = _resnet8_job([CONV])
+    assert state.scale_exps is not None and state.scale_exps.max() > 0
+    data = export_model(wl, state, "tflite")
+    original = RESNET8_CIFAR10.read_bytes()
+    assert len(data) == len(original) and data != original
+    back = import_tflite(data)
+    trained = wl.to_quant_model(state)
+    assert np.array_equal(back.layers[CONV].weight_scales, trained.layers[CONV].weight_scales)
+    assert np.array_equal(back.layers[CONV].bias, trained.layers[CONV].bias)
+    x = wl._x_val[:16]
+    assert np.array_equal(engine.run_int8(back, x), engine.run_int8(trained, x))
+
+
+def test_a_per_tensor_layer_recalibrated_apart_cannot_go_back_in_place() -> None:
+    """The file's dense layer has one scale; its channels grew apart: a clear ExportError."""
+    from qsched.daemon.errors import ExportError
+    from qsched.daemon.export import export_model
+
+    wl, state = _resnet8_job("last:1")
+    assert state.scale_exps is not None and len(set(state.scale_exps.tolist())) > 1
+    with pytest.raises(ExportError, match="one weight scale in the source file"):
+        export_model(wl, state, "tflite")
