@@ -195,6 +195,40 @@ async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFac
     assert result.steps == reference.steps
 
 
+async def test_recalibrating_job_resumes_on_a_new_board_bit_identical(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """Scale recalibration every 2 steps, stopped at step 5 and resumed on a board that
+    never saw the job: SetWeights carries the exponents, the end is the reference's."""
+    spec = _spec(steps=9, recalibrate_every=2)
+    store = StateStore(tmp_path)  # type: ignore[arg-type]
+    job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
+
+    def stop_at_five(event: Event) -> None:
+        if event.kind == "step" and event.step == 4:
+            engines[0].stop(shutdown=True)
+
+    engines: list[StepEngine] = []
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        for name in ("b0", "b1"):
+            endpoint = transport.attach(name)
+            board = asyncio.create_task(
+                serve_link(BoardAgent(name, latency=LatencyProfile.off()), endpoint)
+            )
+            if not engines:
+                engines.append(StepEngine(spec, fleet, job_dir=job_dir, on_event=stop_at_five))
+                first = await engines[0].run()
+                checkpoint = job_dir.load_checkpoint()
+                assert checkpoint is not None and checkpoint.step == 5
+                assert first.state.scale_exps is not None and first.state.scale_exps.max() > 0
+            else:
+                result = await StepEngine(spec, fleet, job_dir=job_dir, resume=checkpoint).run()
+            await endpoint.close()
+            await board
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+
+
 async def test_engine_drained_board_gets_no_work() -> None:
     """A drained board keeps its weights in step but is given no keys."""
     spec = _spec(steps=4)

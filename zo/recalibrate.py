@@ -142,5 +142,5 @@ def effective_bias(bias: npt.ArrayLike, exps: npt.ArrayLike) -> npt.NDArray[np.i
     b = np.asarray(bias, dtype=np.int64)
     e = np.asarray(exps, dtype=np.int64)
     half = np.where(e > 0, np.left_shift(1, np.maximum(e - 1, 0)), 0)
-    out = np.sign(b) * ((np.abs(b) + half) >> e)
-    return out.astype(np.int32)
+    out: npt.NDArray[np.int32] = (np.sign(b) * ((np.abs(b) + half) >> e)).astype(np.int32)
+    return out

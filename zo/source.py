@@ -122,7 +122,8 @@ class SourceFile:
             self._write(out, written, name, "weight scale", self.weight_scale_bytes, new32)
             bias_scales = self._read(name, self.bias_scale_bytes, "<f4")
             if bias_scales is not None:  # the same power of two: bias = in * weight scale
-                moved = (bias_scales * (new32 / old)).astype(np.float32)
+                ratio = new32 / old.astype(np.float32)  # 2^e: the quotient is exact
+                moved = (bias_scales.astype(np.float32) * ratio).astype(np.float32)
                 self._write(out, written, name, "bias scale", self.bias_scale_bytes, moved)
         for name, bias in (biases or {}).items():
             old = self._read(name, self.bias_bytes, "<i4")
