@@ -1,8 +1,10 @@
 """Memory budget of the C board agent for a model: what ``firmware/README.md`` tabulates.
 
 The agent splits one model region (``core/agent.h``) as blob | weights P | FP16 buffer
-2P | perturbed copy P | SetWeights staging 3P | activation arena, where P is the length
-of the flat trainable vector; the arena holds one sample's tensors, one 4-byte aligned
+2P | perturbed copy P | activation arena | SetWeights staging 3P + C | per-channel
+scale exponents, shifts, biases and scales 13C, where P is the length of the flat
+trainable vector and C the trainable layers' output channels (scale recalibration,
+SPEC "Scale recalibration"); the arena holds one sample's tensors, one 4-byte aligned
 slot each (``core/model.c``). Everything else is static: ``AGENT_STATIC_BYTES``.
 
     python -m qsched.firmware.budget mlp:digits cnn:digits resnet8:eurosat
@@ -41,14 +43,15 @@ class MemoryBudget:
     weights: int  # the master copy of the trainable weights (P)
     buffer: int  # FP16 accumulation buffer (2P)
     perturbed: int  # the perturbed copy a forward pass reads (P)
-    staging: int  # SetWeights reassembly (3P)
+    staging: int  # SetWeights reassembly (3P + C)
     arena: int  # activations of one sample
+    channels: int  # C: output channels of the trainable layers
 
     @property
     def region(self) -> int:
         """The model region in use (16-byte aligned pieces, as the agent lays them out)."""
-        parts = (self.blob, self.weights, self.buffer, self.perturbed, self.staging)
-        return sum(_align(p, 16) for p in parts) + self.arena
+        parts = (self.blob, self.weights, self.buffer, self.perturbed, self.arena, self.staging)
+        return sum(_align(p, 16) for p in parts) + _align(self.channels, 16) + 12 * self.channels
 
     @property
     def total(self) -> int:
@@ -87,8 +90,9 @@ def model_budget(qmodel: QuantModel, trainable: Sequence[str]) -> MemoryBudget:
     shapes = infer_shapes(qmodel.model)
     arena = sum(_align(math.prod(shape), 4) for shape in shapes.values())
     p = sum(int(qmodel.layers[name].weight.size) for name in trainable)
+    c = sum(len(qmodel.layers[name].weight_scales) for name in trainable)
     blob = len(encode_blob(qmodel, trainable=list(trainable)))
-    return MemoryBudget(blob, p, p, 2 * p, p, 3 * p, arena)
+    return MemoryBudget(blob, p, p, 2 * p, p, 3 * p + c, arena, c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,16 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pairs", nargs="+", help="model:dataset, e.g. mlp:digits")
     args = parser.parse_args(argv)
     print(
-        "| model | data set | blob | P | weights+buffer+copy+staging (7P) "
+        "| model | data set | blob | P | weights+buffer+copy+staging (7P) | C | channels (14C) "
         "| arena | region | with agent |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for pair in args.pairs:
         model, _, dataset = pair.partition(":")
         b = memory_budget(Workload.from_spec(JobSpec(model=model, dataset=dataset or "digits")))
         kib = lambda n: f"{n / 1024:.1f} KiB"  # noqa: E731
         print(
             f"| {model} | {dataset} | {kib(b.blob)} | {b.params} | {kib(7 * b.params)} "
+            f"| {b.channels} | {14 * b.channels} B "
             f"| {kib(b.arena)} | {kib(b.region)} | {kib(b.total)} |"
         )
     return 0
