@@ -4,6 +4,7 @@ reassignment, faulty boards, waiting for boards, resume."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -163,17 +164,24 @@ async def test_engine_no_boards_waits_and_says_so() -> None:
     assert result.state.checksum() == train_zo(spec).state.checksum()
 
 
+def _stop_after(step: int, engines: list[StepEngine]) -> Callable[[Event], None]:
+    """An event hook that stops the first engine of ``engines`` after step ``step``."""
+
+    def hook(event: Event) -> None:
+        if event.kind == "step" and event.step == step:
+            engines[0].stop(shutdown=True)
+
+    return hook
+
+
 async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFactory) -> None:
     """A job stopped mid-run and resumed from its checkpoint ends at the reference weights."""
     spec = _spec(steps=9, policy=PolicySpec(name="qscheduler"))
     store = StateStore(tmp_path)  # type: ignore[arg-type]
     job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
 
-    def stop_at_five(event: Event) -> None:
-        if event.kind == "step" and event.step == 4:
-            engine_box[0].stop(shutdown=True)
-
     engine_box: list[StepEngine] = []
+    stop_at_five = _stop_after(4, engine_box)
     async with InProcTransport() as transport, Fleet(transport) as fleet:
         endpoint = transport.attach("b0")
         board = asyncio.create_task(
@@ -204,11 +212,8 @@ async def test_recalibrating_job_resumes_on_a_new_board_bit_identical(
     store = StateStore(tmp_path)  # type: ignore[arg-type]
     job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
 
-    def stop_at_five(event: Event) -> None:
-        if event.kind == "step" and event.step == 4:
-            engines[0].stop(shutdown=True)
-
     engines: list[StepEngine] = []
+    stop_at_five = _stop_after(4, engines)
     async with InProcTransport() as transport, Fleet(transport) as fleet:
         for name in ("b0", "b1"):
             endpoint = transport.attach(name)

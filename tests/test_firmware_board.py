@@ -319,21 +319,8 @@ def test_board_set_weights_resynchronises(board: Board, job: Job) -> None:
     params = rng.integers(-127, 128, wl.num_params).astype(np.int8)
     buffer = (rng.uniform(-1, 1, wl.num_params) * 0.9).astype(np.float16)
     state = TrainState(40, params, buffer)
-    raw = params.tobytes() + buffer.astype("<f2").tobytes()
-    for offset in range(0, len(raw), MAX_CHUNK):
-        board.client.send(
-            SetWeights(
-                total=len(raw),
-                offset=offset,
-                job_id=job.config.job_id,
-                step=40,
-                checksum=zlib.crc32(raw),
-                chunk=raw[offset : offset + MAX_CHUNK],
-            )
-        )
-    assert board.client.recv() == Loaded(
-        resource="weights", job_id=job.config.job_id, crc32=zlib.crc32(raw), size=len(raw)
-    )
+    assert state.weight_bytes() == params.tobytes() + buffer.astype("<f2").tobytes()
+    _send_weights(board, job.config, state)
     pairs = [(3, 0.25), (4, -1.5)]
     ack = board.client.request(
         ApplyUpdate(job_id=job.config.job_id, step=40, ks=(3, 4), coefficients=(0.25, -1.5))
@@ -442,16 +429,7 @@ def test_board_int8_accumulator_job_matches_python(
     """With the INT8 accumulation buffer, checksums equal Python's across two rescales,
     with the learning rate in int8 steps and in weight units (channel gains)."""
     spec = job.spec.model_copy(update={"accumulator": "int8", "lr_unit": lr_unit})
-    config = job_config(spec)
-    _load(board, job)
-    assert isinstance(board.client.request(config), Loaded)
-    wl = Workload(
-        spec,
-        job.workload.model,
-        job.workload.qmodel,
-        job.workload.dataset,
-        job.workload.trainable_layers,
-    )
+    config, wl = _configure(board, job, spec)
     state = wl.initial_state()
     rng = np.random.default_rng(4)
     for step in range(33):
@@ -479,16 +457,7 @@ def test_board_recalibrating_job_matches_python(board: Board, job: Job) -> None:
     losses, the update of a due step recalibrates to Python's checksum, and exponents out
     of range or a recalibrating INT8-accumulator job are refused."""
     spec = job.spec.model_copy(update={"recalibrate_every": 4})
-    config = job_config(spec)
-    _load(board, job)
-    assert isinstance(board.client.request(config), Loaded)
-    wl = Workload(
-        spec,
-        job.workload.model,
-        job.workload.qmodel,
-        job.workload.dataset,
-        job.workload.trainable_layers,
-    )
+    config, wl = _configure(board, job, spec)
     assert wl.recalibration is not None
     rng = np.random.default_rng(5)
     params = rng.integers(-127, 128, wl.num_params).astype(np.int8)
@@ -519,6 +488,15 @@ def test_board_recalibrating_job_matches_python(board: Board, job: Job) -> None:
     assert isinstance(board.client.request(bad), Loaded)
     refusal = board.client.recv()
     assert isinstance(refusal, Error) and refusal.code == "model_invalid"
+
+
+def _configure(board: Board, job: Job, spec: JobSpec) -> tuple[JobConfig, Workload]:
+    """Load the job's model and data set on the board, configure ``spec``; its workload."""
+    config = job_config(spec)
+    _load(board, job)
+    assert isinstance(board.client.request(config), Loaded)
+    base = job.workload
+    return config, Workload(spec, base.model, base.qmodel, base.dataset, base.trainable_layers)
 
 
 def _send_weights(
