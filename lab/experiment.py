@@ -864,8 +864,14 @@ def results_markdown(doc: dict[str, Any]) -> str:
         Markdown text.
     """
     setting, spec = doc["setting"], doc["setting"]["spec"]
+    backbone = spec.get("backbone")
+    model, mode = (
+        (Path(backbone).name, "pretrained backbone")
+        if backbone
+        else (spec["model"], setting["mode"])
+    )
     lines = [
-        f"# Experiment: {spec['dataset']} / {spec['model']} ({setting['mode']})",
+        f"# Experiment: {spec['dataset']} / {model} ({mode})",
         "",
         f"`{doc['command']}`",
         "",
