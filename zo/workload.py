@@ -315,9 +315,9 @@ class Workload:
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
         self._train_prefix: engine.Activations | None = None
-        # Prepared on the first pass, again when recalibration changes the exponents.
-        self._prepared: engine.PreparedInt8 | None = None
-        self._prepared_exps: bytes | None = None
+        # Prepared on the first pass, again when recalibration changes the exponents; one
+        # (exponents, prepared) tuple, replaced whole, as boards may evaluate in threads.
+        self._prepared: tuple[bytes | None, engine.PreparedInt8] | None = None
         self._gains_at: tuple[bytes | None, npt.NDArray[np.float32]] | None = None
         self._x_train: Flat = dataset.x_train
         self._x_val: Flat = dataset.x_val
@@ -453,10 +453,11 @@ class Workload:
 
     def _prepared_at(self, exps: Flat | None) -> engine.PreparedInt8:
         key = None if exps is None else exps.tobytes()
-        if self._prepared is None or self._prepared_exps != key:
-            self._prepared = engine.prepare_int8(self.quant_model_at(exps))
-            self._prepared_exps = key
-        return self._prepared
+        cached = self._prepared
+        if cached is None or cached[0] != key:
+            cached = (key, engine.prepare_int8(self.quant_model_at(exps)))
+            self._prepared = cached
+        return cached[1]
 
     @functools.cached_property
     def update_gain(self) -> npt.NDArray[np.float32] | None:
@@ -471,9 +472,11 @@ class Workload:
         if self.qmodel is None or self.spec.lr_unit != "weight":
             return None
         key = None if exps is None else exps.tobytes()
-        if self._gains_at is None or self._gains_at[0] != key:
-            self._gains_at = (key, self._gains(self.quant_model_at(exps)))
-        return self._gains_at[1]
+        cached = self._gains_at  # one tuple, replaced whole (see _prepared)
+        if cached is None or cached[0] != key:
+            cached = (key, self._gains(self.quant_model_at(exps)))
+            self._gains_at = cached
+        return cached[1]
 
     def _gains(self, qmodel: QuantModel) -> npt.NDArray[np.float32]:
         parts = []

@@ -384,7 +384,7 @@ static qs_status place_after_arena(qs_agent *a, uint8_t *p)
     const uint64_t channels = a->nchannels;
     const uint64_t staging = (3u * params + channels + 15u) & ~(uint64_t)15u;
     const uint64_t need = staging + ((channels + 15u) & ~(uint64_t)15u) + 12u * channels;
-    if (need > (uint64_t)(a->region + a->region_size - p)) {
+    if (need > (uint64_t)(a->region + a->region_size - p)) { /* p is inside the region */
         return QS_ERR_TOO_LARGE;
     }
     a->staging = p;
@@ -441,7 +441,11 @@ static qs_status install_model(qs_agent *a, uint32_t len)
     if (a->model.num_params == 0u) {
         return QS_ERR_ARG; /* the blob marks no layer trainable */
     }
-    return place_after_arena(a, p + ((a->model.arena_size + 15u) & ~(size_t)15u));
+    const size_t arena = (a->model.arena_size + 15u) & ~(size_t)15u;
+    if (arena > (size_t)(a->region + a->region_size - p)) {
+        return QS_ERR_TOO_LARGE;
+    }
+    return place_after_arena(a, p + arena);
 }
 
 /* ------------------------------------------------------------------ loading */

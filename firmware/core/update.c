@@ -235,7 +235,8 @@ uint32_t qs_recalibrate_fp16(int8_t *w, uint16_t *buf, uint32_t count, uint32_t 
         int32_t peak = 0;
         for (uint32_t i = 0; i < per_channel; ++i) {
             const int32_t v = w[channel_element(c, i, channels, per_channel, channel_minor)];
-            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
+            const int32_t magnitude = v < 0 ? -v : v;
+            peak = magnitude > peak ? magnitude : peak;
         }
         if (peak < QS_INT8_WEIGHT_MAX || exps[c] >= qs_recal_exp_limit(mult[c], shift[c])) {
             continue;
