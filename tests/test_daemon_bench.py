@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,7 +148,7 @@ def test_bench_fleet_aggregated_mqtt_hosts(tmp_path: Path) -> None:
     assert main(argv) == 0
     (row,) = json.loads(out.read_text())
     assert set(row["work"]) == {"bench-host-0", "bench-host-1"}
-    assert sum(row["work"].values()) == Q * (1 + row["steps"])
+    _every_key_evaluated(row)
     assert row["messages_per_step"] == 1 + 2 * 2  # one order, an ack and a result per host
 
 
@@ -165,7 +166,14 @@ def test_bench_fleet_bridge_link(tmp_path: Path, aggregate: bool) -> None:
     workers = set(row["work"])
     assert workers == ({"bench-host-0", "bench-host-1"} if aggregate else workers)
     assert len(workers) == (2 if aggregate else 4)
-    assert sum(row["work"].values()) == Q * (1 + row["steps"])
+    _every_key_evaluated(row)
+
+
+def _every_key_evaluated(row: dict[str, Any]) -> None:
+    """Each step's Q keys were evaluated: once each, or once per slice where the planner
+    split a batch over boards (work counts a key on a slice as one)."""
+    keys = Q * (1 + row["steps"])
+    assert keys <= sum(row["work"].values()) <= keys * len(row["work"])
 
 
 async def test_bench_counting_transport_counts_by_type() -> None:

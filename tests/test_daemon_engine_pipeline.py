@@ -81,10 +81,14 @@ async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace
     return result.state.checksum(), trace, events
 
 
+_REQUESTS = ("eval_request", "eval_slice_request")
+
+
 def _eval_before_ack(trace: Trace, board: str, t: int) -> bool:
     """Whether the daemon sent board's EvalRequest(t+1) before the board's UpdateAck(t) came in."""
     mine = [(d, kind, step) for b, d, kind, step in trace if b == board]
-    sent = mine.index(("out", "eval_request", t + 1))
+    # The request is for keys, or for a batch slice when the planner splits.
+    sent = next(i for i, x in enumerate(mine) if x in {("out", k, t + 1) for k in _REQUESTS})
     acked = mine.index(("in", "update_ack", t))
     return sent < acked
 
@@ -115,5 +119,5 @@ async def test_engine_pipeline_wrong_ack_voids_next_results() -> None:
         next(x for x in trace if x[:3] == ("vb-01", "out", "set_weights") and x[3] > 1)
     )
     # Full weights, then back to work: keys, or batch slices when the planner splits.
-    work = {("vb-01", "out", kind, 5) for kind in ("eval_request", "eval_slice_request")}
+    work = {("vb-01", "out", kind, 5) for kind in _REQUESTS}
     assert work & set(trace[resync:])
