@@ -130,19 +130,22 @@ async def test_fleet_host_c_board_with_python_board_matches_reference(
 
 @pytest.mark.qemu
 @pytest.mark.skipif(m55_unavailable_reason() is not None, reason=str(m55_unavailable_reason()))
+@pytest.mark.parametrize("recalibrate_every", [0, 2])
 async def test_fleet_with_emulated_m55_board_matches_reference(
-    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str], reference: TrainResult
+    tmp_path: Path, dataset_blob: Path, python_pty: tuple[int, str], recalibrate_every: int
 ) -> None:
-    """An emulated Cortex-M55, a host C board and a Python board: same weights as Python alone."""
+    """An emulated Cortex-M55, a host C board and a Python board: same weights as Python
+    alone, with fixed scales and with scale recalibration every 2 steps."""
+    spec = SPEC.model_copy(update={"recalibrate_every": recalibrate_every})
     m55: QemuBoard = start_qemu_board(tmp_path / "m55-0", dataset=dataset_blob)
     host = start_host_board(tmp_path / "c-1", dataset=dataset_blob, board_id="c-1")
     try:
         paths = [str(m55.link_path), str(host.link_path), python_pty[1]]
-        result = await _train(paths, [python_pty[0]], BOARDS_M55)
+        result = await _train(paths, [python_pty[0]], BOARDS_M55, spec=spec)
     finally:
         m55.close()
         _closed_cleanly(host)
-    _assert_same_training(result, reference, BOARDS_M55)
+    _assert_same_training(result, train_zo(spec), BOARDS_M55)
 
 
 async def test_fleet_of_c_boards_splits_batches_and_matches_reference(
