@@ -754,11 +754,12 @@ def _recal_vectors(out: Vectors) -> None:
             [(count, channels, minor)], np.array(multipliers), np.array(shifts)
         )
         weights = rng.integers(-126, 127, count).astype(np.int8)
-        for c in range(channels):  # every other channel has a weight at the clamp
+        # Even channels (case 2: every channel) get one weight on the clamp, -127 when
+        # c mod 3 == 1, else +127; the others stay inside it.
+        for c in range(channels):
             if c % 2 == 0 or i == 2:
-                weights[np.flatnonzero(layout.element_channel == c)[c % per_channel]] = (
-                    127 - 254 * (c % 3 == 1)
-                )
+                members = np.flatnonzero(layout.element_channel == c)
+                weights[members[c % per_channel]] = -127 if c % 3 == 1 else 127
         buffer = rng.uniform(-0.999, 0.999, count).astype("<f2")
         buffer[:2] = (0.99951171875, -0.99951171875)  # 0.5 b + 0.5 rounds in binary16
         start = np.array(exps, np.int8)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -720,18 +720,23 @@ def _layer_spans(
             if tensor < 0:
                 continue
             t = graph.Tensors(tensor)
-            spans[f"{kind}_bytes"][name] = _vector_span(root.Buffers(t.Buffer())._tab, 4)
+            buffer = root.Buffers(t.Buffer())._tab
+            spans[f"{kind}_bytes"][name] = _vector_span(buffer, _BUFFER_DATA, 1)
             quantization = t.Quantization()
             if quantization is not None and quantization.ScaleLength() > 0:
-                spans[f"{kind}_scale_bytes"][name] = _vector_span(quantization._tab, 8)
+                scales = _vector_span(quantization._tab, _QUANTIZATION_SCALE, 4)
+                spans[f"{kind}_scale_bytes"][name] = scales
     return spans
 
 
-def _vector_span(table: Any, slot: int) -> tuple[int, int]:
-    """``(offset, bytes)`` of the vector in a flatbuffer table's field: Buffer.data (slot
-    4, bytes) or QuantizationParameters.scale (slot 8, float32)."""
+# Vtable slots of the flatbuffer fields export rewrites in place.
+_BUFFER_DATA: Final = 4  # Buffer.data, [ubyte]
+_QUANTIZATION_SCALE: Final = 8  # QuantizationParameters.scale, [float]
+
+
+def _vector_span(table: Any, slot: int, width: int) -> tuple[int, int]:
+    """``(offset, bytes)`` of the vector of ``width``-byte elements in a table's field."""
     field = table.Offset(slot)
-    width = 4 if slot == 8 else 1
     return int(table.Vector(field)), int(table.VectorLen(field)) * width
 
 
