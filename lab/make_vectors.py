@@ -228,6 +228,7 @@ def _messages() -> list[tuple[str, DataMessage]]:
                 batch_size=64,
                 eps=1.0,
                 lr_unit="weight",
+                recalibrate_every=100,
             ),
         ),
         (

@@ -360,7 +360,7 @@ class JobConfig(WireModel):
     batch_size: U16
     eps: F32
     lr_unit: LrUnit
-    recalibrate_every: U32 = 0
+    recalibrate_every: U32
 
 
 class EvalRequest(WireModel):
