@@ -22,7 +22,7 @@ import json
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -88,6 +88,7 @@ from qsched.zo.update import (
     apply_fp32,
     apply_int8_fp16,
     channel_gains,
+    element_channels,
     perturb_fp32,
     perturb_int8,
     to_fp16_saturating,
@@ -692,16 +693,6 @@ GAIN_CASES: Final = (
 )
 
 
-def element_gains(
-    scales: Sequence[float], count: int, channel_minor: bool
-) -> npt.NDArray[np.float32]:
-    """Each element's channel gain (SPEC 4.2) in a tensor of ``count`` elements."""
-    gains = channel_gains(np.asarray(scales, dtype=np.float32))
-    if channel_minor:
-        return np.tile(gains, count // len(gains))
-    return np.repeat(gains, count // len(gains))
-
-
 def _gain_vectors(out: Vectors) -> None:
     """INT8 + FP16 updates of one tensor with a weight-unit learning rate (SPEC 4.2)."""
     rng = np.random.Generator(np.random.Philox(83))
@@ -709,7 +700,8 @@ def _gain_vectors(out: Vectors) -> None:
         count = 4 * len(scales)
         weights = rng.integers(-127, 128, count).astype(np.int8)
         buffer = rng.uniform(-0.5, 0.5, count).astype("<f2")
-        gain = element_gains(scales, count, minor)
+        channel = element_channels([(count, len(scales), minor)])
+        gain = channel_gains(np.asarray(scales, dtype=np.float32))[channel]
         seed, step = 11 + i, 5
         new_w, new_b = apply_int8_fp16(weights, buffer, seed, step, pairs, gain)
         key = f"gain.{i}"

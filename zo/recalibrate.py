@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from qsched.zo.update import INT8_WEIGHT_MAX, to_fp16_saturating
+from qsched.zo.update import INT8_WEIGHT_MAX, element_channels, to_fp16_saturating
 
 __all__ = [
     "RECAL_EXP_MAX",
@@ -72,20 +72,10 @@ class ChannelLayout:
     def of(
         cls, tensors: Sequence[tuple[int, int, bool]], multipliers: I64, shifts: I64
     ) -> ChannelLayout:
-        """The layout of tensors given as ``(elements, channels, channel_minor)``.
-
-        Element ``j`` of a tensor of ``n`` elements and ``C`` channels is in channel
-        ``j mod C`` when ``channel_minor`` (depthwise 1HWC), else ``j div (n / C)``.
-        ``multipliers`` and ``shifts`` are the blob's requantisation parameters of every
-        channel, in the same order.
-        """
-        parts, first = [], 0
-        for count, channels, minor in tensors:
-            j = np.arange(count, dtype=np.int64)
-            parts.append(first + (j % channels if minor else j // (count // channels)))
-            first += channels
-        element = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        return cls(element.astype(np.int64), exp_limits(multipliers, shifts))
+        """The layout of tensors given as ``(elements, channels, channel_minor)``
+        (``update.element_channels``); ``multipliers`` and ``shifts`` are the blob's
+        requantisation parameters of every channel, in the same order."""
+        return cls(element_channels(tensors), exp_limits(multipliers, shifts))
 
     @property
     def channels(self) -> int:

@@ -37,6 +37,7 @@ __all__ = [
     "apply_fp32",
     "apply_int8_fp16",
     "channel_gains",
+    "element_channels",
     "perturb_fp32",
     "perturb_int8",
     "to_fp16_saturating",
@@ -85,6 +86,19 @@ def channel_gains(scales: npt.ArrayLike) -> F32:
     quotient = 1.0 / np.where(positive, square, 1.0)
     limit = float(np.finfo(np.float32).max)
     return np.where(positive, np.minimum(quotient, limit), 0.0).astype(np.float32)
+
+
+def element_channels(tensors: Sequence[tuple[int, int, bool]]) -> npt.NDArray[np.int64]:
+    """The channel of every element of the flat vector (SPEC 4.2), numbered across its
+    tensors given as ``(elements, channels, channel_minor)``: element ``j`` of a tensor of
+    ``n`` elements and ``C`` channels is in its channel ``j mod C`` when
+    ``channel_minor`` (depthwise 1HWC), else ``j div (n / C)``."""
+    parts, first = [], 0
+    for count, channels, minor in tensors:
+        j = np.arange(count, dtype=np.int64)
+        parts.append(first + (j % channels if minor else j // (count // channels)))
+        first += channels
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def accumulate_delta(

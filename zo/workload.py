@@ -403,23 +403,33 @@ class Workload:
         """The trainable channels and how far each may grow (the blob's requantisation
         parameters, as ``blob.encode_blob`` computes them)."""
         assert self.qmodel is not None  # the spec allows recalibration in INT8 only
-        tensors, multipliers, shifts = [], [], []
+        multipliers, shifts = [], []
         for s in self.segments:
             node = self.model.node(s.layer)
             assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
-            layer = self.qmodel.layers[s.layer]
             stage = ki.prepare_output_stage(
                 self.qmodel.tensors[node.inputs[0]],
-                layer.weight_scales,
+                self.qmodel.layers[s.layer].weight_scales,
                 self.qmodel.tensors[node.output],
                 node.activation,
             )
-            tensors.append((s.size, len(layer.weight_scales), weight_channel_axis(node) != 0))
             multipliers.append(stage.multiplier)
             shifts.append(stage.shift)
-        return recalibrate.ChannelLayout.of(
-            tensors, np.concatenate(multipliers), np.concatenate(shifts)
-        )
+        limits = recalibrate.exp_limits(np.concatenate(multipliers), np.concatenate(shifts))
+        return recalibrate.ChannelLayout(self._element_channel, limits)
+
+    @functools.cached_property
+    def _element_channel(self) -> npt.NDArray[np.int64]:
+        """INT8: each flat-vector element's channel (SPEC 4.2), numbered across the
+        trainable layers: what gains and recalibration index by."""
+        assert self.qmodel is not None
+        tensors = []
+        for s in self.segments:
+            node = self.model.node(s.layer)
+            assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
+            channels = len(self.qmodel.layers[s.layer].weight_scales)
+            tensors.append((s.size, channels, weight_channel_axis(node) != 0))
+        return update.element_channels(tensors)
 
     def _channel_exps(self, exps: Flat | None) -> dict[str, Flat]:
         """Each trainable layer's slice of the state's scale exponents."""
@@ -479,17 +489,10 @@ class Workload:
         return cached[1]
 
     def _gains(self, qmodel: QuantModel) -> npt.NDArray[np.float32]:
-        parts = []
-        for s in self.segments:
-            layer = qmodel.layers[s.layer]
-            gains = update.channel_gains(layer.weight_scales)
-            node = self.model.node(s.layer)
-            assert isinstance(node, (Conv2D, Dense))  # trainable layers have weights
-            axis = weight_channel_axis(node)
-            shape = [1] * layer.weight.ndim
-            shape[axis] = -1
-            parts.append(np.broadcast_to(gains.reshape(shape), layer.weight.shape).ravel())
-        return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+        """Each element's channel gain under ``qmodel``'s weight scales."""
+        scales = [qmodel.layers[s.layer].weight_scales for s in self.segments]
+        gains = update.channel_gains(np.concatenate(scales)) if scales else np.zeros(0)
+        return gains.astype(np.float32)[self._element_channel]
 
     @property
     def tensor_sizes(self) -> list[int]:
