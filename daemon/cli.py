@@ -50,6 +50,9 @@ COMMANDS: dict[str, Command] = {
     "experiment-merge": Command(
         "qsched.lab.experiment_merge:main", "pool result folders run on other seeds"
     ),
+    "pretrain": Command(
+        "qsched.lab.pretrain:main", "train a zoo backbone with backprop, write an int8 .tflite"
+    ),
     "lr-defaults": Command(
         "qsched.lab.lr_defaults:main", "train with each INT8 learning-rate unit's default"
     ),

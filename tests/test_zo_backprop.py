@@ -5,8 +5,10 @@ import importlib
 import numpy as np
 import pytest
 
+from qsched.zo import backprop
 from qsched.zo.backprop import (
     BackpropError,
+    _augmented,
     evaluate,
     forward,
     loss_and_grads,
@@ -188,6 +190,39 @@ def test_train_backprop_leaves_input_and_is_deterministic():
     assert wa.dtype == np.float32
 
 
+def test_dihedral_augmentation_is_the_eight_symmetries():
+    """Each augmented image is one of the square's 8 symmetries of its original, all 8
+    occur, and a seed draws the same ones again."""
+    x = np.arange(2000 * 3 * 3, dtype=np.float32).reshape(2000, 3, 3, 1)
+    out = _augmented(x, np.random.default_rng(0))
+    again = _augmented(x, np.random.default_rng(0))
+    assert np.array_equal(out, again)
+    seen = set()
+    for original, got in zip(x, out, strict=True):
+        forms = [np.rot90(original, k) for k in range(4)]
+        forms += [f[:, ::-1] for f in forms]
+        matches = [i for i, f in enumerate(forms) if np.array_equal(f, got)]
+        assert len(matches) == 1
+        seen.add(matches[0])
+    assert seen == set(range(8))
+
+
+def test_train_backprop_augment_keeps_minibatches_and_learns():
+    """Augmentation has its own stream: it changes the weights, not which samples a step
+    draws, still learns, and refuses non-square inputs."""
+    ds = load_digits()
+    model = build_model("cnn", ds.input_shape, 10, seed=0)
+    plain, _ = train_backprop(model, ds, steps=5, lr=1e-2, seed=1)
+    aug, _ = train_backprop(model, ds, steps=5, lr=1e-2, seed=1, augment="dihedral")
+    assert not np.array_equal(plain.param_nodes()[0].weight, aug.param_nodes()[0].weight)
+    _, history = train_backprop(model, ds, steps=200, lr=1e-2, seed=1, augment="dihedral")
+    assert history.val_accuracy[-1] >= 0.6
+    with pytest.raises(BackpropError, match="square"):
+        train_backprop(build_model("mlp", (64,), 10), load_digits(flat=True), 1, augment="dihedral")
+    with pytest.raises(BackpropError, match="augment"):
+        train_backprop(model, ds, 1, augment="mixup")  # type: ignore[arg-type]
+
+
 def test_train_backprop_trainable_last_layer_only():
     """With trainable='last:1' only the classifier moves; the backbone stays bit-identical."""
     ds = load_digits()
@@ -212,6 +247,30 @@ def test_train_backprop_transfer_head_on_unseen_classes():
     )
     assert history.val_accuracy[-1] >= 0.85
     assert np.array_equal(tuned.param_nodes()[0].weight, backbone.param_nodes()[0].weight)
+
+
+def test_train_backprop_frozen_prefix_runs_once_same_result(monkeypatch):
+    """With a frozen backbone the prefix's outputs are computed once for every sample;
+    the trained head and the history match the per-step forward up to float rounding,
+    and a prefix over the memory budget falls back to the per-step forward."""
+    src, _ = split_classes(load_digits(), [0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    model = build_model("cnn", src.input_shape, 5, seed=0)
+    calls = []
+    original = backprop._prefix_outputs
+    monkeypatch.setattr(
+        backprop, "_prefix_outputs", lambda *a: calls.append(len(a[1])) or original(*a)
+    )
+    cached, h1 = train_backprop(model, src, 60, lr=1e-2, trainable="last:1", eval_every=20)
+    assert calls == [len(src.x_train), len(src.x_val)]
+    monkeypatch.setattr(backprop, "_FROZEN_BUDGET_BYTES", 0)
+    direct, h2 = train_backprop(model, src, 60, lr=1e-2, trainable="last:1", eval_every=20)
+    assert len(calls) == 2
+    np.testing.assert_allclose(
+        cached.param_nodes()[-1].weight, direct.param_nodes()[-1].weight, rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(h1.train_loss, h2.train_loss, rtol=1e-4)
+    assert h1.eval_steps == h2.eval_steps == [20, 40, 60]
+    np.testing.assert_allclose(h1.val_accuracy, h2.val_accuracy, atol=1 / len(src.x_val))
 
 
 def test_loss_and_grads_stops_at_first_trainable():

@@ -14,7 +14,9 @@ from qsched.zo.datasets import (
     load_eurosat,
     load_image_folder,
     load_stl10,
+    parse_classes,
     resize_images,
+    select_classes,
     split_classes,
     stratified_split,
 )
@@ -241,3 +243,33 @@ def test_load_dataset_inline_options():
     assert ds.content_hash == ref.content_hash and ds.input_shape == (64,)
     with pytest.raises(DatasetError, match="key=value"):
         load_dataset("digits:flat")
+
+
+def test_classes_option_keeps_and_renumbers_in_order():
+    """``classes=5-9`` keeps those classes, renumbered from 0 in the order given; ``+``
+    lists choose any order; the name says which were kept."""
+    full = load_digits()
+    target = load_dataset("digits:classes=5-9")
+    assert target.num_classes == 5 and target.name.endswith("[classes:5,6,7,8,9]")
+    assert len(target.x_train) == int((full.y_train >= 5).sum())
+    assert np.array_equal(target.x_train, full.x_train[full.y_train >= 5])
+    assert np.array_equal(target.y_train, full.y_train[full.y_train >= 5] - 5)
+    picked = load_dataset("digits:classes=7+2")
+    assert picked.class_names == (full.class_names[7], full.class_names[2])
+    assert np.array_equal(picked.x_val[picked.y_val == 0], full.x_val[full.y_val == 7])
+    assert parse_classes("3-3") == [3] and parse_classes(4) == [4]
+
+
+@pytest.mark.parametrize("text", ["9-5", "a-b", "1,2", "", "2+x"])
+def test_classes_option_rejects_bad_text(text):
+    """A reversed range, non-numbers or a comma list is one DatasetError."""
+    with pytest.raises(DatasetError, match="classes"):
+        parse_classes(text)
+
+
+def test_select_classes_needs_two_known_classes():
+    """One class, a repeated class or a label the data set lacks is refused."""
+    ds = load_digits()
+    for classes in ([3], [3, 3], [2, 10]):
+        with pytest.raises(DatasetError, match="classes"):
+            select_classes(ds, classes)

@@ -62,6 +62,11 @@ __all__ = [
 Array: TypeAlias = npt.NDArray[np.floating[Any]]
 Grads: TypeAlias = dict[str, tuple[Array, Array]]
 Optimizer: TypeAlias = Literal["adam", "sgd"]
+Augment: TypeAlias = Literal["none", "dihedral"]
+
+# What a frozen prefix's outputs may take in memory, train and validation sets together.
+_FROZEN_BUDGET_BYTES = 1 << 30
+_CHUNK = 256  # samples per forward pass when evaluating or running a frozen prefix
 
 
 # --------------------------------------------------------------------------- geometry
@@ -384,13 +389,27 @@ def forward(model: Model, x: npt.ArrayLike) -> Array:
     Returns:
         ``(N, num_classes)`` logits.
     """
+    tensors = {model.input_name: _as_input(model, x)}
+    _run_nodes(model, tensors, 0)
+    return tensors[model.output_name]
+
+
+def _as_input(model: Model, x: npt.ArrayLike) -> Array:
     xa = np.asarray(x)
     xa = xa.astype(np.float32) if xa.dtype != np.float64 else xa
     _check_input(model, xa)
-    tensors: dict[str, Array] = {model.input_name: xa}
-    for node in model.nodes:
-        tensors[node.output], _ = _fwd(node, [tensors[t] for t in node.inputs])
-    return tensors[model.output_name]
+    return xa
+
+
+def _run_nodes(
+    model: Model, tensors: dict[str, Array], start: int, stop: int | None = None
+) -> list[_Ctx]:
+    """Run ``model.nodes[start:stop]`` on ``tensors`` (filled in place); their contexts."""
+    ctxs: list[_Ctx] = []
+    for node in model.nodes[start:stop]:
+        tensors[node.output], ctx = _fwd(node, [tensors[t] for t in node.inputs])
+        ctxs.append(ctx)
+    return ctxs
 
 
 def softmax_cross_entropy(logits: Array, labels: npt.ArrayLike) -> tuple[float, Array]:
@@ -464,15 +483,24 @@ def loss_and_grads(
         ``(loss, {layer: (weight_grad, bias_grad)})``.
     """
     names = set(resolve_trainable(model, trainable))
-    xa = np.asarray(x)
-    xa = xa.astype(np.float32) if xa.dtype != np.float64 else xa
-    _check_input(model, xa)
-    first = min(i for i, n in enumerate(model.nodes) if n.name in names)
-    tensors: dict[str, Array] = {model.input_name: xa}
-    ctxs: list[_Ctx] = []
-    for node in model.nodes:
-        tensors[node.output], ctx = _fwd(node, [tensors[t] for t in node.inputs])
-        ctxs.append(ctx)
+    first = _first_trainable(model, names)
+    return _loss_and_grads_from(model, {model.input_name: _as_input(model, x)}, y, names, first, 0)
+
+
+def _first_trainable(model: Model, names: set[str]) -> int:
+    return min(i for i, n in enumerate(model.nodes) if n.name in names)
+
+
+def _loss_and_grads_from(
+    model: Model,
+    tensors: dict[str, Array],
+    y: npt.ArrayLike,
+    names: set[str],
+    first: int,
+    start: int,
+) -> tuple[float, Grads]:
+    """Loss and gradients with ``tensors`` holding what ``model.nodes[start:]`` read."""
+    ctxs: list[_Ctx] = [()] * start + _run_nodes(model, tensors, start)
     loss, dlogits = softmax_cross_entropy(tensors[model.output_name], y)
     return loss, _backward(model, ctxs, dlogits, names, first)
 
@@ -496,7 +524,7 @@ def _backward(model: Model, ctxs: list[_Ctx], dlogits: Array, names: set[str], f
 
 
 def evaluate(
-    model: Model, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 256
+    model: Model, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = _CHUNK
 ) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of the float model on a data set.
 
@@ -581,6 +609,70 @@ class _Batches:
         return np.asarray(self.perm[start : self.pos], dtype=np.int64)
 
 
+def _augmented(x: Array, rng: np.random.Generator) -> Array:
+    """Each image under one of the square's 8 symmetries (flips and quarter turns), drawn
+    from ``rng``: for top-down imagery such as EuroSAT every one is another valid sample."""
+    out = np.empty_like(x)
+    kinds = rng.integers(0, 8, size=len(x))
+    for kind in range(8):
+        sel = np.flatnonzero(kinds == kind)
+        if sel.size:
+            turned = np.rot90(x[sel], k=kind % 4, axes=(1, 2))
+            out[sel] = turned[:, :, ::-1] if kind >= 4 else turned
+    return out
+
+
+@dataclass
+class _Frozen:
+    """The tensors a frozen prefix ``model.nodes[:start]`` hands the trainable rest, for
+    every training and validation sample: the prefix runs once, not once per step."""
+
+    start: int
+    train: dict[str, Array]
+    val: dict[str, Array]
+
+    @classmethod
+    def of(cls, model: Model, dataset: Dataset, start: int) -> _Frozen | None:
+        """None when nothing is frozen or its outputs would not fit the budget."""
+        if start == 0:
+            return None
+        later = {t for n in model.nodes[start:] for t in n.inputs} | {model.output_name}
+        made = {model.input_name} | {n.output for n in model.nodes[:start]}
+        boundary = sorted(made & later)
+        probe = {model.input_name: _as_input(model, dataset.x_train[:1])}
+        _run_nodes(model, probe, 0, start)
+        per_sample = sum(probe[t].nbytes for t in boundary)
+        if per_sample * (len(dataset.x_train) + len(dataset.x_val)) > _FROZEN_BUDGET_BYTES:
+            return None
+        return cls(
+            start,
+            _prefix_outputs(model, dataset.x_train, start, boundary),
+            _prefix_outputs(model, dataset.x_val, start, boundary),
+        )
+
+    def evaluate(self, model: Model, y: npt.ArrayLike) -> tuple[float, float]:
+        """:func:`evaluate` on the validation set, from the stored prefix outputs."""
+        ya = np.asarray(y, dtype=np.int64)
+        total, correct = 0.0, 0
+        for lo in range(0, len(ya), _CHUNK):
+            tensors = {t: a[lo : lo + _CHUNK] for t, a in self.val.items()}
+            _run_nodes(model, tensors, self.start)
+            logits, yb = tensors[model.output_name], ya[lo : lo + _CHUNK]
+            total += softmax_cross_entropy(logits, yb)[0] * len(yb)
+            correct += int((logits.argmax(axis=1) == yb).sum())
+        return total / len(ya), correct / len(ya)
+
+
+def _prefix_outputs(model: Model, x: Array, start: int, boundary: list[str]) -> dict[str, Array]:
+    parts: dict[str, list[Array]] = {t: [] for t in boundary}
+    for lo in range(0, len(x), _CHUNK):
+        tensors = {model.input_name: _as_input(model, x[lo : lo + _CHUNK])}
+        _run_nodes(model, tensors, 0, start)
+        for t in boundary:
+            parts[t].append(tensors[t])
+    return {t: np.concatenate(chunks) for t, chunks in parts.items()}
+
+
 def _flat_grads(names: list[str], grads: Grads, nodes: dict[str, Conv2D | Dense]) -> list[Array]:
     out: list[Array] = []
     for n in names:
@@ -610,6 +702,7 @@ def train_backprop(
     weight_decay: float = 0.0,
     schedule: Literal["constant", "cosine"] = "constant",
     eval_every: int = 0,
+    augment: Augment = "none",
 ) -> tuple[Model, History]:
     """Train a copy of ``model`` with minibatch backpropagation.
 
@@ -626,6 +719,9 @@ def train_backprop(
         weight_decay: L2 coefficient added to the gradients.
         schedule: ``"constant"`` or ``"cosine"`` decay to zero.
         eval_every: validate every this many steps (0: only after the last step).
+        augment: ``"dihedral"``: each training image under a random one of the square's
+            8 symmetries (its own Generator, seeded from ``seed``, so the minibatches
+            are the same as without); square images only.
 
     Returns:
         ``(trained_model, history)``.
@@ -634,20 +730,40 @@ def train_backprop(
         raise BackpropError(f"need steps >= 1 and 1 <= batch_size <= {len(dataset.x_train)}")
     if schedule not in ("constant", "cosine"):
         raise BackpropError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+    shape = dataset.x_train.shape
+    if augment not in ("none", "dihedral"):
+        raise BackpropError(f"augment must be 'none' or 'dihedral', got {augment!r}")
+    if augment == "dihedral" and (len(shape) != 4 or shape[1] != shape[2]):
+        raise BackpropError(f"augment 'dihedral' needs square images, got {shape[1:]}")
+    flips = np.random.default_rng([seed, 1]) if augment == "dihedral" else None
     trained = copy.deepcopy(model)
     names = resolve_trainable(trained, trainable)
+    first = _first_trainable(trained, set(names))
+    # Frozen layers give every sample the same outputs each step: computed once (not with
+    # augmentation, whose inputs change). Same results up to float summation order.
+    frozen = _Frozen.of(trained, dataset, first) if flips is None else None
     nodes = {n.name: n for n in trained.param_nodes()}
     opt = _Optimiser(optimizer, momentum, weight_decay)
     batches = _Batches(len(dataset.x_train), batch_size, seed)
     history = History()
     for step in range(1, steps + 1):
         idx = batches.take()
-        loss, grads = loss_and_grads(trained, dataset.x_train[idx], dataset.y_train[idx], names)
+        y = dataset.y_train[idx]
+        if frozen is not None:
+            tensors = {t: a[idx] for t, a in frozen.train.items()}
+            loss, grads = _loss_and_grads_from(trained, tensors, y, set(names), first, first)
+        else:
+            x = dataset.x_train[idx] if flips is None else _augmented(dataset.x_train[idx], flips)
+            loss, grads = loss_and_grads(trained, x, y, names)
         params = [a for n in names for a in (nodes[n].weight, nodes[n].bias)]
         opt.step(params, _flat_grads(names, grads, nodes), _lr_at(step - 1, steps, lr, schedule))
         history.train_loss.append(loss)
         if step == steps or (eval_every and step % eval_every == 0):
-            val_loss, val_acc = evaluate(trained, dataset.x_val, dataset.y_val)
+            val_loss, val_acc = (
+                frozen.evaluate(trained, dataset.y_val)
+                if frozen is not None
+                else evaluate(trained, dataset.x_val, dataset.y_val)
+            )
             history.eval_steps.append(step)
             history.val_loss.append(val_loss)
             history.val_accuracy.append(val_acc)

@@ -39,8 +39,10 @@ __all__ = [
     "load_image_folder",
     "load_npz",
     "load_stl10",
+    "parse_classes",
     "resize_images",
     "scaled",
+    "select_classes",
     "split_classes",
     "stratified_split",
 ]
@@ -477,7 +479,9 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
 
     A built-in name may carry options inline, for the one string of a job spec:
     ``"eurosat:size=32"``, ``"digits:flat=true,seed=1"``; every data set takes
-    ``scale=F`` too (inputs multiplied by F, see :func:`scaled`). A path may be an STL-10
+    ``scale=F`` too (inputs multiplied by F, see :func:`scaled`) and ``classes=5-9`` or
+    ``classes=0+3+7`` (only those classes, renumbered from 0 in that order, see
+    :func:`select_classes`). A path may be an STL-10
     folder (``train_X.bin`` ...), a folder of class sub-folders, or an ``.npz`` file
     (:func:`load_npz`).
 
@@ -496,9 +500,39 @@ def load_dataset(name_or_path: str | Path, **options: Any) -> Dataset:
     if name in _BUILTIN:
         options = {**_parse_inline(inline, key), **options}
     scale = options.pop("scale", None)
+    classes = options.pop("classes", None)
     builtin = name in _BUILTIN
     dataset = _call(_BUILTIN[name], key, options) if builtin else _load_path(key, options)
+    if classes is not None:
+        dataset = select_classes(dataset, classes)
     return dataset if scale is None else scaled(dataset, scale)
+
+
+def parse_classes(text: Any) -> list[int]:
+    """``"5-9"`` -> ``[5, 6, 7, 8, 9]``; ``"0+3+7"`` -> ``[0, 3, 7]`` (the ``classes=``
+    option: a comma would end the option in a data set string)."""
+    raw = str(text).strip()
+    first, dash, last = raw.partition("-")
+    try:
+        if dash:
+            lo, hi = int(first), int(last)
+            if hi < lo:
+                raise ValueError(raw)
+            return list(range(lo, hi + 1))
+        return [int(part) for part in raw.split("+")]
+    except ValueError:
+        raise DatasetError(f"classes must be FIRST-LAST or A+B+..., got {raw!r}") from None
+
+
+def select_classes(dataset: Dataset, classes: Any) -> Dataset:
+    """The data set with only ``classes`` (a list or the ``classes=`` text), renumbered
+    ``0..k-1`` in the order given: a transfer task's target classes, say.
+
+    Raises:
+        DatasetError: fewer than two distinct classes, or a class the data set lacks.
+    """
+    chosen = classes if isinstance(classes, list | tuple) else parse_classes(classes)
+    return _subset(dataset, chosen, "classes")
 
 
 def _load_path(key: str, options: dict[str, Any]) -> Dataset:
