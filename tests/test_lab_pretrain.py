@@ -56,3 +56,17 @@ def test_pretrain_bad_options_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("qsched pretrain: ") for line in err)
     assert not out.exists()
+
+
+def test_committed_backbone_matches_its_record():
+    """The shipped ResNet-18 backbone is the file its record describes, made by the
+    command it names, and reads back with the source task's five classes."""
+    from qsched.zo.data import RESNET18_EUROSAT_C0_4
+
+    record = json.loads(
+        RESNET18_EUROSAT_C0_4.with_name(RESNET18_EUROSAT_C0_4.name + ".json").read_text()
+    )
+    data = RESNET18_EUROSAT_C0_4.read_bytes()
+    assert record["sha256"] == hashlib.sha256(data).hexdigest() and record["bytes"] == len(data)
+    assert record["command"].startswith("qsched pretrain --model resnet18")
+    assert read_tflite(RESNET18_EUROSAT_C0_4).model.param_nodes()[-1].weight.shape[0] == 5
