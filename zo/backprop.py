@@ -47,6 +47,7 @@ from qsched.zo.graph import (
     ReLU6,
     Reshape,
 )
+from qsched.zo.shapes import infer_shapes
 
 __all__ = [
     "BackpropError",
@@ -537,17 +538,28 @@ def evaluate(
     Returns:
         ``(loss, accuracy)``, accuracy in ``[0, 1]``.
     """
-    xa, ya = np.asarray(x), np.asarray(y, dtype=np.int64)
+    xa = np.asarray(x)
     if len(xa) == 0:
         raise BackpropError("cannot evaluate on an empty set")
+    return _scored(model, {model.input_name: xa}, y, 0, batch_size)
+
+
+def _scored(
+    model: Model, inputs: dict[str, Array], y: npt.ArrayLike, start: int, batch_size: int
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model.nodes[start:]`` run on ``inputs`` (the
+    tensors those nodes read, one row per sample) in chunks of ``batch_size``."""
+    ya = np.asarray(y, dtype=np.int64)
     total, correct = 0.0, 0
-    for start in range(0, len(xa), batch_size):
-        logits = forward(model, xa[start : start + batch_size])
-        yb = ya[start : start + batch_size]
-        loss, _ = softmax_cross_entropy(logits, yb)
-        total += loss * len(yb)
+    for lo in range(0, len(ya), batch_size):
+        tensors = {t: a[lo : lo + batch_size] for t, a in inputs.items()}
+        if start == 0:
+            tensors[model.input_name] = _as_input(model, tensors[model.input_name])
+        _run_nodes(model, tensors, start)
+        logits, yb = tensors[model.output_name], ya[lo : lo + batch_size]
+        total += softmax_cross_entropy(logits, yb)[0] * len(yb)
         correct += int((logits.argmax(axis=1) == yb).sum())
-    return total / len(xa), correct / len(xa)
+    return total / len(ya), correct / len(ya)
 
 
 # --------------------------------------------------------------------------- training
@@ -639,9 +651,9 @@ class _Frozen:
         later = {t for n in model.nodes[start:] for t in n.inputs} | {model.output_name}
         made = {model.input_name} | {n.output for n in model.nodes[:start]}
         boundary = sorted(made & later)
-        probe = {model.input_name: _as_input(model, dataset.x_train[:1])}
-        _run_nodes(model, probe, 0, start)
-        per_sample = sum(probe[t].nbytes for t in boundary)
+        shapes = infer_shapes(model)
+        itemsize = _as_input(model, dataset.x_train[:1]).itemsize
+        per_sample = itemsize * sum(math.prod(shapes[t]) for t in boundary)
         if per_sample * (len(dataset.x_train) + len(dataset.x_val)) > _FROZEN_BUDGET_BYTES:
             return None
         return cls(
@@ -652,15 +664,7 @@ class _Frozen:
 
     def evaluate(self, model: Model, y: npt.ArrayLike) -> tuple[float, float]:
         """:func:`evaluate` on the validation set, from the stored prefix outputs."""
-        ya = np.asarray(y, dtype=np.int64)
-        total, correct = 0.0, 0
-        for lo in range(0, len(ya), _CHUNK):
-            tensors = {t: a[lo : lo + _CHUNK] for t, a in self.val.items()}
-            _run_nodes(model, tensors, self.start)
-            logits, yb = tensors[model.output_name], ya[lo : lo + _CHUNK]
-            total += softmax_cross_entropy(logits, yb)[0] * len(yb)
-            correct += int((logits.argmax(axis=1) == yb).sum())
-        return total / len(ya), correct / len(ya)
+        return _scored(model, self.val, y, self.start, _CHUNK)
 
 
 def _prefix_outputs(model: Model, x: Array, start: int, boundary: list[str]) -> dict[str, Array]:
@@ -738,7 +742,8 @@ def train_backprop(
     flips = np.random.default_rng([seed, 1]) if augment == "dihedral" else None
     trained = copy.deepcopy(model)
     names = resolve_trainable(trained, trainable)
-    first = _first_trainable(trained, set(names))
+    trainable_set = set(names)
+    first = _first_trainable(trained, trainable_set)
     # Frozen layers give every sample the same outputs each step: computed once (not with
     # augmentation, whose inputs change). Same results up to float summation order.
     frozen = _Frozen.of(trained, dataset, first) if flips is None else None
@@ -751,7 +756,7 @@ def train_backprop(
         y = dataset.y_train[idx]
         if frozen is not None:
             tensors = {t: a[idx] for t, a in frozen.train.items()}
-            loss, grads = _loss_and_grads_from(trained, tensors, y, set(names), first, first)
+            loss, grads = _loss_and_grads_from(trained, tensors, y, trainable_set, first, first)
         else:
             x = dataset.x_train[idx] if flips is None else _augmented(dataset.x_train[idx], flips)
             loss, grads = loss_and_grads(trained, x, y, names)
