@@ -48,7 +48,10 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     from qsched.zo.zoo import build_model
 
     data = load_dataset(args.dataset)
-    options = json.loads(args.model_options)
+    try:
+        options = json.loads(args.model_options)
+    except json.JSONDecodeError as exc:
+        raise ExperimentError(f"--model-options is not JSON: {exc}") from None
     if not isinstance(options, dict):
         raise ExperimentError(f"--model-options must be a JSON object, got {args.model_options}")
     model = build_model(args.model, data.input_shape, data.num_classes, args.seed, **options)

@@ -53,8 +53,11 @@ def test_pretrain_bad_options_are_one_line(tmp_path, capsys):
     assert main(["--model", "cnn", "--model-options", '{"depth": 3}', "--dataset", "digits",
                  "--out", str(out)]) == 2  # fmt: skip
     assert main(["--model", "cnn", "--dataset", "digits:classes=9-5", "--out", str(out)]) == 2
+    assert main(["--model", "cnn", "--model-options", "{bad", "--dataset", "digits",
+                 "--out", str(out)]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("qsched pretrain: ") for line in err)
+    assert "--model-options is not JSON" in err[2]
+    assert len(err) == 3 and all(line.startswith("qsched pretrain: ") for line in err)
     assert not out.exists()
 
 
