@@ -4,6 +4,7 @@ import hashlib
 import json
 
 import numpy as np
+import pytest
 
 from qsched.lab.pretrain import main
 from qsched.protocol.jobspec import JobSpec
@@ -61,15 +62,18 @@ def test_pretrain_bad_options_are_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_committed_backbone_matches_its_record():
-    """The shipped ResNet-18 backbone is the file its record describes, made by the
-    command it names, and reads back with the source task's five classes."""
-    from qsched.zo.data import RESNET18_EUROSAT_C0_4
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [("RESNET18_EUROSAT_C0_4", "resnet18"), ("MOBILENETV2_EUROSAT_C0_4", "mobilenetv2")],
+)
+def test_committed_backbone_matches_its_record(name: str, model: str) -> None:
+    """Each shipped backbone is the file its record describes, made by the command it
+    names, and reads back with the source task's five classes."""
+    from qsched.zo import data as shipped
 
-    record = json.loads(
-        RESNET18_EUROSAT_C0_4.with_name(RESNET18_EUROSAT_C0_4.name + ".json").read_text()
-    )
-    data = RESNET18_EUROSAT_C0_4.read_bytes()
+    path = getattr(shipped, name)
+    record = json.loads(path.with_name(path.name + ".json").read_text())
+    data = path.read_bytes()
     assert record["sha256"] == hashlib.sha256(data).hexdigest() and record["bytes"] == len(data)
-    assert record["command"].startswith("qsched pretrain --model resnet18")
-    assert read_tflite(RESNET18_EUROSAT_C0_4).model.param_nodes()[-1].weight.shape[0] == 5
+    assert record["command"].startswith(f"qsched pretrain --model {model} ")
+    assert read_tflite(path).model.param_nodes()[-1].weight.shape[0] == 5

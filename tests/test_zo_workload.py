@@ -159,6 +159,19 @@ def test_workload_validate_slices_add_up(int8_workload: Workload) -> None:
     assert 1.5 < total[0] / total[2] < 3.5  # near ln(10) for an untrained model
 
 
+def test_workload_validation_with_frozen_layers_matches_the_full_model() -> None:
+    """With a frozen prefix, validation (its slices run through the prefix once and are
+    cached) counts what a plain run of the whole model counts, before and after a step."""
+    wl = Workload.from_spec(JobSpec(batch_size=16, trainable="last:1"))
+    state = wl.initial_state()
+    for current in (state, wl.apply_update(state, 0, [(0, 40.0), (3, -25.0)])):
+        logits = engine.run_int8(wl.to_quant_model(current), wl._x_val)
+        hits = np.argmax(logits, axis=-1) == wl.dataset.y_val
+        assert wl.validate(current)[1] == int(hits.sum())
+        assert wl.validate(current, 100, 50)[1] == int(hits[100:150].sum())
+    assert set(wl._prefix) == {("val", 0, len(wl._x_val)), ("val", 100, 150)}
+
+
 def test_workload_export_matches_state(int8_workload: Workload) -> None:
     """to_quant_model carries the state's int8 weights and evaluates like the workload."""
     wl = int8_workload

@@ -314,7 +314,8 @@ class Workload:
             raise WorkloadError("no trainable parameters")
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
-        self._train_prefix: engine.Activations | None = None
+        # Frozen-prefix activations of each split, computed on first use (see _inputs).
+        self._prefix: dict[tuple[str, int, int], engine.Activations] = {}
         # Prepared on the first pass, again when recalibration changes the exponents; one
         # (exponents, prepared) tuple, replaced whole, as boards may evaluate in threads.
         self._prepared: tuple[bytes | None, engine.PreparedInt8] | None = None
@@ -641,17 +642,29 @@ class Workload:
 
     def _train_inputs(self, idx: npt.NDArray[np.int64]) -> Inputs:
         """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
+        return self._inputs(("train", 0, len(self._x_train)), idx)
+
+    def _inputs(self, part: tuple[str, int, int], idx: npt.NDArray[np.int64]) -> Inputs:
+        """Inputs of samples ``idx`` of a part (split, start, stop) of a data set.
+
+        With frozen layers before the first trainable one, the part runs through that
+        prefix once and later calls take its cached activations: the prefix never
+        changes during a job. A part is the slice a caller asks for, so a board that
+        validates a slice caches only its own.
+        """
+        split, start, stop = part
+        x = (self._x_train if split == "train" else self._x_val)[start:stop]
         first = next(
             i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers)
         )
         if first == 0:
-            return self._x_train[idx]
-        if self._train_prefix is None:
+            return x[idx]
+        cached = self._prefix.get(part)
+        if cached is None:
             source = self.qmodel if self.qmodel is not None else self.model
-            self._train_prefix = engine.prefix_activations(
-                source, self._x_train, self.trainable_layers
-            )
-        return self._train_prefix.take(idx)
+            cached = engine.prefix_activations(source, x, self.trainable_layers)
+            self._prefix[part] = cached
+        return cached.take(idx)
 
     def _perturb(
         self, params: Flat, negative: npt.NDArray[np.bool_], eps: float, signs: Sequence[int]
@@ -820,7 +833,8 @@ class Workload:
         for lo in range(start, stop, _VALIDATION_CHUNK):
             hi = min(stop, lo + _VALIDATION_CHUNK)
             y = self.dataset.y_val[lo:hi]
-            logits = self._logits(state.params[None, :], self._x_val[lo:hi], state.scale_exps)[0]
+            x = self._inputs(("val", start, stop), np.arange(lo - start, hi - start))
+            logits = self._logits(state.params[None, :], x, state.scale_exps)[0]
             if self.qmodel is not None:
                 assert self._loss_table is not None
                 q16 = intloss.loss_q16(
