@@ -314,8 +314,9 @@ class Workload:
             raise WorkloadError("no trainable parameters")
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
-        # Frozen-prefix activations of each split, computed on first use (see _inputs).
-        self._prefix: dict[tuple[str, int, int], engine.Activations] = {}
+        # Per split, the part (start, stop) last run through the frozen prefix and its
+        # activations, computed on first use (see _inputs).
+        self._prefix: dict[str, tuple[tuple[int, int], engine.Activations]] = {}
         # Prepared on the first pass, again when recalibration changes the exponents; one
         # (exponents, prepared) tuple, replaced whole, as boards may evaluate in threads.
         self._prepared: tuple[bytes | None, engine.PreparedInt8] | None = None
@@ -650,7 +651,8 @@ class Workload:
         With frozen layers before the first trainable one, the part runs through that
         prefix once and later calls take its cached activations: the prefix never
         changes during a job. A part is the slice a caller asks for, so a board that
-        validates a slice caches only its own.
+        validates a slice caches only its own; one part per split is kept, so a board
+        whose slice changes holds no more than one.
         """
         split, start, stop = part
         x = (self._x_train if split == "train" else self._x_val)[start:stop]
@@ -659,12 +661,12 @@ class Workload:
         )
         if first == 0:
             return x[idx]
-        cached = self._prefix.get(part)
-        if cached is None:
+        kept = self._prefix.get(split)
+        if kept is None or kept[0] != (start, stop):
             source = self.qmodel if self.qmodel is not None else self.model
-            cached = engine.prefix_activations(source, x, self.trainable_layers)
-            self._prefix[part] = cached
-        return cached.take(idx)
+            kept = ((start, stop), engine.prefix_activations(source, x, self.trainable_layers))
+            self._prefix[split] = kept
+        return kept[1].take(idx)
 
     def _perturb(
         self, params: Flat, negative: npt.NDArray[np.bool_], eps: float, signs: Sequence[int]
