@@ -57,6 +57,7 @@ __all__ = [
 # A flat trainable vector or a stack of them: float32 (FP32) or int8 (INT8).
 Flat: TypeAlias = npt.NDArray[Any]
 Inputs: TypeAlias = "npt.NDArray[Any] | engine.Activations"
+Split: TypeAlias = Literal["train", "val"]
 
 # Philox domain (counter word 3) of the PTQ calibration subset; 0 and 1 are the protocol's.
 DOMAIN_CALIBRATION: Final = 2
@@ -314,9 +315,8 @@ class Workload:
             raise WorkloadError("no trainable parameters")
         self._loss_table: npt.NDArray[np.uint32] | None = None
         self._loss_scale_q24 = 0
-        # Per split, the part (start, stop) last run through the frozen prefix and its
-        # activations, computed on first use (see _inputs).
-        self._prefix: dict[str, tuple[tuple[int, int], engine.Activations]] = {}
+        # Frozen-prefix activations of each split, computed on first use (see _inputs).
+        self._prefix: dict[Split, engine.Activations] = {}
         # Prepared on the first pass, again when recalibration changes the exponents; one
         # (exponents, prepared) tuple, replaced whole, as boards may evaluate in threads.
         self._prepared: tuple[bytes | None, engine.PreparedInt8] | None = None
@@ -582,7 +582,7 @@ class Workload:
         keys, sets = self._perturbed_sets(state, step, ks)
         idx = self.batch(step)
         losses = self._set_losses(
-            sets, self._train_inputs(idx), self.dataset.y_train[idx], state.scale_exps
+            sets, self._inputs("train", idx), self.dataset.y_train[idx], state.scale_exps
         )
         return self._pairs(keys, losses)
 
@@ -605,7 +605,7 @@ class Workload:
         keys, sets = self._perturbed_sets(state, step, ks)
         idx = self.batch(step)[start : start + count]
         sums = self._set_loss_sums(
-            sets, self._train_inputs(idx), self.dataset.y_train[idx], state.scale_exps
+            sets, self._inputs("train", idx), self.dataset.y_train[idx], state.scale_exps
         )
         pairs = self._pairs(keys, sums)
         return LossSums(
@@ -641,32 +641,27 @@ class Workload:
             )
         return LossPairs(plus={k: values[i] for i, k in enumerate(keys)}, minus={}, base=values[-1])
 
-    def _train_inputs(self, idx: npt.NDArray[np.int64]) -> Inputs:
-        """The batch's inputs, or its cached frozen-prefix activations when layers are frozen."""
-        return self._inputs(("train", 0, len(self._x_train)), idx)
+    def _inputs(self, split: Split, idx: npt.NDArray[np.int64]) -> Inputs:
+        """Inputs of samples ``idx`` of a split, or their cached frozen-prefix activations.
 
-    def _inputs(self, part: tuple[str, int, int], idx: npt.NDArray[np.int64]) -> Inputs:
-        """Inputs of samples ``idx`` of a part (split, start, stop) of a data set.
-
-        With frozen layers before the first trainable one, the part runs through that
-        prefix once and later calls take its cached activations: the prefix never
-        changes during a job. A part is the slice a caller asks for, so a board that
-        validates a slice caches only its own; one part per split is kept, so a board
-        whose slice changes holds no more than one.
+        With frozen layers before the first trainable one, the whole split runs through
+        that prefix once, on first use, and later calls take its activations: the prefix
+        never changes during a job. The whole split is kept, not the slice asked for, so
+        boards of one process that share this workload and validate different slices
+        share one copy, and a board whose slice changes computes nothing again.
         """
-        split, start, stop = part
-        x = (self._x_train if split == "train" else self._x_val)[start:stop]
+        x = self._x_train if split == "train" else self._x_val
         first = next(
             i for i, n in enumerate(self.model.nodes) if n.name in set(self.trainable_layers)
         )
         if first == 0:
             return x[idx]
-        kept = self._prefix.get(split)
-        if kept is None or kept[0] != (start, stop):
+        cached = self._prefix.get(split)
+        if cached is None:
             source = self.qmodel if self.qmodel is not None else self.model
-            kept = ((start, stop), engine.prefix_activations(source, x, self.trainable_layers))
-            self._prefix[split] = kept
-        return kept[1].take(idx)
+            cached = engine.prefix_activations(source, x, self.trainable_layers)
+            self._prefix[split] = cached
+        return cached.take(idx)
 
     def _perturb(
         self, params: Flat, negative: npt.NDArray[np.bool_], eps: float, signs: Sequence[int]
@@ -835,7 +830,7 @@ class Workload:
         for lo in range(start, stop, _VALIDATION_CHUNK):
             hi = min(stop, lo + _VALIDATION_CHUNK)
             y = self.dataset.y_val[lo:hi]
-            x = self._inputs(("val", start, stop), np.arange(lo - start, hi - start))
+            x = self._inputs("val", np.arange(lo, hi))
             logits = self._logits(state.params[None, :], x, state.scale_exps)[0]
             if self.qmodel is not None:
                 assert self._loss_table is not None
