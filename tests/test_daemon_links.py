@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -314,7 +315,12 @@ asyncio.run(main())
 
 def _mqtt_cfg(port: int) -> MqttConfig:
     return MqttConfig(
-        port=port, reconnect_min_s=0.05, reconnect_max_s=0.3, send_timeout_s=10.0, keepalive_s=5
+        port=port,
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.3,
+        send_timeout_s=10.0,
+        connect_timeout_s=2.0,
+        keepalive_s=5,
     )
 
 
@@ -382,6 +388,9 @@ async def test_mqtt_reconnects_after_broker_restart(mqtt_broker: MosquittoBroker
         async with MqttEndpoint(cfg, topics, "board-r") as board:
             appeared = await _next_event(events)
             assert isinstance(appeared, BoardAppeared)
+            # The birth message goes out before the board subscribes: restart only once
+            # its first session is whole, so that a reconnect is what the test counts.
+            await board.connection.wait_connected(10)
             await mqtt_broker.arestart(down_s=0.2)
             sending = asyncio.create_task(board.send(b"sent during the outage"))
             await asyncio.wait_for(_reconnected(transport.connection, board.connection), 10)
@@ -405,6 +414,43 @@ async def test_mqtt_forgotten_board_returns_on_message(mqtt_broker: MosquittoBro
             again = await _next_event(events)
             assert isinstance(again, BoardAppeared) and again.link is not first.link
             assert await _take(again.link, 1) == [b"still here"]
+
+
+async def test_mqtt_retries_a_connect_the_broker_never_answers() -> None:
+    """A broker that accepts the socket and never sends CONNACK (one that is restarting)
+    costs one attempt of connect_timeout_s, then the connection tries again."""
+    attempts = 0
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal attempts
+        attempts += 1
+        held.append(writer)  # keep the socket open and say nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = MqttConfig(
+        port=port,
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.1,
+        connect_timeout_s=0.3,
+        send_timeout_s=30.0,
+    )
+    connection = MqttConnection(cfg, "patient")
+    runner = asyncio.create_task(connection.run())
+    try:
+        async with asyncio.timeout(5):
+            while attempts < 3:
+                await asyncio.sleep(0.05)
+        assert not connection.connected
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_mqtt_send_times_out_without_broker() -> None:

@@ -50,6 +50,12 @@ class MqttConfig(ConfigSection):
     send_timeout_s: float = Field(
         default=10.0, gt=0, description="how long a send waits for a reconnect"
     )
+    connect_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long one connection attempt waits for the broker's CONNACK and "
+        "SUBACKs before it is dropped and retried",
+    )
 
 
 class SerialConfig(ConfigSection):

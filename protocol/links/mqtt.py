@@ -8,13 +8,15 @@ bytes on ``boards/<id>/in`` (daemon -> board) and ``boards/<id>/out`` (board -> 
 
 ``MqttConnection`` keeps one aiomqtt client connected with aiomqtt's documented
 reconnect pattern (re-enter ``async with client`` after ``MqttError``), waiting a capped,
-jittered, exponentially growing delay between attempts and logging each. Sends wait for
-a reconnect up to ``send_timeout_s``, so a broker restart delays messages but loses no
-link. MQTT delivers to the subscribers present when a message is published: what the
-daemon sends while a board is still reconnecting is lost (the step engine re-asks
-after its deadline), which is why a repeated birth message keeps the link but the fleet
-should treat the board's next Hello as a fresh session. Other daemon parts (the control
-API) subscribe through ``MqttTransport.connection``.
+jittered, exponentially growing delay between attempts and logging each. One attempt
+(CONNECT, birth message, SUBSCRIBEs) gives up after ``connect_timeout_s``: a broker that
+goes away mid-attempt can leave it waiting on a dead socket. Sends wait for a reconnect
+up to ``send_timeout_s``, so a broker restart delays messages but loses no link. MQTT
+delivers to the subscribers present when a message is published: what the daemon sends
+while a board is still reconnecting is lost (the step engine re-asks after its
+deadline), which is why a repeated birth message keeps the link but the fleet should
+treat the board's next Hello as a fresh session. Other daemon parts (the control API)
+subscribe through ``MqttTransport.connection``.
 
     async with MqttTransport(cfg.mqtt, TopicMap(fleet=cfg.fleet)) as transport:   # daemon
         async for event in transport.events(): ...
@@ -155,7 +157,11 @@ def build_client(
         # Small QoS 1 packets and their acks otherwise meet Nagle's algorithm and
         # delayed ACKs: about 40 ms per hop instead of well under 1 ms.
         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-        timeout=cfg.send_timeout_s,
+        # The client's default timeout bounds CONNECT, SUBSCRIBE and the birth message.
+        # A broker that dies or stalls mid-attempt leaves it waiting on a socket that
+        # never answers; it must be retried within the backoff, not after a whole send
+        # timeout. Sends pass their own deadline (send_timeout_s).
+        timeout=cfg.connect_timeout_s,
     )
 
 
