@@ -32,6 +32,7 @@ from cobs import cobs
 
 import qsched.protocol as protocol_package
 from qsched.daemon.planner import batch_slices
+from qsched.policies import PolicyContext, QSchedulerConfig, QSchedulerPolicy
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import (
@@ -774,16 +775,23 @@ def _recal_vectors(out: Vectors) -> None:
         out[f"recal_bias.{i}.expected"] = str(int(effective_bias([bias], [exp])[0]))
 
 
+# The coefficient vectors need a policy only for its learning-rate factor, which the
+# job's length does not enter.
+_VECTOR_CONTEXT: Final = PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1)
+
+
 def _coefficient_vectors(out: Vectors) -> None:
-    """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided."""
+    """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided,
+    and with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off)."""
     rng = np.random.Generator(np.random.Philox(59))
-    cases: list[tuple[str, str, Estimator, float, float, int]] = [
-        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4),
-        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3),
-        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8),
-        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6),
+    cases: list[tuple[str, str, Estimator, float, float, int, int]] = [
+        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0),
+        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0),
+        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0),
+        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0),
+        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8),
     ]
-    for name, numerics, estimator, lr, eps, q in cases:
+    for name, numerics, estimator, lr, eps, q, lr_full_q in cases:
         key = f"coef.{name}"
         if numerics == "int8":
             # Q16 losses, as INT8 boards report them.
@@ -801,9 +809,11 @@ def _coefficient_vectors(out: Vectors) -> None:
             if estimator == "two_sided"
             else LossPairs(plus=dict(zip(ks, plus, strict=True)), minus={}, base=base)
         )
-        pairs = coefficients(losses, lr, eps, q, estimator)
+        policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
+        step_lr = lr * policy.lr_scale(q)
+        pairs = coefficients(losses, step_lr, eps, q, estimator)
         if numerics == "fp32":
-            wire = coefficients(losses, lr, float(np.float32(eps)), q, estimator)
+            wire = coefficients(losses, step_lr, float(np.float32(eps)), q, estimator)
             assert pairs != wire, key  # the float32 eps of the wire gives other bits
         out[f"{key}.numerics"] = numerics
         out[f"{key}.estimator"] = estimator
@@ -811,6 +821,7 @@ def _coefficient_vectors(out: Vectors) -> None:
         out[f"{key}.eps"] = _f64_bits(eps)
         out[f"{key}.wire_eps"] = _f32_bits(eps)
         out[f"{key}.q"] = str(q)
+        out[f"{key}.lr_full_q"] = str(lr_full_q)
         out[f"{key}.ks"] = ",".join(map(str, ks))
         out[f"{key}.loss_plus"] = _f32_list(plus)
         if estimator == "two_sided":

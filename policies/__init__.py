@@ -4,7 +4,16 @@ Build policies with :func:`create_policy`; plugins register under the entry-poin
 group ``qsched.policies``. See ``README.md`` in this folder for the rules.
 """
 
-from .base import MAX_Q, EvalReport, PolicyConfig, PolicyContext, QPolicy, StepReport, checked_q
+from .base import (
+    MAX_Q,
+    EvalReport,
+    PolicyConfig,
+    PolicyContext,
+    QPolicy,
+    StepReport,
+    checked_lr_scale,
+    checked_q,
+)
 from .errors import PolicyError
 from .fixed import FixedConfig, FixedPolicy
 from .linear import LinearConfig, LinearPolicy
@@ -37,6 +46,7 @@ __all__ = [
     "VarianceConfig",
     "VariancePolicy",
     "available_policies",
+    "checked_lr_scale",
     "checked_q",
     "create_policy",
     "policy_config_schema",

@@ -13,6 +13,7 @@ and ``load_state_dict`` restores a policy that continues exactly as if never sto
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -31,6 +32,7 @@ __all__ = [
     "PolicyContext",
     "QPolicy",
     "StepReport",
+    "checked_lr_scale",
     "state_field",
 ]
 
@@ -93,6 +95,21 @@ def checked_q(policy: QPolicy) -> int:
             f"policy {policy.name!r} chose q={q!r}; q must be an integer in 1..{MAX_Q}"
         )
     return q
+
+
+def checked_lr_scale(policy: QPolicy, q: int) -> float:
+    """The policy's learning-rate factor for a step at ``q``, refused unless finite, > 0.
+
+    Raises:
+        PolicyError: the factor is not a finite positive float.
+    """
+    scale = policy.lr_scale(q)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
+        raise PolicyError(
+            f"policy {policy.name!r} chose lr scale {scale!r} at q={q}; "
+            "it must be a finite number > 0"
+        )
+    return float(scale)
 
 
 class PolicyConfig(BaseModel):
@@ -159,6 +176,15 @@ class QPolicy(abc.ABC):
     def q(self) -> int:
         """q for the next step."""
         return self._q
+
+    def lr_scale(self, q: int) -> float:
+        """The factor on the job's learning rate for a step at ``q`` (1.0: lr at every q).
+
+        A pure function of the config and ``q``, never of the policy's state, so the
+        daemon, a resumed job and the single-process trainer compute the same bits.
+        """
+        del q
+        return 1.0
 
     def state_dict(self) -> JSONDict:
         """Return the policy's state as plain JSON."""

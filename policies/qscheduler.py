@@ -50,6 +50,7 @@ from pydantic import Field
 from ._ladder import LadderConfig
 from ._math import Direction, ema, improved, next_allowed
 from .base import (
+    MAX_Q,
     EvalReport,
     JSONDict,
     PolicyConfig,
@@ -101,6 +102,13 @@ class QSchedulerConfig(LadderConfig):
         description="validations after a raise an unpaid rung is held "
         "before payoff=stop ends the climb",
     )
+    lr_full_q: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_Q,
+        description="0: the job's lr at every q; N: a step at q < N uses lr * q / N, "
+        "so the step size follows the estimate's noise on the low rungs",
+    )
     payoff: Payoff = Field(
         default="off",
         description="a rung above q0 that has not improved on the previous rung's best: "
@@ -137,6 +145,11 @@ class QSchedulerPolicy(QPolicy):
         if self.config.direction != "auto":
             return self.config.direction
         return "max" if self.config.metric == "val_accuracy" else "min"
+
+    def lr_scale(self, q: int) -> float:
+        """``q / lr_full_q`` below ``lr_full_q``, else 1.0 (always 1.0 when it is 0)."""
+        full = self.config.lr_full_q
+        return 1.0 if q >= full else q / full
 
     def _relative(self) -> bool:
         if self.config.threshold_mode == "auto":

@@ -55,6 +55,18 @@ async def test_engine_qscheduler_trajectory_matches_trainer() -> None:
     assert result.state.checksum() == reference.state.checksum()
 
 
+async def test_engine_lr_following_q_matches_trainer() -> None:
+    """qscheduler's lr_full_q scales the daemon's coefficients exactly as the trainer's."""
+    policy = PolicySpec(name="qscheduler", config={"lr_full_q": 8})
+    spec = JobSpec(name="qs", steps=30, eval_every=5, batch_size=32, policy=policy)
+    reference = train_zo(spec)
+    result = await run_job_inprocess(spec, boards=2)
+    assert [s.q for s in result.steps] == [s.q for s in reference.steps]
+    assert result.state.checksum() == reference.state.checksum()
+    unscaled = train_zo(spec.model_copy(update={"policy": PolicySpec(name="qscheduler")}))
+    assert result.state.checksum() != unscaled.state.checksum()
+
+
 async def test_engine_shards_follow_throughput() -> None:
     """A board modelled four times faster is given more keys than a slow one."""
     spec = _spec(steps=6, policy=PolicySpec(name="fixed", config={"q": 16}), batch_size=16)

@@ -6,10 +6,18 @@ import itertools
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsched.policies import EvalReport, PolicyContext, QPolicy, StepReport, create_policy
+from qsched.policies import (
+    EvalReport,
+    PolicyContext,
+    PolicyError,
+    QPolicy,
+    StepReport,
+    create_policy,
+)
 from qsched.protocol.jobspec import PolicySpec
 
 CONTEXT = PolicyContext(total_steps=1000, steps_per_epoch=10.0, eval_every=10)
@@ -233,3 +241,18 @@ def test_qscheduler_default_judges_training_loss() -> None:
         if t % 10 == 9:
             policy.on_eval(EvalReport(t, 1.0, 0.5))
     assert policy.q == 1
+
+
+def test_qscheduler_lr_follows_q_below_lr_full_q() -> None:
+    """lr_full_q N: a step at q < N gets lr * q / N, from N on the job's lr; 0 keeps lr."""
+    assert [make().lr_scale(q) for q in (1, 2, 32)] == [1.0, 1.0, 1.0]
+    policy = make(lr_full_q=8)
+    assert [policy.lr_scale(q) for q in (1, 2, 4, 8, 16)] == [0.125, 0.25, 0.5, 1.0, 1.0]
+    assert make(lr_full_q=3).lr_scale(2) == 2 / 3
+
+
+def test_qscheduler_lr_full_q_is_checked() -> None:
+    """A negative lr_full_q, or one above the largest q, is refused with the field named."""
+    for bad in (-1, 1025):
+        with pytest.raises(PolicyError, match="lr_full_q"):
+            make(lr_full_q=bad)

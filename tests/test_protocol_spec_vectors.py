@@ -31,10 +31,11 @@ from qsched.lab.make_vectors import (
     json_vector_sets,
     render_json,
 )
+from qsched.policies import PolicyContext, create_policy
 from qsched.protocol import ProtocolError, decode
 from qsched.protocol.framing import MAX_ENCODED_FRAME, Frame, FrameReader
 from qsched.protocol.identity import model_hash64
-from qsched.protocol.jobspec import JobSpec
+from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import job_id_of
 from qsched.zo import accum_int8
 from qsched.zo.blob import encode_blob, trainable_layers
@@ -421,8 +422,11 @@ def test_acc8_vectors_from_library_and_spec() -> None:
 
 
 def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
-    """SPEC 4.1 in binary64: c = (-lr * d) / (den * q), one rounding to float32."""
-    lr, q = _f64(fields["lr"]), int(fields["q"])
+    """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, then
+    c = (-lr_t * d) / (den * q), one rounding to float32."""
+    lr, q, full = _f64(fields["lr"]), int(fields["q"]), int(fields["lr_full_q"])
+    if q < full:
+        lr = lr * (float(q) / float(full))
     plus = [float(v) for v in _f32_list(fields["loss_plus"])]
     if fields["estimator"] == "two_sided":
         diffs = [p - float(m) for p, m in zip(plus, _f32_list(fields["loss_minus"]), strict=True)]
@@ -435,7 +439,8 @@ def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
 
 
 def test_coefficient_vectors_from_library_and_spec() -> None:
-    """spsa.coefficients and SPEC 4.1 give the committed c_k; FP32 needs the float64 eps."""
+    """spsa.coefficients with the policy's lr scale and SPEC 4.1 give the committed c_k;
+    FP32 needs the float64 eps."""
     for name, fields in _groups("numeric", "coef").items():
         expected = [float(c) for c in _f32_list(fields["cs"])]
         eps = _f64(fields["eps"])
@@ -448,7 +453,12 @@ def test_coefficient_vectors_from_library_and_spec() -> None:
         else:
             losses = LossPairs(plus=plus, minus={}, base=float(_f32(fields["loss_zero"])))
         est = "two_sided" if fields["estimator"] == "two_sided" else "one_sided"
-        pairs = coefficients(losses, _f64(fields["lr"]), eps, int(fields["q"]), est)
+        q = int(fields["q"])
+        policy = create_policy(
+            PolicySpec(name="qscheduler", config={"lr_full_q": int(fields["lr_full_q"])}),
+            PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1),
+        )
+        pairs = coefficients(losses, _f64(fields["lr"]) * policy.lr_scale(q), eps, q, est)
         assert [c for _, c in pairs] == expected, name
         wire_eps = float(_f32(fields["wire_eps"]))
         if fields["numerics"] == "fp32":

@@ -79,3 +79,34 @@ def test_trainer_accepts_policy_object_and_rejects_other_spec() -> None:
     assert {s.q for s in result.steps} == {2}
     with pytest.raises(ValueError, match="another job"):
         train_zo(_short(steps=6), resume=result)
+
+
+def test_trainer_applies_the_policys_lr_scale() -> None:
+    """qscheduler with lr_full_q 4 runs its q = 1 step at lr / 4: the same bits as a job
+    whose lr is a quarter, and not those of the job's own lr."""
+    quarter = _short(steps=1, lr=0.0125, policy=PolicySpec(name="qscheduler"))
+    scaled = _short(steps=1, lr=0.05, policy=PolicySpec(name="qscheduler", config={"lr_full_q": 4}))
+    plain = _short(steps=1, lr=0.05, policy=PolicySpec(name="qscheduler"))
+    checksum = train_zo(scaled).state.checksum()
+    assert checksum == train_zo(quarter).state.checksum()
+    assert checksum != train_zo(plain).state.checksum()
+
+
+class _NanLrScale(FixedPolicy):
+    """A plugin whose learning-rate factor is not a number."""
+
+    def lr_scale(self, q: int) -> float:
+        del q
+        return float("nan")
+
+
+def test_trainer_refuses_a_policy_lr_scale_that_is_not_finite() -> None:
+    """A plugin's lr scale is checked where it is used, like its q."""
+    from qsched.policies import FixedConfig, PolicyError
+    from qsched.zo.trainer import policy_context
+
+    spec = _short(steps=2, eval_every=2)
+    workload = Workload.from_spec(spec)
+    policy = _NanLrScale(FixedConfig(q=2), policy_context(spec, workload))
+    with pytest.raises(PolicyError, match="lr scale nan"):
+        train_zo(spec, policy, workload=workload)

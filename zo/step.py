@@ -75,7 +75,12 @@ def train_loss(losses: LossPairs) -> float:
 
 
 def settle_step(
-    spec: JobSpec, step: int, q: int, losses: LossPairs, passes_before: int
+    spec: JobSpec,
+    step: int,
+    q: int,
+    losses: LossPairs,
+    passes_before: int,
+    lr_scale: float = 1.0,
 ) -> SettledStep:
     """Coefficients, record and policy report of step ``step`` from its losses.
 
@@ -85,6 +90,7 @@ def settle_step(
         q: the step's number of perturbations; ``losses`` holds keys ``0..q-1``.
         losses: the step's losses.
         passes_before: the forward passes of all earlier steps.
+        lr_scale: the q policy's factor on ``spec.lr`` for this step (``lr_scale``).
 
     Returns:
         The update's pairs, the step's record and the policy's report.
@@ -92,7 +98,7 @@ def settle_step(
     Raises:
         LossError: a loss is NaN or infinite, or a key is missing.
     """
-    pairs = coefficients(losses, spec.lr, spec.eps, q, spec.estimator)
+    pairs = coefficients(losses, spec.lr * lr_scale, spec.eps, q, spec.estimator)
     grads = projected_gradients(losses, spec.eps, spec.estimator)
     passes = passes_before + forward_passes(q, spec.estimator)
     record = StepRecord(step, q, train_loss(losses), passes)

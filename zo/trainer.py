@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsched.policies import PolicyContext, QPolicy, checked_q, create_policy
+from qsched.policies import PolicyContext, QPolicy, checked_lr_scale, checked_q, create_policy
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo.step import EvalRecord, StepRecord, eval_record, settle_step, validates_after
 from qsched.zo.workload import TrainState, Workload
@@ -113,7 +113,8 @@ def _one_step(
 ) -> tuple[StepRecord, EvalRecord | None]:
     spec, step, q = wl.spec, result.state.step, checked_q(policy)
     losses = wl.perturbed_losses(result.state, step, range(q))
-    settled = settle_step(spec, step, q, losses, result.forward_passes)
+    lr_scale = checked_lr_scale(policy, q)
+    settled = settle_step(spec, step, q, losses, result.forward_passes, lr_scale)
     result.state = wl.apply_update(result.state, step, settled.pairs)
     result.forward_passes = settled.record.forward_passes
     result.steps.append(settled.record)

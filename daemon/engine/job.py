@@ -42,7 +42,7 @@ from qsched.daemon.engine.update import UpdateSender
 from qsched.daemon.engine.validate import Validator
 from qsched.daemon.fleet import BoardSession, Fleet, FleetEvent
 from qsched.daemon.state import Checkpoint, JobDir
-from qsched.policies import PolicyError, checked_q, create_policy
+from qsched.policies import PolicyError, checked_lr_scale, checked_q, create_policy
 from qsched.protocol.control import Event
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import job_id_of
@@ -338,7 +338,9 @@ class StepEngine:
         await self._sync.sync_boards()
         losses = await self._collector.collect(t, q, self._updates.take_prefetch(t, q))
         try:
-            settled = settle_step(self.spec, t, q, losses, self.result.forward_passes)
+            settled = settle_step(
+                self.spec, t, q, losses, self.result.forward_passes, self._policy_lr_scale(q)
+            )
         except LossError as exc:
             raise JobError("numeric", str(exc)) from exc
         self.policy.on_step(settled.report)
@@ -378,6 +380,13 @@ class StepEngine:
         """The policy's q, checked (a plugin's q of 10^12 would exhaust the daemon)."""
         try:
             return checked_q(self.policy)
+        except PolicyError as exc:
+            raise JobError("policy", str(exc)) from exc
+
+    def _policy_lr_scale(self, q: int) -> float:
+        """The policy's learning-rate factor for a step at ``q``, checked like its q."""
+        try:
+            return checked_lr_scale(self.policy, q)
         except PolicyError as exc:
             raise JobError("policy", str(exc)) from exc
 
