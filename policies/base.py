@@ -101,9 +101,12 @@ def checked_lr_scale(policy: QPolicy, q: int) -> float:
     """The policy's learning-rate factor for a step at ``q``, refused unless finite, > 0.
 
     Raises:
-        PolicyError: the factor is not a finite positive float.
+        PolicyError: the factor is not a finite positive float, or computing it failed.
     """
-    scale = policy.lr_scale(q)
+    try:
+        scale = policy.lr_scale(q)
+    except Exception as exc:  # a plugin's code: its failure is the job's policy error
+        raise PolicyError(f"policy {policy.name!r} failed to give an lr scale: {exc}") from exc
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
         raise PolicyError(
             f"policy {policy.name!r} chose lr scale {scale!r} at q={q}; "
