@@ -53,8 +53,8 @@ class MqttConfig(ConfigSection):
     connect_timeout_s: float = Field(
         default=5.0,
         gt=0,
-        description="how long one connection attempt waits for the broker's CONNACK and "
-        "SUBACKs before it is dropped and retried",
+        description="how long one connection attempt (CONNECT, birth message, SUBSCRIBEs) "
+        "waits for the broker before it is dropped and retried",
     )
 
 
