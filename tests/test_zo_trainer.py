@@ -110,3 +110,18 @@ def test_trainer_refuses_a_policy_lr_scale_that_is_not_finite() -> None:
     policy = _NanLrScale(FixedConfig(q=2), policy_context(spec, workload))
     with pytest.raises(PolicyError, match="lr scale nan"):
         train_zo(spec, policy, workload=workload)
+
+
+def test_a_diverging_run_ends_in_one_loss_error_without_numpy_warnings() -> None:
+    """An FP32 learning rate far too large makes the losses overflow: the user gets the
+    LossError naming the key, not numpy's overflow and invalid-value warnings first."""
+    import warnings
+
+    from qsched.zo.spsa import LossError
+
+    spec = _short(numerics="fp32", lr=1e30, policy=PolicySpec(name="fixed", config={"q": 4}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(LossError, match="not finite"):
+            train_zo(spec)
+    assert [str(w.message) for w in caught] == []
