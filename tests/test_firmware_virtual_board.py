@@ -401,3 +401,21 @@ async def test_agent_shared_updates_stay_per_board(int8_workload: Workload) -> N
     ]
     assert [a.checksum for a in acks if isinstance(a, UpdateAck)] == expected
     assert expected[0] != expected[2]
+
+
+async def test_agents_of_a_process_share_one_frozen_state(int8_workload: Workload) -> None:
+    """Boards of one process that apply the same updates hold one read-only state, with
+    the bits of a board that computed each update alone."""
+    cfg = job_config(int8_workload.spec)
+    agents = [await loaded_agent(int8_workload, f"vb-{i}") for i in range(3)]
+    alone = int8_workload.initial_state()
+    for step, pairs in enumerate([((1, 2), (3.0, -3.0)), ((0, 5), (-2.0, 7.5))]):
+        msg = ApplyUpdate(job_id=cfg.job_id, step=step, ks=pairs[0], coefficients=pairs[1])
+        acks = [(await agent.handle(msg))[0] for agent in agents]
+        alone = int8_workload.apply_update(alone, step, msg.pairs())
+        assert [a.checksum for a in acks if isinstance(a, UpdateAck)] == [alone.checksum()] * 3
+    held = [agent.train_state for agent in agents]
+    assert held[0] is held[1] is held[2]
+    assert held[0] is not None and held[0].is_frozen()
+    with pytest.raises(ValueError, match="read-only"):
+        held[0].params[0] = 0

@@ -139,6 +139,24 @@ def test_workload_checksum_is_spec_crc(int8_workload: Workload) -> None:
     assert state.checksum() == expected
 
 
+def test_frozen_state_is_read_only_and_keeps_its_checksum(int8_workload: Workload) -> None:
+    """A frozen state cannot be written, so its checksum is kept; one whose arrays are
+    views of other memory is frozen as a copy, so writes through the views cannot reach it."""
+    state = int8_workload.initial_state()
+    frozen = state.frozen()
+    assert frozen.is_frozen() and not state.is_frozen() and frozen.frozen() is frozen
+    assert frozen.checksum() == state.checksum()
+    with pytest.raises(ValueError, match="read-only"):
+        frozen.params[0] = 1
+    assert state.buffer is not None
+    memory = state.params.copy()
+    view = TrainState(0, memory[:], state.buffer)
+    shared = view.frozen()
+    assert shared is not view and shared.checksum() == state.checksum()
+    memory[0] = 0 if memory[0] else 1
+    assert shared.checksum() == state.checksum() != view.checksum()
+
+
 def test_workload_update_checks_step(int8_workload: Workload) -> None:
     """An update for another step, or a foreign state, is refused."""
     state = int8_workload.initial_state()

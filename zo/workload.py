@@ -18,7 +18,7 @@ import functools
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
@@ -99,9 +99,25 @@ class TrainState:
     params: Flat
     buffer: Flat | None = None
     scale_exps: Flat | None = None
+    _checksum: int | None = field(default=None, init=False, repr=False)
 
     def _parts(self) -> list[Flat]:
         return [p for p in (self.params, self.buffer, self.scale_exps) if p is not None]
+
+    def frozen(self) -> TrainState:
+        """This state, read-only from now on, or a read-only copy when its arrays may be
+        seen through other arrays: a frozen state can be shared (the boards of one
+        process hold one state, not one copy each), and its checksum is computed once."""
+        if self.is_frozen():
+            return self
+        state = self.copy()  # owns its memory, so no writable view of it exists
+        for part in state._parts():
+            part.flags.writeable = False
+        return state
+
+    def is_frozen(self) -> bool:
+        """Whether no part of the state can be written (``frozen``)."""
+        return all(not part.flags.writeable and part.base is None for part in self._parts())
 
     def weight_bytes(self) -> bytes:
         """The params' bytes, the buffer's, then the scale exponents, little-endian: what
@@ -109,8 +125,13 @@ class TrainState:
         return b"".join(_le_bytes(part) for part in self._parts())
 
     def checksum(self) -> int:
-        """CRC-32 of :meth:`weight_bytes` (SPEC section 5)."""
-        return zlib.crc32(self.weight_bytes())
+        """CRC-32 of :meth:`weight_bytes` (SPEC section 5); kept once the state is frozen."""
+        if self._checksum is not None:
+            return self._checksum
+        checksum = zlib.crc32(self.weight_bytes())
+        if self.is_frozen():
+            self._checksum = checksum
+        return checksum
 
     def with_weight_bytes(self, raw: bytes, step: int) -> TrainState:
         """A state of this one's shapes and dtypes holding ``raw`` (:meth:`weight_bytes`).

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -54,7 +55,7 @@ from qsched.firmware.virtual.latency import (
     NpuLatencyModel,
     serial_seconds,
 )
-from qsched.protocol.codec import decode, encode
+from qsched.protocol.codec import HEADER_SIZE, decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.identity import dataset_hash64, model_hash64
 from qsched.protocol.jobspec import JobSpec
@@ -264,7 +265,22 @@ class DatasetCatalog:
 # --------------------------------------------------------------------------- shared workloads
 
 
+@functools.lru_cache(maxsize=8)
+def _decode_shared(data: bytes) -> DataMessage:
+    return decode(data)
+
+
+def _decode(data: bytes) -> DataMessage:
+    """``decode``, once per process for an ApplyUpdate: every board of a process gets the
+    same update's bytes, and messages are frozen, so they can share the decoded one."""
+    if len(data) > HEADER_SIZE and data[3] == TYPE_CODES[ApplyUpdate]:
+        return _decode_shared(bytes(data))
+    return decode(data)
+
+
 def _same_state(a: TrainState, b: TrainState) -> bool:
+    if a is b:  # the boards of a process share their frozen states
+        return True
     if a.step != b.step or not np.array_equal(a.params, b.params):
         return False
     return _same_part(a.buffer, b.buffer) and _same_part(a.scale_exps, b.scale_exps)
@@ -279,8 +295,11 @@ class _Shared:
     """A workload shared by the boards of one process, and their last updates.
 
     The boards of a fleet apply the same update to the same weights every step; the
-    result is a pure function of both, so it is computed once and copied to each board
-    whose weights are equal (compared in full, not by checksum). A board whose update is
+    result is a pure function of both, so it is computed once and given to each board
+    whose weights are equal (compared in full, not by checksum, unless the board holds
+    the very state the update was computed from). The states are frozen
+    (``TrainState.frozen``): the boards share one read-only state and its checksum
+    instead of copying and checksumming the weights each. A board whose update is
     being computed by another board of the process waits for that one computation
     (``updating``) instead of queueing behind every board's evaluation for ``lock``: a
     real board never waits for another board's work.
@@ -307,7 +326,7 @@ class _Shared:
         with self._memo_lock:
             hit = self._updates.get(key)
         if hit is not None and _same_state(hit[0], state):
-            return hit[1].copy()
+            return hit[1]
         return None
 
     def apply_update(
@@ -318,9 +337,9 @@ class _Shared:
         cached = self.cached_update(state, key)
         if cached is not None:
             return cached
-        new_state = self.workload.apply_update(state, step, pairs)
+        new_state = self.workload.apply_update(state, step, pairs).frozen()
         with self._memo_lock:
-            self._updates[key] = (state.copy(), new_state.copy())
+            self._updates[key] = (state.frozen(), new_state)
             while len(self._updates) > _UPDATE_CACHE_SIZE:
                 self._updates.popitem(last=False)
         return new_state
@@ -533,7 +552,7 @@ class BoardAgent:
             BoardCrash: a crash fault fired.
         """
         try:
-            msg = decode(data)
+            msg = _decode(data)
         except ProtocolError as exc:
             code = _PROTOCOL_CODES.get(exc.kind, "malformed")
             return [
