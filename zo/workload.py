@@ -105,9 +105,10 @@ class TrainState:
         return [p for p in (self.params, self.buffer, self.scale_exps) if p is not None]
 
     def frozen(self) -> TrainState:
-        """This state, read-only from now on, or a read-only copy when its arrays may be
-        seen through other arrays: a frozen state can be shared (the boards of one
-        process hold one state, not one copy each), and its checksum is computed once."""
+        """A read-only version of this state: itself when already frozen, else a read-only
+        copy (a copy owns its memory, so no other array can write it). A frozen state can
+        be shared (the boards of one process hold one state, not one copy each), and its
+        checksum is computed once."""
         if self.is_frozen():
             return self
         state = self.copy()  # owns its memory, so no writable view of it exists
