@@ -13,12 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from qsched.policies import PolicyContext, QPolicy, checked_lr_scale, checked_q, create_policy
 from qsched.protocol.jobspec import JobSpec
 from qsched.zo.step import EvalRecord, StepRecord, eval_record, settle_step, validates_after
-from qsched.zo.workload import TrainState, Workload
+from qsched.zo.workload import TrainState, Workload, float_warnings_silenced
 
 __all__ = ["TrainResult", "policy_context", "train_zo"]
 
@@ -114,9 +112,7 @@ def _one_step(
     wl: Workload, policy: QPolicy, result: TrainResult
 ) -> tuple[StepRecord, EvalRecord | None]:
     spec, step, q = wl.spec, result.state.step, checked_q(policy)
-    # A diverged FP32 run's non-finite losses become a LossError naming the key (as a
-    # board's become Error(numeric)), so numpy's floating-point warnings are noise here.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    with float_warnings_silenced():
         losses = wl.perturbed_losses(result.state, step, range(q))
     lr_scale = checked_lr_scale(policy, q)
     settled = settle_step(spec, step, q, losses, result.forward_passes, lr_scale)

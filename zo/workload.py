@@ -50,6 +50,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "calibration_indices",
+    "float_warnings_silenced",
     "resolve_trainable",
     "widen_logits",
 ]
@@ -226,6 +227,13 @@ class TrainState:
             None if self.buffer is None else self.buffer.copy(),
             None if self.scale_exps is None else self.scale_exps.copy(),
         )
+
+
+def float_warnings_silenced() -> np.errstate:
+    """numpy's overflow, invalid-value and divide warnings off, for computing losses: a
+    diverged run's non-finite losses reach the user as one typed error (``LossError``, a
+    board's ``Error(numeric)``), so the warnings before it are noise."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
 
 def _le_bytes(array: Flat) -> bytes:

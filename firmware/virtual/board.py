@@ -88,7 +88,13 @@ from qsched.protocol.messages import (
 from qsched.zo import blob as blob_format
 from qsched.zo.datasets import Dataset, DatasetError, dataset_names, load_dataset
 from qsched.zo.graph import Model, QuantModel
-from qsched.zo.workload import StateError, TrainState, Workload, WorkloadError
+from qsched.zo.workload import (
+    StateError,
+    TrainState,
+    Workload,
+    WorkloadError,
+    float_warnings_silenced,
+)
 from qsched.zo.zoo import model_summary
 
 __all__ = [
@@ -649,9 +655,9 @@ class BoardAgent:
         start = time.perf_counter()
 
         def run() -> tuple[_T, float]:
-            # One computation per shared workload at a time. Non-finite losses become
-            # Error(numeric), so numpy's floating-point warnings are noise here.
-            with lock, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            # One computation per shared workload at a time; non-finite losses become
+            # Error(numeric).
+            with lock, float_warnings_silenced():
                 result = fn(*args)
                 return result, time.perf_counter() - start
 
