@@ -96,7 +96,7 @@ class Member:
     waiters: dict[Hashable, asyncio.Future[DataMessage]] = field(default_factory=dict)
     # What goes down to it, in the daemon's order; one sender task drains it, so a
     # serial link's stop-and-wait holds up this member only, never the others.
-    outbox: asyncio.Queue[DataMessage] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
 
     @property
     def board_id(self) -> str:
@@ -280,7 +280,7 @@ class HostAggregator:
         if isinstance(msg, JobConfig):
             self._int8 = msg.numerics == "int8"
         if isinstance(msg, _FANNED_OUT):
-            futures = await self._to_all(msg)
+            futures = self._to(self.alive(), msg)
             self._fold(self._fold_same(msg, futures))
         elif isinstance(msg, EvalRequest | EvalSliceRequest):
             parts = await self._share_eval(msg)
@@ -288,42 +288,38 @@ class HostAggregator:
         elif isinstance(msg, ValidateRequest | Ping):
             member = self._first() if isinstance(msg, Ping) else self._fastest()
             if member is not None:
-                futures = await self._to([member], msg)
+                futures = self._to([member], msg)
                 self._fold(self._relay(msg, futures[0]))
         elif isinstance(msg, Reset):
             futures = [(m, m.expect(_HELLO)) for m in self.alive()]
+            data = encode(msg)
             for member, _ in futures:
-                await self._send_to(member, msg)
+                member.outbox.put_nowait(data)
             self._fold(self._hello_after(msg, futures))
         elif isinstance(msg, Error):
             _log.warning("daemon reported an error", host=self.name, detail=msg.detail)
         else:
             await self._up(Error(code="unknown_type", ref_type=_code(msg), detail=msg.type))
 
-    async def _to_all(self, msg: DataMessage) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
-        return await self._to(self.alive(), msg)
-
-    async def _to(
+    def _to(
         self, members: Sequence[Member], msg: DataMessage
     ) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
-        """Send ``msg`` to ``members``, each answer's waiter registered first."""
+        """Send ``msg`` to ``members``, each answer's waiter registered first (encoded
+        once: a fan-out to many members is the same bytes)."""
         key = request_key(msg)
+        data = encode(msg)
         out = []
         for member in members:
-            future = member.expect(key)
-            out.append((member, future))
-            await self._send_to(member, msg)
+            out.append((member, member.expect(key)))
+            member.outbox.put_nowait(data)
         return out
-
-    async def _send_to(self, member: Member, msg: DataMessage) -> None:
-        member.outbox.put_nowait(msg)
 
     async def _sender(self, member: Member) -> None:
         """Send a member's outbox in order until its link ends."""
         while member.alive:
-            msg = await member.outbox.get()
+            data = await member.outbox.get()
             try:
-                await member.link.send(encode(msg))
+                await member.link.send(data)
             except LinkClosedError:
                 member.fail("link closed")
             except LinkError as exc:  # not acknowledged: its answer times out
@@ -355,7 +351,7 @@ class HostAggregator:
         for address, units in plan_units(split, split.units, rates).items():
             member = by_address[address]
             request = self._part_request(msg, split, units)
-            ((_, future),) = await self._to([member], request)
+            ((_, future),) = self._to([member], request)
             part = _Part(member, request, future, split.parts, split.cost(units), loop.time())
             future.add_done_callback(part.answered)
             out.append(part)

@@ -21,11 +21,13 @@ from qsched.protocol.messages import MAX_SLICE_KS
 
 __all__ = [
     "MIN_SPLIT_GAIN",
+    "RATE_NOISE",
     "StepSplit",
     "ThroughputEstimate",
     "batch_slices",
     "choose_parts",
     "estimate_for",
+    "even_or_proportional",
     "observe_split",
     "plan_shards",
     "plan_units",
@@ -33,6 +35,10 @@ __all__ = [
     "reassign",
     "split_proportional",
 ]
+
+# How much slower than the proportional split an even split may be predicted and still
+# be taken: measured rates of equal boards differ by about this much.
+RATE_NOISE: Final = 0.1
 
 # A split must shorten the predicted step by this fraction to be taken: the throughput
 # model has no per-request cost, and every slice costs a request and a reply.
@@ -86,8 +92,35 @@ def split_proportional(count: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
+def even_or_proportional(count: int, rates: Sequence[float]) -> list[int]:
+    """Shares of ``count`` keys: even (the remainder to the fastest boards) unless the
+    proportional split (``split_proportional``) is predicted faster by more than
+    ``RATE_NOISE``.
+
+    Measured rates of boards of one kind differ by their noise, and a proportional
+    split turns a 3 % difference into one key more for one board: with a key or two
+    per board, or behind an aggregate whose members take whole keys, that one key is
+    a second round, the board's next rate falls, and the extra key moves to another
+    board, step after step.
+    """
+    proportional = split_proportional(count, rates)
+    n = len(rates)
+    fastest = sorted(range(n), key=lambda i: (-rates[i], i))
+    even = [count // n] * n
+    for i in fastest[: count % n]:
+        even[i] += 1
+    if _makespan(even, rates) <= _makespan(proportional, rates) * (1 + RATE_NOISE):
+        return even
+    return proportional
+
+
+def _makespan(shares: Sequence[int], rates: Sequence[float]) -> float:
+    return max(share / max(rate, 1e-12) for share, rate in zip(shares, rates, strict=True))
+
+
 def plan_shards(ks: Sequence[int], rates: Mapping[str, float]) -> dict[str, list[int]]:
-    """Give each board a contiguous run of ``ks`` in proportion to its rate.
+    """Give each board a contiguous run of ``ks`` in proportion to its rate, or evenly
+    when that is predicted to be at most ``RATE_NOISE`` slower (``even_or_proportional``).
 
     Contiguous runs keep eval requests small (a k range, not a list). Boards are
     taken in sorted id order so the plan is a pure function of its inputs; boards
@@ -96,7 +129,7 @@ def plan_shards(ks: Sequence[int], rates: Mapping[str, float]) -> dict[str, list
     boards = sorted(rates)
     if not boards:
         return {}
-    shares = split_proportional(len(ks), [rates[b] for b in boards])
+    shares = even_or_proportional(len(ks), [rates[b] for b in boards])
     plan: dict[str, list[int]] = {}
     start = 0
     for board, share in zip(boards, shares, strict=True):

@@ -49,6 +49,7 @@ import numpy.typing as npt
 import structlog
 
 from qsched.firmware.errors import BoardCrash
+from qsched.firmware.virtual.coalesce import EvalCoalescer
 from qsched.firmware.virtual.faults import CRASH_EXIT_CODE, BoardFaults, FaultPlan
 from qsched.firmware.virtual.latency import (
     MOBILENETV2_035_128_MACS,
@@ -319,6 +320,10 @@ class _Shared:
     _memo_lock: threading.Lock = field(default_factory=threading.Lock)  # the dict only
     # (event loop id, update key) -> done when that board's computation ended.
     updating: dict[tuple[object, ...], asyncio.Future[None]] = field(default_factory=dict)
+    evals: EvalCoalescer = field(init=False)  # the boards' evaluations, computed together
+
+    def __post_init__(self) -> None:
+        self.evals = EvalCoalescer(self.workload, self.lock)
 
     @staticmethod
     def update_key(
@@ -667,6 +672,21 @@ class BoardAgent:
         finally:
             self._busy = False
 
+    @property
+    def _evals(self) -> EvalCoalescer:
+        assert self._shared is not None
+        return self._shared.evals
+
+    async def _coalesced(self, evaluation: Awaitable[_T]) -> tuple[_T, float]:
+        """Await an evaluation computed with the other boards' (``EvalCoalescer``);
+        returns (result, seconds), the seconds counted as in ``_compute``."""
+        start = time.perf_counter()
+        self._busy = True
+        try:
+            return await evaluation, time.perf_counter() - start
+        finally:
+            self._busy = False
+
     async def _spend(self, modelled: float, computed: float) -> int:
         """Sleep what the modelled time has left over compute; returns the board's µs."""
         if modelled > computed:
@@ -849,8 +869,8 @@ class BoardAgent:
     # ------------------------------------------------------------------ one step
 
     async def _on_eval(self, msg: EvalRequest) -> list[DataMessage]:
-        workload, state = self._eval_ready(msg)
-        losses, computed = await self._compute(workload.perturbed_losses, state, msg.step, msg.ks)
+        _, state = self._eval_ready(msg)
+        losses, computed = await self._coalesced(self._evals.losses(state, msg.step, msg.ks))
         compute_us = await self._spend_eval(msg, msg.batch_size, computed)
         values = [
             *losses.plus.values(),
@@ -878,8 +898,8 @@ class BoardAgent:
             raise _Refusal(
                 "malformed", "batch slices need INT8 numerics", job_id=msg.job_id, step=msg.step
             )
-        sums, computed = await self._compute(
-            workload.perturbed_loss_sums, state, msg.step, msg.ks, msg.slice_start, msg.slice_count
+        sums, computed = await self._coalesced(
+            self._evals.loss_sums(state, msg.step, msg.ks, msg.slice_start, msg.slice_count)
         )
         compute_us = await self._spend_eval(msg, msg.slice_count, computed)
         two_sided = msg.estimator == "two_sided"
@@ -1108,10 +1128,11 @@ async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool)
             with contextlib.suppress(Exception):
                 await link.close()
             return "crashed"
-        encoded = sum(len(encode(r)) for r in replies)
-        wire = agent.latency.wire_seconds(len(data)) + agent.latency.wire_seconds(encoded)
-        if wire > 0 and replies:
-            await asyncio.sleep(wire)
+        if replies and agent.latency.wire_seconds(len(data)) > 0:  # a modelled serial line
+            encoded = sum(len(encode(r)) for r in replies)
+            await asyncio.sleep(
+                agent.latency.wire_seconds(len(data)) + agent.latency.wire_seconds(encoded)
+            )
         for reply in replies:
             await _send_or_skip(agent, send, reply)
     return "closed"
