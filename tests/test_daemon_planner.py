@@ -9,6 +9,7 @@ from qsched.daemon.planner import (
     ThroughputEstimate,
     batch_slices,
     choose_parts,
+    even_or_proportional,
     plan_shards,
     plan_units,
     predicted_seconds,
@@ -28,6 +29,22 @@ def test_split_proportional_sums_and_follows_weights():
 def test_split_proportional_even_when_no_positive_weight():
     """All-zero rates still spread the work instead of dropping it."""
     assert split_proportional(4, [0.0, 0.0]) == [2, 2]
+
+
+def test_boards_within_the_rate_noise_get_even_shares():
+    """Two boards measured 5 % apart share 64 keys 32/32, not 33/31 (which would give
+    an aggregate of 64 single-key members a second round); the remainder of an uneven
+    count goes to the fastest."""
+    assert split_proportional(64, [1.05, 1.0]) == [33, 31]
+    assert even_or_proportional(64, [1.05, 1.0]) == [32, 32]
+    assert even_or_proportional(5, [0.99, 1.0, 1.02]) == [1, 2, 2]
+
+
+def test_boards_of_different_speed_still_get_proportional_shares():
+    """A board twice as fast takes twice the keys (an even split would be 33 % slower);
+    one 25 % faster takes more too (even: 11 % slower, beyond the noise)."""
+    assert even_or_proportional(60, [2.0, 1.0]) == [40, 20]
+    assert even_or_proportional(64, [1.0, 1.25]) == split_proportional(64, [1.0, 1.25]) == [28, 36]
 
 
 def test_plan_shards_contiguous_and_complete():
