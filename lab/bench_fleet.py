@@ -75,7 +75,11 @@ DEFAULT_BATCH: Final = (
 DEFAULT_BATCHES: Final = (DEFAULT_BATCH, 1)
 MAX_BOARDS: Final = 512
 EFFICIENCY_FLOOR: Final = 0.9
-FLOOR_BOARDS: Final = 8
+FLOOR_BOARDS: Final = 8  # the floor ``--check`` enforces
+# The fleet's targets over MQTT: boards -> least efficiency, and the daemon's CPU per
+# step at the larger fleet at most this many times that at the smaller.
+FLEET_FLOORS: Final = {FLOOR_BOARDS: EFFICIENCY_FLOOR, 32: 0.9, 128: 0.8}
+DAEMON_CPU_FLOOR: Final = (8, 128, 2.0)
 # Type codes of the step's own messages (protocol/messages.py TYPE_CODES).
 STEP_TYPES: Final = {
     0x45: "eval_request",
@@ -827,7 +831,7 @@ _COLUMNS: Final = (
 
 
 def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
-    """The lines under the table: what the columns mean and the efficiency floor."""
+    """The lines under the table: what the columns mean and the fleet's floors."""
     lines = [
         "step ms: mean measured step; ideal: modelled NPU time of the largest shard; "
         "overhead: the difference",
@@ -849,12 +853,28 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         if row.timeline_ms:
             marks = ", ".join(f"{k} {v:.1f}" for k, v in row.timeline_ms.items())
             lines.append(f"timeline, {row.link} {row.boards} boards, ms after the update: {marks}")
-    floor = _floor(rows)
-    if floor is not None:
-        verdict = "met" if floor >= EFFICIENCY_FLOOR else "NOT met"
+    return lines + floor_verdicts(rows)
+
+
+def floor_verdicts(rows: Sequence[BenchRow]) -> list[str]:
+    """One line per fleet target the rows measure (``FLEET_FLOORS``, ``DAEMON_CPU_FLOOR``)."""
+    mqtt = {r.boards: r for r in rows if r.link == "mqtt"}
+    lines = []
+    for boards, least in FLEET_FLOORS.items():
+        row = mqtt.get(boards)
+        if row is not None and row.efficiency is not None:
+            verdict = "met" if row.efficiency >= least else "NOT met"
+            lines.append(
+                f"floor: efficiency >= {least} at {boards} boards over MQTT: "
+                f"{verdict} ({row.efficiency:.3f})"
+            )
+    small, large, most = DAEMON_CPU_FLOOR
+    if small in mqtt and large in mqtt and mqtt[small].daemon_cpu_s_per_step > 0:
+        ratio = mqtt[large].daemon_cpu_s_per_step / mqtt[small].daemon_cpu_s_per_step
+        verdict = "met" if ratio <= most else "NOT met"
         lines.append(
-            f"floor: efficiency >= {EFFICIENCY_FLOOR} at {FLOOR_BOARDS} boards over MQTT: "
-            f"{verdict} ({floor:.3f})"
+            f"floor: daemon CPU per step at {large} boards <= {most:g} x that at {small}: "
+            f"{verdict} ({ratio:.2f} x)"
         )
     return lines
 

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from qsched.lab.bench_fleet import DEFAULT_BATCHES, ByteCounter, CountingTransport, _parser, main
+from qsched.lab.bench_fleet import (
+    DEFAULT_BATCHES,
+    BenchRow,
+    ByteCounter,
+    CountingTransport,
+    _parser,
+    floor_verdicts,
+    main,
+)
 from qsched.protocol.codec import encode
 from qsched.protocol.links.base import BoardAppeared
 from qsched.protocol.links.inproc import InProcTransport
@@ -211,3 +219,36 @@ def test_bench_default_batches_minibatch_then_worst_case() -> None:
     """By default the bench runs a 4-sample minibatch per pass, then the 1-sample worst case."""
     assert _parser().parse_args([]).batch == DEFAULT_BATCHES == (4, 1)
     assert _parser().parse_args(["--batch", "8"]).batch == (8,)
+
+
+def _row(link: str, boards: int, efficiency: float, daemon_cpu_s: float) -> BenchRow:
+    return BenchRow(
+        link=link,
+        boards=boards,
+        steps=10,
+        step_s=0.1,
+        ideal_step_s=0.1 * efficiency,
+        forward_passes_per_s=1.0,
+        payload_bytes_per_step=0.0,
+        efficiency=efficiency,
+        daemon_cpu_s_per_step=daemon_cpu_s,
+    )
+
+
+def test_floor_verdicts_judge_each_measured_fleet_target() -> None:
+    """Every target the rows measure gets a verdict from its own row; bridges do not count."""
+    rows = [
+        _row("mqtt", 8, 0.97, 0.005),
+        _row("mqtt", 32, 0.91, 0.005),
+        _row("mqtt", 128, 0.64, 0.011),
+        _row("bridge", 32, 0.99, 0.001),
+    ]
+    assert floor_verdicts(rows) == [
+        "floor: efficiency >= 0.9 at 8 boards over MQTT: met (0.970)",
+        "floor: efficiency >= 0.9 at 32 boards over MQTT: met (0.910)",
+        "floor: efficiency >= 0.8 at 128 boards over MQTT: NOT met (0.640)",
+        "floor: daemon CPU per step at 128 boards <= 2 x that at 8: NOT met (2.20 x)",
+    ]
+    assert floor_verdicts([_row("mqtt", 32, 0.85, 0.005)]) == [
+        "floor: efficiency >= 0.9 at 32 boards over MQTT: NOT met (0.850)"
+    ]
