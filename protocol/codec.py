@@ -9,6 +9,7 @@ byte tables in ``protocol/SPEC.md`` section 6 (``layout_tables``).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,12 @@ KSET_LIST: Final = 1
 _SCALARS: Final = {"B": "u8", "H": "u16", "I": "u32", "Q": "u64", "f": "f32", "d": "f64"}
 
 
+@functools.cache
+def _little_endian(code: str) -> struct.Struct:
+    """The compiled little-endian layout of one struct code (decoding is per field)."""
+    return struct.Struct("<" + code)
+
+
 class _Reader:
     """A bounds-checked cursor; running off the end is a ``truncated`` ProtocolError."""
 
@@ -89,7 +96,13 @@ class _Reader:
         return chunk
 
     def unpack(self, code: str) -> Any:
-        return struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
+        layout = _little_endian(code)
+        end = self.pos + layout.size
+        if end > len(self.data):
+            self.take(layout.size)  # raises ``truncated``
+        (value,) = layout.unpack_from(self.data, self.pos)
+        self.pos = end
+        return value
 
     def invalid(self, detail: str) -> ProtocolError:
         return ProtocolError("invalid_field", detail, msg_type=self.msg_type)
@@ -113,7 +126,7 @@ class _Scalar:
     note: str = ""
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
-        out += struct.pack("<" + self.code, getattr(msg, self.name))
+        out += _little_endian(self.code).pack(getattr(msg, self.name))
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         fields[self.name] = reader.unpack(self.code)

@@ -9,6 +9,7 @@ a model equals its own decode(encode()) exactly.
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 import struct
@@ -124,6 +125,18 @@ def _float32(value: float) -> float:
     return float(rounded)
 
 
+def _float32s(values: tuple[float, ...]) -> tuple[float, ...]:
+    """``_float32`` for a whole sequence in one pass (an update carries up to 256)."""
+    if not all(map(math.isfinite, values)):
+        bad = next(v for v in values if not math.isfinite(v))
+        raise ValueError(f"expected finite float32 values, got {bad}")
+    rounded = array.array("f", values)  # float32 rounding; an overflow becomes inf
+    if not all(map(math.isfinite, rounded)):
+        bad = next(v for v, r in zip(values, rounded, strict=True) if not math.isfinite(r))
+        raise ValueError(f"{bad} is out of float32 range")
+    return tuple(rounded)
+
+
 def _finite(value: float) -> float:
     if not math.isfinite(value):
         raise ValueError(f"expected a finite float, got {value}")
@@ -141,6 +154,7 @@ U16 = Annotated[int, Field(ge=0, le=0xFFFF)]
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 U64 = Annotated[int, Field(ge=0, le=0xFFFFFFFFFFFFFFFF)]
 F32 = Annotated[float, AfterValidator(_float32)]
+F32s = Annotated[tuple[float, ...], AfterValidator(_float32s)]
 F64 = Annotated[float, AfterValidator(_finite)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,32}$")]
 Version = Annotated[str, Field(pattern=r"^[\x21-\x7e]{1,24}$")]
@@ -208,8 +222,8 @@ class EvalResult(WireModel):
     compute_us: U32
     estimator: Estimator
     ks: Ks
-    loss_plus: tuple[F32, ...]
-    loss_minus: tuple[F32, ...] = ()
+    loss_plus: F32s
+    loss_minus: F32s = ()
     loss_zero: F32 | None = None
 
     @model_validator(mode="after")
@@ -413,7 +427,7 @@ class ApplyUpdate(WireModel):
     job_id: U32
     step: U32
     ks: Ks
-    coefficients: tuple[F32, ...]
+    coefficients: F32s
 
     @model_validator(mode="after")
     def _check_pairs(self) -> ApplyUpdate:
@@ -468,7 +482,7 @@ class StepOrder(WireModel):
     job_id: U32
     step: U32
     ks: Ks
-    coefficients: tuple[F32, ...]
+    coefficients: F32s
     batch_size: U16
     eps: F32
     estimator: Estimator
