@@ -83,25 +83,25 @@ class _Reader:
         self.pos = HEADER_SIZE
         self.msg_type = msg_type
 
-    def take(self, size: int) -> bytes:
-        end = self.pos + size
+    def _advance(self, size: int) -> int:
+        """Move past ``size`` bytes; returns where they start."""
+        start, end = self.pos, self.pos + size
         if end > len(self.data):
             raise ProtocolError(
                 "truncated",
                 f"message ends at byte {len(self.data)}, layout needs {end}",
                 msg_type=self.msg_type,
             )
-        chunk = self.data[self.pos : end]
         self.pos = end
-        return chunk
+        return start
+
+    def take(self, size: int) -> bytes:
+        start = self._advance(size)
+        return self.data[start : self.pos]
 
     def unpack(self, code: str) -> Any:
         layout = _little_endian(code)
-        end = self.pos + layout.size
-        if end > len(self.data):
-            self.take(layout.size)  # raises ``truncated``
-        (value,) = layout.unpack_from(self.data, self.pos)
-        self.pos = end
+        (value,) = layout.unpack_from(self.data, self._advance(layout.size))
         return value
 
     def invalid(self, detail: str) -> ProtocolError:

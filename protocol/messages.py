@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import itertools
 import math
-import struct
 import zlib
 from typing import Annotated, Final, Literal, get_args
 
@@ -115,26 +114,23 @@ Resource = Literal["model", "weights", "dataset", "job_config"]
 ResetScope = Literal["soft", "hard"]
 
 
-def _float32(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"expected a finite float32, got {value}")
-    try:
-        (rounded,) = struct.unpack("<f", struct.pack("<f", value))
-    except OverflowError as exc:
-        raise ValueError(f"{value} is out of float32 range") from exc
-    return float(rounded)
-
-
 def _float32s(values: tuple[float, ...]) -> tuple[float, ...]:
-    """``_float32`` for a whole sequence in one pass (an update carries up to 256)."""
+    """Round each value to float32; a NaN, an infinity or an overflow is refused.
+
+    One pass over the sequence: an update carries up to 256 coefficients."""
     if not all(map(math.isfinite, values)):
         bad = next(v for v in values if not math.isfinite(v))
-        raise ValueError(f"expected finite float32 values, got {bad}")
+        raise ValueError(f"expected a finite float32, got {bad}")
     rounded = array.array("f", values)  # float32 rounding; an overflow becomes inf
     if not all(map(math.isfinite, rounded)):
         bad = next(v for v, r in zip(values, rounded, strict=True) if not math.isfinite(r))
         raise ValueError(f"{bad} is out of float32 range")
     return tuple(rounded)
+
+
+def _float32(value: float) -> float:
+    (rounded,) = _float32s((value,))
+    return rounded
 
 
 def _finite(value: float) -> float:
