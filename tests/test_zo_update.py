@@ -3,8 +3,15 @@
 import numpy as np
 import pytest
 
-from qsched.zo.prng import rademacher
-from qsched.zo.update import apply_fp32, apply_int8_fp16, perturb_int8, to_fp16_saturating
+from qsched.zo import update
+from qsched.zo.prng import rademacher, rademacher_bits
+from qsched.zo.update import (
+    accumulate_delta,
+    apply_fp32,
+    apply_int8_fp16,
+    perturb_int8,
+    to_fp16_saturating,
+)
 
 
 def test_apply_fp32_matches_sequential_reference():
@@ -18,6 +25,34 @@ def test_apply_fp32_matches_sequential_reference():
         for k, c in sorted(pairs):
             acc = np.float32(acc + np.float32(c) * np.float32(zs[k][i]))
         assert out[i] == np.float32(theta[i] + acc)
+
+
+def _delta_one_k_at_a_time(seed: int, step: int, pairs: list[tuple[int, float]], size: int):
+    delta = np.zeros(size, dtype=np.float32)
+    for k, c in sorted(pairs):
+        c32 = np.float32(c)
+        delta = delta + np.where(rademacher_bits(seed, step, k, size), -c32, c32)
+    return delta
+
+
+@pytest.mark.parametrize("size", [1, 37, 4096])
+def test_accumulate_delta_sums_in_ascending_k_to_the_bit(size, monkeypatch):
+    """The one-pass reduction adds the keys' terms in ascending k, as a loop would: with
+    magnitudes that make the order matter, signed zeros and an overflow, over several
+    Philox chunks."""
+    monkeypatch.setattr(update, "_BITS_PER_CALL", 5 * size)  # 5 keys per chunk
+    rng = np.random.default_rng(size)
+    coefficients = (rng.normal(size=23) * 10.0 ** rng.integers(-8, 9, size=23)).astype(np.float32)
+    coefficients[[2, 11]] = [0.0, -0.0]
+    coefficients[17] = 3e38  # with another large term, some elements overflow to inf
+    coefficients[18] = 3e38
+    pairs = [
+        (int(k), float(c)) for k, c in zip(rng.permutation(500)[:23], coefficients, strict=True)
+    ]
+    with np.errstate(over="ignore"):
+        got = accumulate_delta(4, 2, pairs, size)
+        want = _delta_one_k_at_a_time(4, 2, pairs, size)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_apply_int8_moves_whole_steps_and_keeps_remainder():

@@ -109,17 +109,41 @@ def accumulate_delta(
     delta = np.zeros(size, dtype=np.float32)
     ordered = _sorted_pairs(pairs)
     # The bits of many k come from one Philox call (per-call overhead dominates small
-    # models); the sums still run one k at a time, in the specified order.
+    # models), and their terms are summed in one reduction; the sums still run one k
+    # at a time, in the specified order (``_sum_rows_in_order``).
     per_call = max(1, _BITS_PER_CALL // max(size, 1))
     for start in range(0, len(ordered), per_call):
         chunk = ordered[start : start + per_call]
         rows = _bits_rows(seed, step, [k for k, _ in chunk], size)
-        for negative, (_, c) in zip(rows, chunk, strict=True):
-            # z is +-1, so c*z is exact; only the sums round, in the specified order.
-            delta += np.where(negative, -c, c).astype(np.float32)
+        coefficients = np.array([c for _, c in chunk], dtype=np.float32)
+        delta = _sum_rows_in_order(delta, _signed_terms(coefficients, rows))
     if gain is not None:
         delta *= gain
     return delta
+
+
+def _signed_terms(coefficients: F32, negative: npt.NDArray[np.bool_]) -> F32:
+    """``c_k z_ki`` for every k (a row) and element: ``c_k`` with its sign bit flipped
+    where ``z_ki = -1``. Exact, as ``-c`` is (signed zeros included)."""
+    rows, size = negative.shape
+    terms = np.empty((rows, size), dtype=np.uint32)
+    terms[:] = coefficients.view(np.uint32)[:, None]
+    terms ^= negative.view(np.uint8).astype(np.uint32) << np.uint32(31)
+    return terms.view(np.float32)
+
+
+def _sum_rows_in_order(first: F32, rows: F32) -> F32:
+    """``(((first + rows[0]) + rows[1]) + ...)`` elementwise, in float32.
+
+    A reduction over the outer axis of a C-ordered array adds whole rows one after the
+    other (numpy sums pairwise only along the contiguous axis), so every element's sum
+    runs in row order: the specified order, at the cost of one pass.
+    """
+    stacked = np.empty((rows.shape[0] + 1, first.size), dtype=np.float32)
+    stacked[0] = first
+    stacked[1:] = rows
+    summed: F32 = np.add.reduce(stacked, axis=0)
+    return summed
 
 
 def apply_fp32(theta: F32, seed: int, step: int, pairs: Sequence[tuple[int, float]]) -> F32:
