@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from qsched.firmware.virtual import board as board_module
 from qsched.firmware.virtual.board import (
     BoardAgent,
     DatasetCatalog,
@@ -419,3 +420,30 @@ async def test_agents_of_a_process_share_one_frozen_state(int8_workload: Workloa
     assert held[0] is not None and held[0].is_frozen()
     with pytest.raises(ValueError, match="read-only"):
         held[0].params[0] = 0
+
+
+@pytest.mark.parametrize(("limit", "in_worker"), [(1 << 30, False), (0, True)])
+async def test_agent_small_updates_are_applied_without_a_worker_thread(
+    int8_workload: Workload, monkeypatch: pytest.MonkeyPatch, limit: int, in_worker: bool
+) -> None:
+    """An update small enough is applied right away on the event loop (no thread hop
+    for the boards of a process to wait on); a larger one goes to the worker; both
+    give Workload.apply_update's checksum."""
+    monkeypatch.setattr(board_module, "_INLINE_UPDATE_WORK", limit)
+    agent = await loaded_agent(int8_workload, f"vb-inline-{limit}")
+    threads: list[object] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn: object, *args: object) -> object:
+        threads.append(fn)
+        return await to_thread(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(board_module.asyncio, "to_thread", counted)
+    cfg = job_config(int8_workload.spec)
+    # An update no other test applies: boards of this process memoise each one.
+    ks = (4, 6) if in_worker else (5, 7)
+    msg = ApplyUpdate(job_id=cfg.job_id, step=0, ks=ks, coefficients=(1.25, -0.5))
+    (ack,) = await agent.handle(msg)
+    expected = int8_workload.apply_update(int8_workload.initial_state(), 0, msg.pairs())
+    assert isinstance(ack, UpdateAck) and ack.checksum == expected.checksum()
+    assert bool(threads) is in_worker

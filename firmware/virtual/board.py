@@ -123,6 +123,11 @@ HEARTBEAT_INTERVAL_S: Final = 5.0
 # a data set's quantised copy is built once, not once per board.
 _WORKLOAD_CACHE_SIZE: Final = 4
 _UPDATE_CACHE_SIZE: Final = 4
+# An update of at most this many key x weight terms (64 keys on a 4,096-weight head, a
+# fraction of a millisecond) is applied on the event loop when the workload is free: in
+# a worker thread it would first wait for the loop to hand over the interpreter, while
+# every board of the process waits for it before it can evaluate.
+_INLINE_UPDATE_WORK: Final = 1 << 18
 # Bytes a serial frame adds around a payload: seq/flags/CRC header and COBS overhead.
 _FRAME_OVERHEAD: Final = 12
 _U32_MAX: Final = 0xFFFFFFFF
@@ -339,6 +344,20 @@ class _Shared:
         if hit is not None and _same_state(hit[0], state):
             return hit[1]
         return None
+
+    def apply_inline(
+        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> TrainState | None:
+        """``apply_update`` right here when it is small and the workload is free, else None."""
+        if self.workload.num_params * len(pairs) > _INLINE_UPDATE_WORK:
+            return None
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            with float_warnings_silenced():
+                return self.apply_update(state, step, pairs)
+        finally:
+            self.lock.release()
 
     def apply_update(
         self, state: TrainState, step: int, pairs: list[tuple[int, float]]
@@ -957,7 +976,8 @@ class BoardAgent:
         self, state: TrainState, step: int, pairs: list[tuple[int, float]]
     ) -> TrainState:
         """The weights after the update: memoised when a board of this process already
-        computed it, awaited when one is computing it, else computed here."""
+        computed it, awaited when one is computing it, else computed here (on the event
+        loop when it is small, ``_Shared.apply_inline``; else in the worker)."""
         shared = self._shared
         assert shared is not None
         update = shared.update_key(state, step, pairs)
@@ -968,6 +988,9 @@ class BoardAgent:
         cached = shared.cached_update(state, update)
         if cached is not None:
             return cached
+        inline = shared.apply_inline(state, step, pairs)
+        if inline is not None:
+            return inline
         done = shared.updating[key] = asyncio.get_running_loop().create_future()
         try:
             new_state, _ = await self._compute(shared.apply_update, state, step, pairs)
