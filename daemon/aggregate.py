@@ -348,9 +348,10 @@ class HostAggregator:
         rates = {str(i): m.rate(split.parts) for i, m in enumerate(members)}
         out = []
         loop = asyncio.get_running_loop()
+        slices = self._slice_requests(msg, split)
         for address, units in plan_units(split, split.units, rates).items():
             member = by_address[address]
-            request = self._part_request(msg, split, units)
+            request = self._part_request(slices, split, units)
             ((_, future),) = self._to([member], request)
             part = _Part(member, request, future, split.parts, split.cost(units), loop.time())
             future.add_done_callback(part.answered)
@@ -371,13 +372,22 @@ class HostAggregator:
 
     @staticmethod
     def _part_request(
-        msg: EvalRequest | EvalSliceRequest, split: StepSplit, units: list[int]
+        slices: list[EvalRequest | EvalSliceRequest], split: StepSplit, units: list[int]
     ) -> EvalRequest | EvalSliceRequest:
-        """A member's share: the keys of its units, on the request's batch or a slice."""
-        share = msg.model_copy(update={"ks": tuple(sorted(msg.ks[split.key(u)] for u in units))})
-        if split.parts == 1 or isinstance(share, EvalSliceRequest):
-            return share
-        return EvalSliceRequest.of(share, *split.bounds(split.part(units[0])))
+        """A member's share: the keys of its units, on the request's batch or a slice
+        (``slices``: the request on each slice of ``split``, from ``_slice_requests``).
+        The keys are a sorted subset of a validated request's: no validation again."""
+        ks = tuple(sorted(slices[0].ks[split.key(u)] for u in units))
+        return slices[split.part(units[0])].model_copy(update={"ks": ks})
+
+    @staticmethod
+    def _slice_requests(
+        msg: EvalRequest | EvalSliceRequest, split: StepSplit
+    ) -> list[EvalRequest | EvalSliceRequest]:
+        """``msg`` on each slice of ``split`` (itself when it is not split)."""
+        if split.parts == 1 or isinstance(msg, EvalSliceRequest):
+            return [msg]
+        return [EvalSliceRequest.of(msg, start, count) for start, count in split.slices]
 
     async def _fold_eval(
         self, msg: EvalRequest | EvalSliceRequest, parts: list[_Part]
