@@ -109,14 +109,17 @@ def accumulate_delta(
     delta = np.zeros(size, dtype=np.float32)
     ordered = _sorted_pairs(pairs)
     # The bits of many k come from one Philox call (per-call overhead dominates small
-    # models), and their terms are summed in one reduction; the sums still run one k
-    # at a time, in the specified order (``_sum_rows_in_order``).
+    # models), and their signed terms are built at once; the sums still run one k at a
+    # time, in the specified order.
     per_call = max(1, _BITS_PER_CALL // max(size, 1))
     for start in range(0, len(ordered), per_call):
         chunk = ordered[start : start + per_call]
         rows = _bits_rows(seed, step, [k for k, _ in chunk], size)
         coefficients = np.array([c for _, c in chunk], dtype=np.float32)
-        delta = _sum_rows_in_order(delta, _signed_terms(coefficients, rows))
+        # Row by row on purpose: a numpy reduction over the rows would be sequential
+        # only while a row has more than one element (with one, it sums pairwise).
+        for term in _signed_terms(coefficients, rows):
+            delta += term
     if gain is not None:
         delta *= gain
     return delta
@@ -130,20 +133,6 @@ def _signed_terms(coefficients: F32, negative: npt.NDArray[np.bool_]) -> F32:
     terms[:] = coefficients.view(np.uint32)[:, None]
     terms ^= negative.view(np.uint8).astype(np.uint32) << np.uint32(31)
     return terms.view(np.float32)
-
-
-def _sum_rows_in_order(first: F32, rows: F32) -> F32:
-    """``(((first + rows[0]) + rows[1]) + ...)`` elementwise, in float32.
-
-    A reduction over the outer axis of a C-ordered array adds whole rows one after the
-    other (numpy sums pairwise only along the contiguous axis), so every element's sum
-    runs in row order: the specified order, at the cost of one pass.
-    """
-    stacked = np.empty((rows.shape[0] + 1, first.size), dtype=np.float32)
-    stacked[0] = first
-    stacked[1:] = rows
-    summed: F32 = np.add.reduce(stacked, axis=0)
-    return summed
 
 
 def apply_fp32(theta: F32, seed: int, step: int, pairs: Sequence[tuple[int, float]]) -> F32:
