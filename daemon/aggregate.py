@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -38,12 +39,12 @@ from qsched.daemon.fleet import error_matches, reply_key, request_key
 from qsched.daemon.planner import (
     StepSplit,
     ThroughputEstimate,
-    choose_parts,
+    choose_split,
     estimate_for,
     observe_split,
     plan_units,
 )
-from qsched.protocol.codec import decode, encode
+from qsched.protocol.codec import HEADER_SIZE, decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
 from qsched.protocol.messages import (
@@ -64,6 +65,7 @@ from qsched.protocol.messages import (
     Reset,
     SelectDataset,
     SetWeights,
+    UpdateAck,
     ValidateRequest,
 )
 from qsched.zo.intloss import sliced_batch_loss
@@ -97,11 +99,27 @@ class Member:
     # What goes down to it, in the daemon's order; one sender task drains it, so a
     # serial link's stop-and-wait holds up this member only, never the others.
     outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    sending: bool = False  # the sender task holds a message the link has not taken yet
 
     @property
     def board_id(self) -> str:
         """The member's own id (logs only: the daemon never sees it)."""
         return self.hello.board_id
+
+    def post(self, data: bytes) -> None:
+        """Send ``data`` after what is queued for this member: handed to the link right
+        here when the link takes messages without waiting (in-process) and nothing is
+        ahead of it, which saves the sender task a wake-up per message; else queued for
+        the sender."""
+        send_now = getattr(self.link, "send_nowait", None)
+        if send_now is not None and not self.sending and self.outbox.empty():
+            try:
+                if send_now(data):
+                    return
+            except LinkClosedError:
+                self.fail("link closed")
+                return
+        self.outbox.put_nowait(data)
 
     def rate(self, parts: int) -> float:
         """Measured whole-batch keys per second on ``parts`` slices a key (else whole)."""
@@ -294,7 +312,7 @@ class HostAggregator:
             futures = [(m, m.expect(_HELLO)) for m in self.alive()]
             data = encode(msg)
             for member, _ in futures:
-                member.outbox.put_nowait(data)
+                member.post(data)
             self._fold(self._hello_after(msg, futures))
         elif isinstance(msg, Error):
             _log.warning("daemon reported an error", host=self.name, detail=msg.detail)
@@ -311,13 +329,14 @@ class HostAggregator:
         out = []
         for member in members:
             out.append((member, member.expect(key)))
-            member.outbox.put_nowait(data)
+            member.post(data)
         return out
 
     async def _sender(self, member: Member) -> None:
         """Send a member's outbox in order until its link ends."""
         while member.alive:
             data = await member.outbox.get()
+            member.sending = True
             try:
                 await member.link.send(data)
             except LinkClosedError:
@@ -326,6 +345,8 @@ class HostAggregator:
                 _log.warning(
                     "message to a member not delivered", member=member.board_id, error=str(exc)
                 )
+            finally:
+                member.sending = False
 
     def _first(self) -> Member | None:
         alive = self.alive()
@@ -343,14 +364,12 @@ class HostAggregator:
         members = self.alive()
         if not members:
             return []
-        split = self._split(msg, members)
-        by_address = {str(i): m for i, m in enumerate(members)}
-        rates = {str(i): m.rate(split.parts) for i, m in enumerate(members)}
+        split, plan = self._plan(msg, members)
         out = []
         loop = asyncio.get_running_loop()
         slices = self._slice_requests(msg, split)
-        for address, units in plan_units(split, split.units, rates).items():
-            member = by_address[address]
+        for address, units in plan.items():
+            member = members[int(address)]
             request = self._part_request(slices, split, units)
             ((_, future),) = self._to([member], request)
             part = _Part(member, request, future, split.parts, split.cost(units), loop.time())
@@ -358,17 +377,21 @@ class HostAggregator:
             out.append(part)
         return out
 
-    def _split(self, msg: EvalRequest | EvalSliceRequest, members: list[Member]) -> StepSplit:
-        """Whole keys, or, for an INT8 EvalRequest, slices when that is faster."""
+    def _plan(
+        self, msg: EvalRequest | EvalSliceRequest, members: list[Member]
+    ) -> tuple[StepSplit, dict[str, list[int]]]:
+        """The split (whole keys, or, for an INT8 EvalRequest, slices when that is
+        faster) and its units by member (addressed by their index in ``members``)."""
+
+        def rates(parts: int) -> dict[str, float]:
+            return {str(i): m.rate(parts) for i, m in enumerate(members)}
+
         if isinstance(msg, EvalRequest) and self._int8:
-
-            def rates(parts: int) -> dict[str, float]:
-                return {str(i): m.rate(parts) for i, m in enumerate(members)}
-
-            parts = choose_parts(len(msg.ks), msg.batch_size, rates)
-            self.sliced += parts > 1
-            return StepSplit(len(msg.ks), msg.batch_size, parts)
-        return StepSplit(len(msg.ks), msg.batch_size)
+            split, plan = choose_split(len(msg.ks), msg.batch_size, rates)
+            self.sliced += split.parts > 1
+            return split, plan
+        split = StepSplit(len(msg.ks), msg.batch_size)
+        return split, plan_units(split, split.units, rates(1))
 
     @staticmethod
     def _part_request(
@@ -445,7 +468,7 @@ class HostAggregator:
             if isinstance(answer, Error):
                 return answer
         first = answers[0]
-        if all(answer == first for answer in answers):
+        if all(answer is first or answer == first for answer in answers):
             return first
         if isinstance(msg, ApplyUpdate):
             members = [m.board_id for m, _ in futures]
@@ -484,7 +507,7 @@ class HostAggregator:
         try:
             async for data in member.link.incoming():
                 try:
-                    msg = decode(data)
+                    msg = _decode_answer(data)
                 except ProtocolError:
                     continue
                 if member.resolve(msg):
@@ -507,6 +530,19 @@ class HostAggregator:
             if connects() != seen:
                 seen = connects()
                 await self._up(self.hello())
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_shared(data: bytes) -> DataMessage:
+    return decode(data)
+
+
+def _decode_answer(data: bytes) -> DataMessage:
+    """A member's message, decoded once per distinct bytes when it is an UpdateAck: the
+    members ack an update with equal bytes, and messages are frozen."""
+    if len(data) > HEADER_SIZE and data[3] == TYPE_CODES[UpdateAck]:
+        return _decode_shared(bytes(data))
+    return decode(data)
 
 
 async def _all_done(tasks: Sequence[asyncio.Task[None]]) -> None:

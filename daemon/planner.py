@@ -26,6 +26,7 @@ __all__ = [
     "ThroughputEstimate",
     "batch_slices",
     "choose_parts",
+    "choose_split",
     "estimate_for",
     "even_or_proportional",
     "observe_split",
@@ -285,15 +286,26 @@ def choose_parts(
     rates: Mapping[str, float] | Callable[[int], Mapping[str, float]],
     max_parts: int | None = None,
 ) -> int:
-    """Slices per key for a step, from the boards' measured rates.
+    """Slices per key for a step, from the boards' measured rates (``choose_split``)."""
+    return choose_split(q, batch_size, rates, max_parts)[0].parts
+
+
+def choose_split(
+    q: int,
+    batch_size: int,
+    rates: Mapping[str, float] | Callable[[int], Mapping[str, float]],
+    max_parts: int | None = None,
+) -> tuple[StepSplit, dict[str, list[int]]]:
+    """The split of a step, from the boards' measured rates, and its ``plan_units`` plan
+    of every unit (computed while judging the split: a caller need not plan again).
 
     ``rates`` gives each board's whole-batch keys per second, or, called with a number
     of slices per key, the rates measured on such slices (a slice costs more than its
-    share where per-request costs dominate, and the measurement says so). The answer
-    is 1 unless splitting shortens the predicted step by at least ``MIN_SPLIT_GAIN``;
-    the candidates are the divisors of ``batch_size`` (equal slices) up to
-    ``max_parts``, and a split whose shards would exceed ``MAX_SLICE_KS`` keys is not
-    considered.
+    share where per-request costs dominate, and the measurement says so). The split is
+    whole keys unless slicing shortens the predicted step by at least
+    ``MIN_SPLIT_GAIN``; the candidates are the divisors of ``batch_size`` (equal slices)
+    up to ``max_parts``, and a split whose shards would exceed ``MAX_SLICE_KS`` keys is
+    not considered.
     """
     fixed = rates
 
@@ -301,11 +313,13 @@ def choose_parts(
         return fixed(parts) if callable(fixed) else fixed
 
     whole = rates_for(1)
+    best = StepSplit(q, batch_size, 1)
     if not whole or q < 1:
-        return 1
+        return best, {}
+    best_plan = plan_units(best, best.units, whole)
+    best_s = _slowest(best, best_plan, whole)
     # Fewer boards than slices would leave slices for a second round: never faster.
     limit = min(batch_size, len(whole), max_parts or batch_size)
-    best, best_s = 1, predicted_seconds(StepSplit(q, batch_size, 1), whole)
     for parts in range(2, limit + 1):
         if batch_size % parts:
             continue
@@ -316,5 +330,5 @@ def choose_parts(
             continue
         seconds = _slowest(split, plan, sliced)
         if seconds <= best_s * (1 - MIN_SPLIT_GAIN):
-            best, best_s = parts, seconds
-    return best
+            best, best_plan, best_s = split, plan, seconds
+    return best, best_plan

@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from qsched.daemon.aggregate import HostAggregator, await_members
+from qsched.daemon.aggregate import HostAggregator, Member, await_members
 from qsched.daemon.engine import JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.inproc import InProcTransport
+from qsched.protocol.messages import Hello
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -156,3 +157,59 @@ async def test_hosts_take_the_daemons_batch_slices() -> None:
     assert result.split_steps >= spec.steps - 2  # the first steps may start with fewer boards
     assert result.state.checksum() == train_zo(spec).state.checksum()
     assert result.work.get("host-a") and result.work.get("host-b")
+
+
+def _hello(board_id: str) -> Hello:
+    return Hello(board_id=board_id, firmware_version="t", npu="virtual", ram_kib=64, max_batch=8)
+
+
+async def test_messages_to_an_in_process_member_keep_their_order() -> None:
+    """A message goes straight onto an in-process member's link while nothing is queued
+    before it, into the member's queue while the link is full; either way the member
+    gets them in the order they were sent, and a closed link ends the member."""
+    async with InProcTransport(queue_size=2) as transport:
+        board_end = transport.attach("m")
+        event = await anext(transport.events())
+        member = Member(event.link, _hello("m"))  # type: ignore[union-attr]
+        aggregator = HostAggregator("host", [member])
+        for i in range(6):
+            member.post(bytes([i]))
+        assert member.outbox.qsize() == 4  # the link took two at once
+        sender = asyncio.create_task(aggregator._sender(member))
+        received = []
+        async for data in board_end.incoming():
+            received.append(data)
+            if len(received) == 6:
+                break
+        assert received == [bytes([i]) for i in range(6)]
+        sender.cancel()
+        await board_end.close()
+        member.post(b"late")
+        assert not member.alive
+
+
+async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None:
+    """A link that may make the sender wait (serial, MQTT) always gets its messages
+    from the member's sender task."""
+
+    class SlowLink:
+        board_id = "s"
+
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def send(self, payload: bytes) -> None:
+            await asyncio.sleep(0)
+            self.sent.append(payload)
+
+    link = SlowLink()
+    member = Member(link, _hello("s"))
+    for i in range(3):
+        member.post(bytes([i]))
+    assert member.outbox.qsize() == 3 and not link.sent
+    sender = asyncio.create_task(HostAggregator("host", [member])._sender(member))
+    async with asyncio.timeout(5):
+        while len(link.sent) < 3:
+            await asyncio.sleep(0.01)
+    sender.cancel()
+    assert link.sent == [bytes([i]) for i in range(3)]

@@ -9,6 +9,7 @@ from qsched.daemon.planner import (
     ThroughputEstimate,
     batch_slices,
     choose_parts,
+    choose_split,
     even_or_proportional,
     plan_shards,
     plan_units,
@@ -149,6 +150,23 @@ def test_choose_parts_splits_only_when_boards_would_idle() -> None:
     assert choose_parts(64, 3, even(128)) == 3  # divisors of the batch only
     assert choose_parts(2, 1, even(8)) == 1  # a batch of one cannot be split
     assert choose_parts(8, 4, {}) == 1
+
+
+@pytest.mark.parametrize("boards", [3, 8, 48, 128, 256])
+def test_choose_split_returns_the_plan_of_the_split_it_chose(boards: int) -> None:
+    """The plan comes with the split (the caller need not plan again) and is the one
+    ``plan_units`` makes for it at that split's rates; the split is ``choose_parts``'."""
+    names = [f"b{i:03d}" for i in range(boards)]
+    whole = {b: 1.0 + (i % 5) / 40 for i, b in enumerate(names)}
+
+    def rates(parts: int) -> dict[str, float]:
+        return whole if parts == 1 else {b: r * 0.9 / parts for b, r in whole.items()}
+
+    split, plan = choose_split(64, 4, rates)
+    assert split == StepSplit(64, 4, choose_parts(64, 4, rates))
+    assert plan == plan_units(split, split.units, rates(split.parts))
+    assert sorted(u for units in plan.values() for u in units) == list(split.units)
+    assert choose_split(8, 4, {}) == (StepSplit(8, 4), {})
 
 
 def test_choose_parts_follows_measured_rates() -> None:

@@ -422,6 +422,40 @@ async def test_agents_of_a_process_share_one_frozen_state(int8_workload: Workloa
         held[0].params[0] = 0
 
 
+async def test_agents_take_the_update_another_board_applied_to_the_same_weights(
+    int8_workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Boards of one process handed the same decoded update on the same frozen weights
+    take the first board's result by identity, without keying the update again; an
+    equal message decoded apart goes through the memo by value; all ack the bits of a
+    board that computed the update alone."""
+    cfg = job_config(int8_workload.spec)
+    agents = [await loaded_agent(int8_workload, f"vb-same-{i}") for i in range(3)]
+    first = ApplyUpdate(job_id=cfg.job_id, step=0, ks=(2, 9), coefficients=(0.75, -1.5))
+    for agent in agents:  # from here on the three hold one frozen state
+        await agent.handle(first)
+    keyed: list[int] = []
+    update_key = board_module._Shared.update_key
+
+    def counted(*args: object) -> object:
+        keyed.append(1)
+        return update_key(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(board_module._Shared, "update_key", staticmethod(counted))
+    msg = ApplyUpdate(job_id=cfg.job_id, step=1, ks=(3, 8), coefficients=(-0.25, 2.0))
+    acks = [(await agents[0].handle(msg))[0]]
+    by_first = len(keyed)
+    acks.append((await agents[1].handle(msg))[0])
+    assert by_first > 0 and len(keyed) == by_first
+    twin = ApplyUpdate.model_validate(msg.model_dump())
+    assert twin == msg and twin is not msg
+    acks.append((await agents[2].handle(twin))[0])
+    assert len(keyed) > by_first
+    alone = int8_workload.apply_update(int8_workload.initial_state(), 0, first.pairs())
+    alone = int8_workload.apply_update(alone, 1, msg.pairs())
+    assert [a.checksum for a in acks if isinstance(a, UpdateAck)] == [alone.checksum()] * 3
+
+
 @pytest.mark.parametrize(("limit", "in_worker"), [(1 << 30, False), (0, True)])
 async def test_agent_small_updates_are_applied_without_a_worker_thread(
     int8_workload: Workload, monkeypatch: pytest.MonkeyPatch, limit: int, in_worker: bool

@@ -290,6 +290,18 @@ def _decode(data: bytes) -> DataMessage:
     return decode(data)
 
 
+@functools.lru_cache(maxsize=8)
+def _encode_shared(msg: UpdateAck) -> bytes:
+    return encode(msg)
+
+
+def _encode(msg: DataMessage) -> bytes:
+    """``encode``, once per process for an UpdateAck: the boards of a process ack an
+    update with the same message, and the aggregator above them decodes equal bytes
+    once (``qsched.daemon.aggregate``)."""
+    return _encode_shared(msg) if isinstance(msg, UpdateAck) else encode(msg)
+
+
 def _same_state(a: TrainState, b: TrainState) -> bool:
     if a is b:  # the boards of a process share their frozen states
         return True
@@ -325,6 +337,10 @@ class _Shared:
     _memo_lock: threading.Lock = field(default_factory=threading.Lock)  # the dict only
     # (event loop id, update key) -> done when that board's computation ended.
     updating: dict[tuple[object, ...], asyncio.Future[None]] = field(default_factory=dict)
+    # (message, weights before, weights after) of the last update applied here: the
+    # boards of a process share the decoded message (``_decode_shared``) and their frozen
+    # weights, so the next board finds its answer by identity, without hashing the pairs.
+    last_applied: tuple[ApplyUpdate, TrainState, TrainState] | None = None
     evals: EvalCoalescer = field(init=False)  # the boards' evaluations, computed together
 
     def __post_init__(self) -> None:
@@ -336,6 +352,14 @@ class _Shared:
     ) -> tuple[object, ...]:
         """What identifies one update of one state (the checksum narrows, equality decides)."""
         return (step, tuple(pairs), state.checksum())
+
+    def applied(self, msg: ApplyUpdate, state: TrainState) -> TrainState | None:
+        """The weights after ``msg`` when it is the very message last applied here to
+        this very state (``last_applied``)."""
+        last = self.last_applied
+        if last is not None and last[0] is msg and last[1] is state:
+            return last[2]
+        return None
 
     def cached_update(self, state: TrainState, key: tuple[object, ...]) -> TrainState | None:
         """The memoised result of the update ``key`` (``update_key``) on these weights."""
@@ -965,21 +989,30 @@ class BoardAgent:
         if self._last_update is not None and self._last_update[0] == msg:
             return [self._last_update[1]]  # a duplicate delivery: the same answer again
         self._check_step(msg.job_id, msg.step, state)
-        new_state = await self._updated(state, msg.step, msg.pairs())
+        new_state = await self._updated(state, msg)
         self._state = new_state
         checksum = self.faults.checksum(msg.step, new_state.checksum())
         ack = UpdateAck(job_id=msg.job_id, step=msg.step, checksum=checksum)
         self._last_update = (msg, ack)
         return [ack]
 
-    async def _updated(
-        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
-    ) -> TrainState:
-        """The weights after the update: memoised when a board of this process already
-        computed it, awaited when one is computing it, else computed here (on the event
-        loop when it is small, ``_Shared.apply_inline``; else in the worker)."""
+    async def _updated(self, state: TrainState, msg: ApplyUpdate) -> TrainState:
+        """The weights after the update: the one another board of this process just
+        applied to these very weights (``_Shared.applied``); memoised when a board of
+        this process already computed it, awaited when one is computing it, else
+        computed here (on the event loop when it is small, ``_Shared.apply_inline``;
+        else in the worker)."""
         shared = self._shared
         assert shared is not None
+        new_state = shared.applied(msg, state)
+        if new_state is None:
+            new_state = await self._computed_update(shared, state, msg.step, msg.pairs())
+            shared.last_applied = (msg, state, new_state)
+        return new_state
+
+    async def _computed_update(
+        self, shared: _Shared, state: TrainState, step: int, pairs: list[tuple[int, float]]
+    ) -> TrainState:
         update = shared.update_key(state, step, pairs)
         key = (id(asyncio.get_running_loop()), *update)
         pending = shared.updating.get(key)
@@ -1113,7 +1146,7 @@ async def serve_link(
     """
 
     async def send(msg: DataMessage) -> None:
-        payload = encode(msg)
+        payload = _encode(msg)
         await link.send(agent.faults.corrupt(payload) if corrupt_payloads else payload)
 
     async with asyncio.TaskGroup() as tasks:

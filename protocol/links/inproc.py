@@ -86,6 +86,23 @@ class InProcLink:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
         await self._outbox.put(bytes(payload))
 
+    def send_nowait(self, payload: bytes) -> bool:
+        """Queue one message for the other end if its queue has room, without waiting.
+
+        Returns:
+            False when the queue is full (``send`` waits for room).
+
+        Raises:
+            LinkClosedError: the link is closed.
+        """
+        if self._pair.closed:
+            raise LinkClosedError(self.board_id, "closed", self._pair.reason)
+        try:
+            self._outbox.put_nowait(bytes(payload))
+        except asyncio.QueueFull:
+            return False
+        return True
+
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the other end until the link closes."""
         async for item in iterate_queue(self._inbox):
