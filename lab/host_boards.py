@@ -86,8 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.mqtt, args.fleet, args.name, args.count, args.model_latency, args.id_prefix
         )
 
+    from qsched.firmware.virtual.clock import run_precise
+
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(run())
+        run_precise(run(), descriptors=1)  # one MQTT connection; the members are in-process
     return 0
 
 

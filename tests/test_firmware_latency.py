@@ -44,3 +44,37 @@ def test_latency_anchor_matches_zoo_count():
 
     model = build_model("mobilenetv2", (128, 128, 3), 1000, 0, width=0.35)
     assert model_summary(model)[1] == MOBILENETV2_035_128_MACS
+
+
+def test_board_processes_wait_to_the_microsecond():
+    """Where the default loop waits in epoll or poll (whole milliseconds), processes
+    hosting virtual boards wait in select instead, unless they hold too many descriptors
+    for it; run_precise runs a coroutine to its value on that loop."""
+    import asyncio
+    import selectors
+
+    from qsched.firmware.virtual.clock import (
+        SELECT_DESCRIPTORS,
+        precise_loop_factory,
+        run_precise,
+    )
+
+    factory = precise_loop_factory(32)
+    if selectors.DefaultSelector is getattr(selectors, "EpollSelector", None):
+        assert factory is not None
+        loop = factory()
+        try:
+            assert isinstance(loop._selector, selectors.SelectSelector)  # type: ignore[attr-defined]
+        finally:
+            loop.close()
+    assert precise_loop_factory(SELECT_DESCRIPTORS + 1) is None
+
+    async def sleep_and_say() -> tuple[str, str]:
+        await asyncio.sleep(0.001)
+        loop = asyncio.get_running_loop()
+        return "done", type(getattr(loop, "_selector", None)).__name__
+
+    said, selector = run_precise(sleep_and_say(), descriptors=4)
+    assert said == "done"
+    if factory is not None:
+        assert selector == "SelectSelector"

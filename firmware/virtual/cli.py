@@ -32,6 +32,7 @@ from qsched.firmware.virtual.board import (
     LatencyProfile,
     serve_link,
 )
+from qsched.firmware.virtual.clock import run_precise
 from qsched.firmware.virtual.faults import CorruptingStream, FaultError, FaultPlan
 from qsched.firmware.virtual.latency import DK_BAUD
 from qsched.protocol.links.base import cancel_until_done
@@ -376,5 +377,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"qsched board: {problem}", file=sys.stderr)
         return EXIT_USAGE
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(_run(args))
+        # One MQTT connection or serial port a board, and a few more descriptors.
+        return run_precise(_run(args), descriptors=len(args.serial) or args.count)
     return 0
