@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -44,7 +43,7 @@ from qsched.daemon.planner import (
     observe_split,
     plan_units,
 )
-from qsched.protocol.codec import HEADER_SIZE, decode, encode
+from qsched.protocol.codec import decode, decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
 from qsched.protocol.messages import (
@@ -532,17 +531,10 @@ class HostAggregator:
                 await self._up(self.hello())
 
 
-@functools.lru_cache(maxsize=8)
-def _decode_shared(data: bytes) -> DataMessage:
-    return decode(data)
-
-
 def _decode_answer(data: bytes) -> DataMessage:
     """A member's message, decoded once per distinct bytes when it is an UpdateAck: the
-    members ack an update with equal bytes, and messages are frozen."""
-    if len(data) > HEADER_SIZE and data[3] == TYPE_CODES[UpdateAck]:
-        return _decode_shared(bytes(data))
-    return decode(data)
+    members of a process ack an update with equal bytes."""
+    return decode_shared(data, TYPE_CODES[UpdateAck])
 
 
 async def _all_done(tasks: Sequence[asyncio.Task[None]]) -> None:

@@ -59,7 +59,15 @@ from qsched.protocol.messages import (
     WireModel,
 )
 
-__all__ = ["HEADER_SIZE", "MAGIC", "decode", "encode", "layout_tables", "peek_header"]
+__all__ = [
+    "HEADER_SIZE",
+    "MAGIC",
+    "decode",
+    "decode_shared",
+    "encode",
+    "layout_tables",
+    "peek_header",
+]
 
 MAGIC: Final = b"QS"
 HEADER_SIZE: Final = 4
@@ -568,6 +576,25 @@ def decode(data: bytes) -> DataMessage:
     except ValidationError as exc:
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ProtocolError("invalid_field", detail, msg_type=code) from exc
+
+
+def decode_shared(data: bytes, code: int) -> DataMessage:
+    """``decode``, once per process for equal bytes of type ``code``; other messages are
+    decoded as usual. For what many receivers in one process get as the same bytes (an
+    update fanned out to the boards of a process, their equal acks to an aggregator):
+    messages are frozen, so they may share one decoded object. Errors are not kept.
+
+    Raises:
+        ProtocolError: as ``decode``.
+    """
+    if len(data) > HEADER_SIZE and data[3] == code:
+        return _decode_memo(bytes(data))
+    return decode(data)
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_memo(data: bytes) -> DataMessage:
+    return decode(data)
 
 
 @dataclass

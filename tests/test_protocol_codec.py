@@ -42,7 +42,7 @@ from qsched.protocol import (
     job_id_of,
     peek_header,
 )
-from qsched.protocol.codec import layout_tables
+from qsched.protocol.codec import decode_shared, layout_tables
 from qsched.protocol.errors import ERROR_KINDS
 from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import BOARD_ERROR_CODES, TYPE_CODES, Shard, StepOrder
@@ -509,3 +509,18 @@ def test_codec_layout_tables_name_every_field() -> None:
         for name in cls.model_fields:
             if name != "type":
                 assert f"`{name}`" in tables
+
+
+def test_decode_shared_gives_equal_bytes_of_its_type_one_object() -> None:
+    """Equal bytes of the named type decode to one shared object (frozen, so safe);
+    other types decode afresh, and bad bytes raise every time."""
+    ack = encode(UpdateAck(job_id=4, step=9, checksum=0xBEEF))
+    code = TYPE_CODES[UpdateAck]
+    first = decode_shared(ack, code)
+    assert decode_shared(bytes(bytearray(ack)), code) is first
+    assert first == decode(ack)
+    ping = encode(Ping(nonce=3))
+    assert decode_shared(ping, code) is not decode_shared(ping, code)
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match="truncated"):
+            decode_shared(ack[:-1], code)

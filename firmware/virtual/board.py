@@ -56,7 +56,7 @@ from qsched.firmware.virtual.latency import (
     NpuLatencyModel,
     serial_seconds,
 )
-from qsched.protocol.codec import HEADER_SIZE, decode, encode
+from qsched.protocol.codec import decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.identity import dataset_hash64, model_hash64
 from qsched.protocol.jobspec import JobSpec
@@ -277,17 +277,10 @@ class DatasetCatalog:
 # --------------------------------------------------------------------------- shared workloads
 
 
-@functools.lru_cache(maxsize=8)
-def _decode_shared(data: bytes) -> DataMessage:
-    return decode(data)
-
-
 def _decode(data: bytes) -> DataMessage:
     """``decode``, once per process for an ApplyUpdate: every board of a process gets the
-    same update's bytes, and messages are frozen, so they can share the decoded one."""
-    if len(data) > HEADER_SIZE and data[3] == TYPE_CODES[ApplyUpdate]:
-        return _decode_shared(bytes(data))
-    return decode(data)
+    same update's bytes."""
+    return decode_shared(data, TYPE_CODES[ApplyUpdate])
 
 
 @functools.lru_cache(maxsize=8)
@@ -338,7 +331,7 @@ class _Shared:
     # (event loop id, update key) -> done when that board's computation ended.
     updating: dict[tuple[object, ...], asyncio.Future[None]] = field(default_factory=dict)
     # (message, weights before, weights after) of the last update applied here: the
-    # boards of a process share the decoded message (``_decode_shared``) and their frozen
+    # boards of a process share the decoded message (``_decode``) and their frozen
     # weights, so the next board finds its answer by identity, without hashing the pairs.
     last_applied: tuple[ApplyUpdate, TrainState, TrainState] | None = None
     evals: EvalCoalescer = field(init=False)  # the boards' evaluations, computed together
