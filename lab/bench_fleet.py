@@ -958,6 +958,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
     p.add_argument(
+        "--max-steps",
+        type=int,
+        default=BenchConfig.max_steps,
+        help=f"most measured steps (default {BenchConfig.max_steps}; with a longer --seconds, "
+        "more give steadier figures for large fleets, whose steps are short)",
+    )
+    p.add_argument(
         "--model-latency", default="mobilenetv2-0.35-128", help="the boards' latency model"
     )
     p.add_argument("--audit", action="store_true", help="keep the shard audit on")
@@ -1000,10 +1007,11 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     if (
         min(args.q, args.warmup, args.min_steps, args.board_processes, args.bridges) < 1
         or args.seconds <= 0
+        or args.max_steps < args.min_steps
     ):
         raise ValueError(
             "--q, --batch, --warmup, --min-steps, --board-processes and --bridges must be "
-            "at least 1, --seconds positive"
+            "at least 1, --seconds positive, --max-steps at least --min-steps"
         )
     return BenchConfig(
         boards=args.boards,
@@ -1013,6 +1021,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         window_s=args.seconds,
         warmup_steps=args.warmup,
         min_steps=args.min_steps,
+        max_steps=args.max_steps,
         model_latency=args.model_latency,
         audit=args.audit,
         mqtt=args.mqtt,

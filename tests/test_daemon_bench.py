@@ -15,6 +15,7 @@ from qsched.lab.bench_fleet import (
     BenchRow,
     ByteCounter,
     CountingTransport,
+    _config,
     _parser,
     floor_verdicts,
     main,
@@ -208,11 +209,19 @@ async def test_bench_counting_transport_counts_by_type() -> None:
 
 
 def test_bench_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """A zero q is a usage error; an unknown link is refused by the parser."""
+    """A zero q, or fewer most than fewest steps, is a usage error; an unknown link is
+    refused by the parser."""
     assert main(["--q", "0"]) == 2
+    assert main(["--min-steps", "5", "--max-steps", "4"]) == 2
     with pytest.raises(SystemExit):
         main(["--links", "carrier-pigeon"])
     assert "qsched bench fleet" in capsys.readouterr().err
+
+
+def test_bench_measures_at_most_max_steps() -> None:
+    """--max-steps caps the measured steps (60 by default), within the --seconds window."""
+    assert _config(_parser().parse_args([])).max_steps == 60
+    assert _config(_parser().parse_args(["--max-steps", "300"])).max_steps == 300
 
 
 def test_bench_default_batches_minibatch_then_worst_case() -> None:
