@@ -18,6 +18,7 @@ from qsched.protocol.codec import decode
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import Link
 from qsched.zo.trainer import train_zo
+from qsched.zo.workload import TrainState
 
 SPEC = JobSpec(
     name="pipe",
@@ -57,7 +58,9 @@ class _TracingLink:
         await self._inner.close()
 
 
-async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace, list[FleetEvent]]:
+async def _run(
+    pipeline: bool, faults: dict[str, list[str]], trace_applies: bool = False
+) -> tuple[int, Trace, list[FleetEvent]]:
     trace: Trace = []
     events: list[FleetEvent] = []
     transport = WrappedInProcTransport(lambda link, board: _TracingLink(link, board, trace))
@@ -75,7 +78,16 @@ async def _run(pipeline: bool, faults: dict[str, list[str]]) -> tuple[int, Trace
             boards.append(tasks.create_task(serve_link(agent, transport.inner.attach(board_id))))
         while len([s for s in fleet.boards() if s.hello is not None]) < 3:
             await fleet.wait_changed(0.05)
-        result = await StepEngine(SPEC, fleet, config=config).run()
+        engine = StepEngine(SPEC, fleet, config=config)
+        if trace_applies:  # the daemon's own updates, in the trace as ("daemon", "apply")
+            apply_update = engine.workload.apply_update
+
+            def traced(state: TrainState, t: int, pairs: list[tuple[int, float]]) -> TrainState:
+                trace.append(("daemon", "apply", "", t))
+                return apply_update(state, t, pairs)
+
+            engine.workload.apply_update = traced  # type: ignore[method-assign]
+        result = await engine.run()
         for board in boards:
             board.cancel()
     return result.state.checksum(), trace, events
@@ -121,3 +133,16 @@ async def test_engine_pipeline_wrong_ack_voids_next_results() -> None:
     # Full weights, then back to work: keys, or batch slices when the planner splits.
     work = {("vb-01", "out", kind, 5) for kind in _REQUESTS}
     assert work & set(trace[resync:])
+
+
+async def test_engine_pipeline_daemon_updates_its_weights_after_a_board_acked() -> None:
+    """Pipelined, the daemon computes its own copy of step t's update once a board has
+    acknowledged it (boards that share its cores take theirs first), even when every
+    ack comes 20 ms late; the weights and the ack checks are as before."""
+    late = {f"vb-{i:02d}": ["delay:step=1:0.02"] for i in range(3)}
+    checksum, trace, _ = await _run(True, late, trace_applies=True)
+    assert checksum == train_zo(SPEC).state.checksum()
+    applies = {t: i for i, (who, _, _, t) in enumerate(trace) if who == "daemon"}
+    for t in (0, 1, 4, 5):  # pipelined steps (not validation steps, not the last)
+        first_ack = next(i for i, x in enumerate(trace) if x[1:] == ("in", "update_ack", t))
+        assert first_ack < applies[t]

@@ -11,7 +11,8 @@ result counts only after its board's ack matched.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from typing import Any, Final
 
 from qsched.daemon.engine.collect import Flight, Flights
 from qsched.daemon.engine.context import JobContext, fault_text
@@ -26,7 +27,11 @@ from qsched.protocol.messages import (
     UpdateAck,
 )
 
-__all__ = ["UpdateSender"]
+__all__ = ["FIRST_ACK_WAIT_S", "UpdateSender"]
+
+# The longest the daemon waits for a board's ack before computing its own copy of an
+# update (``UpdateSender.first_ack``): acks come within milliseconds when all is well.
+FIRST_ACK_WAIT_S: Final = 0.05
 
 
 class UpdateSender:
@@ -40,6 +45,7 @@ class UpdateSender:
         self.ctx = ctx
         # Eval requests of the next step sent with the update: (step, q, flights).
         self._prefetch: tuple[int, int, Flights] | None = None
+        self._first_ack = asyncio.Event()  # a board acknowledged the last update sent
 
     async def broadcast(self, t: int, pairs: list[tuple[int, float]], expected: int) -> None:
         """``ApplyUpdate(t)`` to every board at step t; wait for and check every ack."""
@@ -77,6 +83,9 @@ class UpdateSender:
         await self._settle_unverified()
         message = _update_message(ctx.job_id, t, pairs)
         targets = self._targets(t)
+        first_ack = self._first_ack = asyncio.Event()
+        if not targets:
+            first_ack.set()  # nobody will acknowledge it
         sent: list[asyncio.Future[None]] = []
         workers = [s for s in targets if s.state == "ready" and not s.draining]
         split = ctx.split(t + 1, next_q, workers)
@@ -92,7 +101,9 @@ class UpdateSender:
             sent.append(done)
             if request is None:
                 ctx.unverified[session.address] = ctx.tasks.spawn(
-                    self._update_only(session, message, expected, done, cast.sent(session)),
+                    self._update_only(
+                        session, message, expected, done, cast.sent(session), first_ack
+                    ),
                     f"fleet[{session.address}].update[{t}]",
                 )
                 continue
@@ -102,7 +113,14 @@ class UpdateSender:
             timeout = flight.deadline - now + ctx.config.step_deadline_s * 4
             task = ctx.tasks.spawn(
                 self._update_then_eval(
-                    session, message, request, expected, timeout, done, cast.sent(session)
+                    session,
+                    message,
+                    request,
+                    expected,
+                    timeout,
+                    done,
+                    cast.sent(session),
+                    first_ack,
                 ),
                 f"fleet[{session.address}].eval[{t + 1}]",
             )
@@ -112,6 +130,13 @@ class UpdateSender:
         self._prefetch = (t + 1, next_q, flights)
         if sent:
             await asyncio.wait(sent)
+
+    async def first_ack(self) -> None:
+        """Until a board acknowledged the update ``send_with_next`` sent last, whatever
+        its checksum; at most ``FIRST_ACK_WAIT_S`` (acks lost with the broker, say)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_ACK_WAIT_S):
+                await self._first_ack.wait()
 
     def take_prefetch(self, t: int, q: int) -> Flights:
         """The requests of step ``t`` with ``q`` keys already out with the last update
@@ -190,6 +215,7 @@ class UpdateSender:
         timeout: float,
         sent: asyncio.Future[None],
         fleetcast: asyncio.Future[None] | None,
+        first_ack: asyncio.Event,
     ) -> EvalResult | EvalSliceResult:
         """Send the update and the next step's request (or wait for the StepOrder that
         carries both); the result counts only after the update's ack matched the daemon's
@@ -214,6 +240,7 @@ class UpdateSender:
             _settle_none(sent)
         try:
             reply = await session.reply(update, ack, self.ctx.config.reply_timeout_s)
+            first_ack.set()
             await _check_ack(session, update.step, reply, expected)
             result = await session.reply(request, answer, timeout)
             return result  # type: ignore[return-value]  # keyed by step, slice and ks: the answer
@@ -228,6 +255,7 @@ class UpdateSender:
         expected: asyncio.Future[int],
         sent: asyncio.Future[None],
         fleetcast: asyncio.Future[None] | None,
+        first_ack: asyncio.Event,
     ) -> None:
         """A board without work in the next step: its ack is checked in the background."""
         ctx = self.ctx
@@ -238,6 +266,7 @@ class UpdateSender:
                 _settle_none(sent)
             try:
                 reply = await session.reply(update, ack, ctx.config.reply_timeout_s)
+                first_ack.set()
             finally:
                 session.forget(("update", update.step), ack)
             await _check_ack(session, update.step, reply, expected)
