@@ -609,6 +609,11 @@ class Fleet:
             return
         session.deliver(hello)
         first = session.hello is None
+        if not first:
+            # A fresh session (a reboot, or a reconnect that may have lost messages both
+            # ways): what the board was asked before is void, so its pending requests
+            # fail now and their work is reassigned, instead of waiting out a timeout.
+            session.fail_all("said Hello again")
         session.epoch += 1
         session.hello = hello
         session.model_hash = hello.model_hash

@@ -91,6 +91,24 @@ async def test_fleet_request_timeout_and_lost_board() -> None:
         assert "scripted" not in fleet.sessions
 
 
+async def test_fleet_void_requests_of_a_board_that_says_hello_again() -> None:
+    """A board that says Hello again (rebooted, or reconnected to a restarted broker that
+    lost messages) starts a fresh session: its pending requests fail at once, so their
+    work is reassigned instead of waiting out the timeout."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        await board.send(encode(HELLO))
+        session = await _session(fleet)
+        pending = asyncio.create_task(session.request(REQUEST, timeout=30))
+        assert await _next(board) == REQUEST
+        epoch = session.epoch
+        await board.send(encode(HELLO))
+        with pytest.raises(BoardFaultError) as voided:
+            await asyncio.wait_for(pending, 5)
+        assert voided.value.reason == "gone" and "Hello again" in voided.value.detail
+        assert session.epoch == epoch + 1 and session.state == "hello"
+
+
 async def test_fleet_asks_a_silent_board_for_hello() -> None:
     """A board whose Hello was missed (daemon restart) is asked for one with a soft Reset."""
     async with InProcTransport() as transport, Fleet(transport) as fleet:
