@@ -43,6 +43,31 @@ async def test_split_batches_match_trainer(estimator: str) -> None:
     assert result.faults == 0
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+async def test_a_step_is_planned_once_when_its_split_is_chosen(
+    pipeline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choosing a step's split plans every unit for each candidate; the step's first plan
+    takes the chosen candidate's plan instead of planning again: with no reassignment,
+    the daemon plans again at most once (the first step may have started among fewer
+    boards than its plan sees), and the bits are the reference's."""
+    import qsched.daemon.engine.context as context_module
+
+    replans: list[int] = []
+    plan_units = context_module.plan_units
+
+    def counted(*args: object) -> object:
+        replans.append(1)
+        return plan_units(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(context_module, "plan_units", counted)
+    spec = _spec()
+    config = EngineConfig(pipeline=pipeline, audit_every=0)
+    result = await run_job_inprocess(spec, boards=4, latency=LATENCY, config=config)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert result.reassigned == 0 and len(replans) <= 1
+
+
 async def test_split_batches_not_pipelined_match_trainer() -> None:
     """Without pipelining the collector plans the split itself: the same bits."""
     spec = _spec()

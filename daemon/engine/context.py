@@ -25,7 +25,7 @@ from qsched.daemon.fleet import BoardFaultError, BoardSession, Fleet
 from qsched.daemon.planner import (
     StepSplit,
     ThroughputEstimate,
-    choose_parts,
+    choose_split,
     estimate_for,
     observe_split,
     plan_units,
@@ -251,6 +251,10 @@ class JobContext:
         self.unverified: dict[str, asyncio.Task[Outcome[None]]] = {}
         self.going_down: asyncio.Future[None] | None = None  # done on a shutdown stop
         self._splits: dict[int, StepSplit] = {}  # step -> its split, chosen once
+        # The plan of every unit that choosing the last split computed, for the workers
+        # it was chosen among: the step's first ``plan`` takes it instead of planning
+        # again (once: later plans see other units or newer rates).
+        self._chosen_plan: tuple[StepSplit, tuple[str, ...], dict[str, list[int]]] | None = None
 
     @property
     def state(self) -> TrainState:
@@ -304,11 +308,13 @@ class JobContext:
             return known
         if not workers:
             return StepSplit(q, self.spec.batch_size)
-        parts = 1
+        split = StepSplit(q, self.spec.batch_size)
         if self.config.split_batches and self.workload.int8:
-            parts = choose_parts(q, self.spec.batch_size, lambda n: planning_rates(workers, n))
-        split = StepSplit(q, self.spec.batch_size, parts)
-        self.split_steps += parts > 1
+            split, plan = choose_split(
+                q, self.spec.batch_size, lambda n: planning_rates(workers, n)
+            )
+            self._chosen_plan = (split, tuple(s.address for s in workers), plan)
+        self.split_steps += split.parts > 1
         self._splits = {step: v for step, v in self._splits.items() if step >= t - 1}
         self._splits[t] = split
         return split
@@ -323,7 +329,9 @@ class JobContext:
     ) -> dict[str, list[int]]:
         """Units to boards by throughput; at an audit step, the shards of one slice
         overlap by one unit (a board alone on its slice is checked by the daemon)."""
-        plan = plan_units(split, list(missing), planning_rates(workers, split.parts))
+        plan = self._take_chosen_plan(split, missing, workers)
+        if plan is None:
+            plan = plan_units(split, list(missing), planning_rates(workers, split.parts))
         step = self.step if step is None else step
         if not (audit and self.audit_step(step)):
             return plan
@@ -337,6 +345,22 @@ class JobContext:
             for b in order:
                 plan[b] = sorted({*plan[b], extra[b]})
         return plan
+
+    def _take_chosen_plan(
+        self, split: StepSplit, missing: Sequence[int], workers: list[BoardSession]
+    ) -> dict[str, list[int]] | None:
+        """The plan ``split`` computed while it was chosen, when this plan is of the same
+        split, units and workers (the step's first); None otherwise. Used once."""
+        chosen, self._chosen_plan = self._chosen_plan, None
+        if chosen is None:
+            return None
+        chosen_split, addresses, plan = chosen
+        same = (
+            chosen_split is split
+            and addresses == tuple(s.address for s in workers)
+            and list(missing) == list(split.units)
+        )
+        return {board: list(units) for board, units in plan.items()} if same else None
 
     def eval_request(
         self, t: int, units: Sequence[int], split: StepSplit
