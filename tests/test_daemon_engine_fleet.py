@@ -30,6 +30,18 @@ async def _next(board: InProcLink) -> object:
     return decode(await asyncio.wait_for(anext(board.incoming()), 5))
 
 
+async def _asked(
+    transport: InProcTransport, fleet: Fleet, timeout: float
+) -> tuple[InProcLink, BoardSession, asyncio.Task[object]]:
+    """A scripted board that said Hello, its session, and REQUEST pending on it."""
+    board = transport.attach("scripted")
+    await board.send(encode(HELLO))
+    session = await _session(fleet)
+    pending = asyncio.create_task(session.request(REQUEST, timeout=timeout))
+    assert await _next(board) == REQUEST
+    return board, session, pending
+
+
 async def test_fleet_unsupported_version_is_refused() -> None:
     """A board speaking another protocol version gets a typed Error and is marked faulty."""
     async with InProcTransport() as transport, Fleet(transport) as fleet:
@@ -46,11 +58,7 @@ async def test_fleet_unsupported_version_is_refused() -> None:
 async def test_fleet_error_reply_and_result_resolve_requests() -> None:
     """A typed Error fails the request it refers to; the matching result resolves the next one."""
     async with InProcTransport() as transport, Fleet(transport) as fleet:
-        board = transport.attach("scripted")
-        await board.send(encode(HELLO))
-        session = await _session(fleet)
-        pending = asyncio.create_task(session.request(REQUEST, timeout=5))
-        assert await _next(board) == REQUEST
+        board, session, pending = await _asked(transport, fleet, timeout=5)
         await board.send(
             encode(Error(code="stale_step", ref_type=0x45, job_id=7, step=3, detail="board at 2"))
         )
@@ -96,11 +104,7 @@ async def test_fleet_void_requests_of_a_board_that_says_hello_again() -> None:
     lost messages) starts a fresh session: its pending requests fail at once, so their
     work is reassigned instead of waiting out the timeout."""
     async with InProcTransport() as transport, Fleet(transport) as fleet:
-        board = transport.attach("scripted")
-        await board.send(encode(HELLO))
-        session = await _session(fleet)
-        pending = asyncio.create_task(session.request(REQUEST, timeout=30))
-        assert await _next(board) == REQUEST
+        board, session, pending = await _asked(transport, fleet, timeout=30)
         epoch = session.epoch
         await board.send(encode(HELLO))
         with pytest.raises(BoardFaultError) as voided:
