@@ -367,18 +367,22 @@ class JobContext:
     ) -> EvalRequest | EvalSliceRequest:
         """The request for ``units`` of step ``t`` (all of one slice)."""
         spec = self.spec
-        request = EvalRequest(
-            job_id=self.job_id,
-            step=t,
-            batch_size=spec.batch_size,
-            eps=spec.eps,
-            estimator=spec.estimator,
-            ks=tuple(sorted(split.key(u) for u in units)),
-        )
+        fields: dict[str, object] = {
+            "job_id": self.job_id,
+            "step": t,
+            "batch_size": spec.batch_size,
+            "eps": spec.eps,
+            "estimator": spec.estimator,
+            "ks": tuple(sorted(split.key(u) for u in units)),
+        }
         if split.parts == 1:
-            return request
+            return EvalRequest.model_validate(fields)
         (part,) = {split.part(u) for u in units}
-        return EvalSliceRequest.of(request, *split.bounds(part))
+        start, count = split.bounds(part)
+        # Built at once, not as EvalSliceRequest.of an EvalRequest: one validation, not
+        # two and a dump, for each of a large fleet's boards every step.
+        fields |= {"slice_start": start, "slice_count": count}
+        return EvalSliceRequest.model_validate(fields)
 
     def deadline(
         self, session: BoardSession, cost: float, now: float, split: StepSplit | None = None
