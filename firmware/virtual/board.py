@@ -363,7 +363,11 @@ class _Shared:
         return None
 
     def apply_inline(
-        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+        self,
+        state: TrainState,
+        step: int,
+        pairs: list[tuple[int, float]],
+        key: tuple[object, ...] | None = None,
     ) -> TrainState | None:
         """``apply_update`` right here when it is small and the workload is free, else None."""
         if self.workload.num_params * len(pairs) > _INLINE_UPDATE_WORK:
@@ -372,15 +376,20 @@ class _Shared:
             return None
         try:
             with float_warnings_silenced():
-                return self.apply_update(state, step, pairs)
+                return self.apply_update(state, step, pairs, key)
         finally:
             self.lock.release()
 
     def apply_update(
-        self, state: TrainState, step: int, pairs: list[tuple[int, float]]
+        self,
+        state: TrainState,
+        step: int,
+        pairs: list[tuple[int, float]],
+        key: tuple[object, ...] | None = None,
     ) -> TrainState:
-        """``Workload.apply_update``, memoised across boards (call with ``lock`` held)."""
-        key = self.update_key(state, step, pairs)
+        """``Workload.apply_update``, memoised across boards (call with ``lock`` held;
+        ``key``: its ``update_key`` when the caller has it already)."""
+        key = key if key is not None else self.update_key(state, step, pairs)
         cached = self.cached_update(state, key)
         if cached is not None:
             return cached
@@ -1014,12 +1023,12 @@ class BoardAgent:
         cached = shared.cached_update(state, update)
         if cached is not None:
             return cached
-        inline = shared.apply_inline(state, step, pairs)
+        inline = shared.apply_inline(state, step, pairs, update)
         if inline is not None:
             return inline
         done = shared.updating[key] = asyncio.get_running_loop().create_future()
         try:
-            new_state, _ = await self._compute(shared.apply_update, state, step, pairs)
+            new_state, _ = await self._compute(shared.apply_update, state, step, pairs, update)
             return new_state
         finally:
             shared.updating.pop(key, None)
