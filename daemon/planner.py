@@ -6,7 +6,7 @@ when an answer is late or lost; throughput estimates come from ``ThroughputEstim
 
 A step's work is ``q`` keys on a batch of ``B`` samples. In INT8 mode one key's batch
 may be split into ``parts`` contiguous slices (SPEC 6.10): the work units are then
-(key, slice) pairs, numbered ``part * q + k``; ``choose_parts`` picks the split from
+(key, slice) pairs, numbered ``part * q + k``; ``choose_split`` picks the split from
 the boards' measured rates.
 """
 
@@ -25,7 +25,6 @@ __all__ = [
     "StepSplit",
     "ThroughputEstimate",
     "batch_slices",
-    "choose_parts",
     "choose_split",
     "estimate_for",
     "even_or_proportional",
@@ -278,16 +277,6 @@ def predicted_seconds(split: StepSplit, rates: Mapping[str, float]) -> float:
 
 def _slowest(split: StepSplit, plan: Mapping[str, list[int]], rates: Mapping[str, float]) -> float:
     return max(split.cost(units) / max(rates[b], 1e-12) for b, units in plan.items())
-
-
-def choose_parts(
-    q: int,
-    batch_size: int,
-    rates: Mapping[str, float] | Callable[[int], Mapping[str, float]],
-    max_parts: int | None = None,
-) -> int:
-    """Slices per key for a step, from the boards' measured rates (``choose_split``)."""
-    return choose_split(q, batch_size, rates, max_parts)[0].parts
 
 
 def choose_split(

@@ -8,7 +8,6 @@ from qsched.daemon.planner import (
     StepSplit,
     ThroughputEstimate,
     batch_slices,
-    choose_parts,
     choose_split,
     even_or_proportional,
     plan_shards,
@@ -133,6 +132,16 @@ def test_plan_units_unsplit_is_plan_shards() -> None:
     rates = {"a": 2.0, "b": 1.0}
     split = StepSplit(q=6, batch_size=4)
     assert plan_units(split, split.units, rates) == plan_shards(list(range(6)), rates)
+
+
+def choose_parts(
+    q: int,
+    batch_size: int,
+    rates: dict[str, float] | Callable[[int], dict[str, float]],
+    max_parts: int | None = None,
+) -> int:
+    """Slices per key of the split ``choose_split`` chooses."""
+    return choose_split(q, batch_size, rates, max_parts)[0].parts
 
 
 def test_choose_parts_splits_only_when_boards_would_idle() -> None:
