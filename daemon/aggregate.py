@@ -19,6 +19,11 @@ their answers into one, so the daemon's work grows with hosts, not boards.
   refusal, loss or silence refuses the whole request (the daemon gives it elsewhere).
 - ``ValidateRequest`` goes to the fastest member; ``Ping`` to the first, whose heartbeat
   answers for the host (its unsolicited heartbeats go up as the host's).
+- Shares are prepared a step ahead. Once every member acknowledged an update, the
+  host waits for their results with nothing to do, and the daemon's next order will
+  most likely carry the eval request the host just shared, one step on. The host plans
+  and encodes that request's shares then, on the rates measured so far, and sends
+  them as they are when the order matches; anything else is planned on arrival.
 
 The protocol is unchanged: to the daemon the host is one board of the summed speed.
 Members are fixed when the aggregator starts; one whose link ends is dropped.
@@ -76,7 +81,11 @@ _log = structlog.get_logger("qsched.aggregate")
 # How long the aggregator waits for a member's answer before refusing the request.
 MEMBER_REPLY_TIMEOUT_S: Final = 60.0
 _HELLO: Final = ("hello",)  # the waiter of a member's Hello after a Reset
+_U32_MAX: Final = 2**32 - 1  # the largest step a message carries
 _FANNED_OUT: Final = (JobConfig, SelectDataset, LoadModel, SetWeights, ApplyUpdate)
+# After these the next eval request is not the last one a step on: a new job, data,
+# model or weights.
+_RESTARTS: Final = (JobConfig, SelectDataset, LoadModel, SetWeights, Reset)
 _PROTOCOL_CODES: Final[dict[str, BoardErrorCode]] = {
     "unsupported_version": "unsupported_version",
     "oversized": "too_large",
@@ -183,6 +192,35 @@ class _Part:
         observe_split(member.throughput, member.slice_throughput, self.parts, self.cost, seconds)
 
 
+@dataclass(frozen=True)
+class _Share:
+    """One member's share of an eval request, encoded, before it is sent."""
+
+    member: Member
+    request: EvalRequest | EvalSliceRequest
+    data: bytes
+    parts: int  # slices per key of the split it belongs to
+    cost: float  # whole-batch keys
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """The shares of the eval request expected next, and what they were planned for."""
+
+    request: EvalRequest | EvalSliceRequest
+    members: tuple[Member, ...]
+    int8: bool
+    shares: tuple[_Share, ...]
+
+    def fits(self, msg: DataMessage, members: Sequence[Member], int8: bool) -> bool:
+        """Whether these shares are what planning ``msg`` now would send (bar the rates,
+        which are a step older)."""
+        same_members = len(members) == len(self.members) and all(
+            a is b for a, b in zip(members, self.members, strict=True)
+        )
+        return same_members and int8 == self.int8 and msg == self.request
+
+
 class _Refused(Exception):
     """A member refused or failed: the request is refused up with this error."""
 
@@ -216,6 +254,9 @@ class HostAggregator:
         self._send: Send | None = None
         self.sliced = 0  # eval requests answered from batch slices of the members
         self._tasks: set[asyncio.Task[None]] = set()
+        self._last_shared: EvalRequest | EvalSliceRequest | None = None
+        self._prepared: _Prepared | None = None
+        self.prepared_used = 0  # eval requests sent from shares prepared a step ahead
 
     def alive(self) -> list[Member]:
         """The members still linked."""
@@ -296,7 +337,13 @@ class HostAggregator:
         and fold their answers in the background."""
         if isinstance(msg, JobConfig):
             self._int8 = msg.numerics == "int8"
-        if isinstance(msg, _FANNED_OUT):
+        if isinstance(msg, _RESTARTS):
+            self._prepared = None  # no step to plan ahead
+            self._last_shared = None
+        if isinstance(msg, ApplyUpdate):
+            futures = self._to(self.alive(), msg)
+            self._fold(self._fold_same(msg, futures), then=self._prepare_next(msg))
+        elif isinstance(msg, _FANNED_OUT):
             futures = self._to(self.alive(), msg)
             self._fold(self._fold_same(msg, futures))
         elif isinstance(msg, EvalRequest | EvalSliceRequest):
@@ -358,23 +405,60 @@ class HostAggregator:
     # ------------------------------------------------------------------ evaluation
 
     async def _share_eval(self, msg: EvalRequest | EvalSliceRequest) -> list[_Part]:
-        """Plan the request's keys (and, INT8, slices) over the members and send the
-        parts."""
+        """Send the members their shares of the request's keys (and, INT8, slices): the
+        ones prepared a step ahead if they fit, else planned now."""
         members = self.alive()
+        self._last_shared = msg
+        prepared, self._prepared = self._prepared, None
         if not members:
             return []
-        split, plan = self._plan(msg, members)
+        if prepared is not None and prepared.fits(msg, members, self._int8):
+            shares = prepared.shares
+            self.prepared_used += 1
+        else:
+            shares = self._shares(msg, members)
         out = []
         loop = asyncio.get_running_loop()
-        slices = self._slice_requests(msg, split)
-        for address, units in plan.items():
-            member = members[int(address)]
-            request = self._part_request(slices, split, units)
-            ((_, future),) = self._to([member], request)
-            part = _Part(member, request, future, split.parts, split.cost(units), loop.time())
+        for share in shares:
+            future = share.member.expect(request_key(share.request))
+            share.member.post(share.data)
+            part = _Part(share.member, share.request, future, share.parts, share.cost, loop.time())
             future.add_done_callback(part.answered)
             out.append(part)
         return out
+
+    def _shares(
+        self, msg: EvalRequest | EvalSliceRequest, members: list[Member]
+    ) -> tuple[_Share, ...]:
+        """The members' shares of ``msg`` planned on their rates now, encoded."""
+        split, plan = self._plan(msg, members)
+        slices = self._slice_requests(msg, split)
+        shares = []
+        for address, units in plan.items():
+            request = self._part_request(slices, split, units)
+            member = members[int(address)]
+            shares.append(_Share(member, request, encode(request), split.parts, split.cost(units)))
+        return tuple(shares)
+
+    def _prepare_next(self, update: ApplyUpdate) -> Callable[[DataMessage], None]:
+        """What to do once the members' acks of ``update`` went up: while they compute,
+        prepare the shares of the request shared right behind it, one step on (the
+        daemon's next order, if nothing changes)."""
+
+        def prepare(answer: DataMessage) -> None:
+            shared = self._last_shared
+            if not isinstance(answer, UpdateAck) or shared is None:
+                return
+            if shared.step != update.step + 1 or shared.step >= _U32_MAX:
+                return  # not a pipelined step (a validation came between, say)
+            members = self.alive()
+            if not members:
+                return
+            expected = shared.model_copy(update={"step": shared.step + 1})
+            shares = self._shares(expected, members)
+            self._prepared = _Prepared(expected, tuple(members), self._int8, shares)
+
+        return prepare
 
     def _plan(
         self, msg: EvalRequest | EvalSliceRequest, members: list[Member]
@@ -439,8 +523,13 @@ class HostAggregator:
 
     # ------------------------------------------------------------------ folding
 
-    def _fold(self, work: Awaitable[DataMessage | None]) -> None:
-        """Run one fold in the background; its answer (or refusal) goes up."""
+    def _fold(
+        self,
+        work: Awaitable[DataMessage | None],
+        then: Callable[[DataMessage], None] | None = None,
+    ) -> None:
+        """Run one fold in the background; its answer (or refusal) goes up, and then
+        ``then`` gets it."""
 
         async def run() -> None:
             try:
@@ -449,6 +538,8 @@ class HostAggregator:
                 answer = exc.error
             if answer is not None:
                 await self._up(answer)
+                if then is not None:
+                    then(answer)
 
         task = asyncio.create_task(run(), name=f"aggregate[{self.name}].fold")
         self._tasks.add(task)

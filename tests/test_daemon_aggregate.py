@@ -159,6 +159,28 @@ async def test_hosts_take_the_daemons_batch_slices() -> None:
     assert result.work.get("host-a") and result.work.get("host-b")
 
 
+async def test_a_host_prepares_the_next_steps_shares_while_its_members_compute() -> None:
+    """With no validation between steps every order carries the request the host shared
+    last, one step on: the host planned and encoded its shares while its members
+    computed, sends them as they are, and the bits are the single-process ones."""
+    spec = _spec(steps=8, eval_every=100)
+    aggregators: list[HostAggregator] = []
+    result = await _run(spec, {"host-a": _boards("a", 4)}, aggregators=aggregators)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    # Steps 0 and 1 come before any update the host could prepare behind.
+    assert aggregators[0].prepared_used == spec.steps - 2
+
+
+async def test_a_host_plans_afresh_when_the_order_is_not_the_one_prepared() -> None:
+    """q rising during the run (``linear``) and validations between steps: the orders
+    that differ from the prepared shares are planned on arrival, with the same bits."""
+    spec = _spec(steps=9, eval_every=4, policy=PolicySpec(name="linear", config={"qmax": 6}))
+    aggregators: list[HostAggregator] = []
+    result = await _run(spec, {"host-a": _boards("a", 4)}, aggregators=aggregators)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert 0 < aggregators[0].prepared_used < spec.steps - 2
+
+
 def _hello(board_id: str) -> Hello:
     return Hello(board_id=board_id, firmware_version="t", npu="virtual", ram_kib=64, max_batch=8)
 
