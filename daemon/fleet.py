@@ -27,6 +27,7 @@ from typing import Any, Final, Self
 import structlog
 
 from qsched.daemon.errors import BoardErrorReply, BoardFaultError, BoardLostError
+from qsched.daemon.logging import debug_enabled
 from qsched.daemon.planner import ThroughputEstimate
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.control import BoardInfo
@@ -226,7 +227,8 @@ class BoardSession:
                 "board state change refused", board=self.board_id, error=str(exc), reason=reason
             )
             return False
-        _log.debug("board state", board=self.board_id, old=self.state, new=new, reason=reason)
+        if debug_enabled():
+            _log.debug("board state", board=self.board_id, old=self.state, new=new, reason=reason)
         self.state = new
         return True
 

@@ -158,6 +158,23 @@ def test_logging_json_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) ->
         configure_logging("loud")
 
 
+def test_board_state_changes_are_logged_at_debug_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """A board's state change is a debug record: there at level debug, not even built at
+    info (``debug_enabled``, asked on the per-board path)."""
+    from qsched.daemon.fleet import BoardSession
+    from qsched.daemon.logging import configure_logging, debug_enabled
+
+    session = BoardSession(address="b-1", link=object(), transport="inproc")  # type: ignore[arg-type]
+    configure_logging("debug")
+    assert debug_enabled()
+    assert session.set_state("hello", "said hello")
+    configure_logging("info")
+    assert not debug_enabled()
+    assert session.set_state("ready", "synchronised")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(r["event"], r["new"]) for r in lines] == [("board state", "hello")]
+
+
 def test_logging_stdlib_records_are_json_too(capsys: pytest.CaptureFixture[str]) -> None:
     """A library's standard-library record (asyncio, with a traceback) is one JSON line as well."""
     import logging
