@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qsched.zo import update
+from qsched.zo import native, update
 from qsched.zo.prng import rademacher, rademacher_bits
 from qsched.zo.update import (
     accumulate_delta,
@@ -35,12 +35,17 @@ def _delta_one_k_at_a_time(seed: int, step: int, pairs: list[tuple[int, float]],
     return delta
 
 
+@pytest.mark.parametrize("kernel", ["native", "numpy"])
 @pytest.mark.parametrize("size", [1, 2, 37, 4096])
 @pytest.mark.parametrize("seed", range(6))
-def test_accumulate_delta_sums_in_ascending_k_to_the_bit(size, seed, monkeypatch):
+def test_accumulate_delta_sums_in_ascending_k_to_the_bit(kernel, size, seed, monkeypatch):
     """The keys' terms are added in ascending k, as a loop would: with magnitudes that
     make the order matter, signed zeros and an overflow, over several Philox chunks,
-    down to a one-weight vector (where a numpy reduction would sum pairwise)."""
+    down to a one-weight vector (where a numpy reduction would sum pairwise); in the
+    native kernel (``native.accumulate_signed``) as in numpy's row-by-row sum."""
+    if kernel == "native" and not native.available():
+        pytest.skip("the native kernels are not built here")
+    monkeypatch.setattr(native, "available", lambda: kernel == "native")
     monkeypatch.setattr(update, "_BITS_PER_CALL", 12 * size)  # 12 keys per chunk
     rng = np.random.default_rng([size, seed])
     coefficients = (rng.normal(size=23) * 10.0 ** rng.integers(-8, 9, size=23)).astype(np.float32)
@@ -94,3 +99,17 @@ def test_perturb_int8_saturates():
     for sign in (1, -1):
         p = perturb_int8(w, 3, 4, 5, 2, sign)
         assert p.max() <= 127 and p.min() >= -127
+
+
+def test_native_accumulate_refuses_mismatched_shapes():
+    """The C sum checks its arrays' shapes before it touches memory."""
+    if not native.available():
+        pytest.skip("the native kernels are not built here")
+    with pytest.raises(ValueError, match="one coefficient per row"):
+        native.accumulate_signed(
+            np.zeros(4, np.float32), np.zeros((2, 5), np.bool_), np.zeros(2, np.float32)
+        )
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.accumulate_signed(
+            np.zeros(8, np.float32)[::2], np.zeros((2, 4), np.bool_), np.zeros(2, np.float32)
+        )

@@ -4,6 +4,8 @@ The numpy kernels in ``kernels_int8`` define the arithmetic (TFLite's reference 
 kernels); the C kernels compute the same integers without int64 temporaries, all P
 perturbed copies and N samples in one call per layer. Functions here take the same
 arguments as their ``kernels_int8`` namesakes and return the same bits.
+``accumulate_signed`` sums an update's terms for ``qsched.zo.update`` (same bits as
+its numpy loop).
 
 Build: the system C compiler (``$CC`` or ``gcc``) with ``-O3 -march=native
 -ffp-contract=off -fno-strict-aliasing``, into ``$XDG_CACHE_HOME/qsched/native/`` (else
@@ -40,6 +42,7 @@ from qsched.zo.kernels_int8 import AddParams, OutputStage
 __all__ = [
     "CFLAGS",
     "NativeError",
+    "accumulate_signed",
     "add",
     "available",
     "build_info",
@@ -74,6 +77,7 @@ _state: dict[str, Any] = {"lib": None, "tried": False, "threads": None}
 _P8 = ctypes.POINTER(ctypes.c_int8)
 _P32 = ctypes.POINTER(ctypes.c_int32)
 _P64 = ctypes.POINTER(ctypes.c_int64)
+_PF32 = ctypes.POINTER(ctypes.c_float)
 _I = ctypes.c_int64
 
 
@@ -185,6 +189,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qs_depthwise.restype = ctypes.c_int
     lib.qs_add.argtypes = [_P8, _P8, _I, _P64, _P8]
     lib.qs_add.restype = ctypes.c_int
+    lib.qs_accumulate_signed.argtypes = [_PF32, _P8, _PF32, _I, _I]
+    lib.qs_accumulate_signed.restype = ctypes.c_int
     lib.qs_build_info.argtypes = []
     lib.qs_build_info.restype = ctypes.c_char_p
 
@@ -551,3 +557,31 @@ def add(a: I8, b: I8, p: AddParams, single_rounding: bool = False) -> I8:
         "add",
     )
     return out
+
+
+def accumulate_signed(
+    delta: npt.NDArray[np.float32],
+    negative: npt.NDArray[np.bool_],
+    coefficients: npt.NDArray[np.float32],
+) -> None:
+    """``delta += c_k z_k`` for each row k in turn, in place: ``z_ki`` is -1 where
+    ``negative[k, i]``, else +1 (``qsched.zo.update.accumulate_delta``, same bits).
+
+    Args:
+        delta: float32, C-contiguous, one value per element; updated in place.
+        negative: bool rows, one per coefficient, each as long as ``delta``.
+        coefficients: float32, one per row.
+    """
+    rows, size = negative.shape
+    if delta.shape != (size,) or coefficients.shape != (rows,):
+        raise ValueError("accumulate_signed: one coefficient per row, rows as long as delta")
+    if delta.dtype != np.float32 or not delta.flags.c_contiguous:
+        raise ValueError("accumulate_signed: delta must be a contiguous float32 array")
+    bits = np.ascontiguousarray(negative).view(np.int8)
+    c = np.ascontiguousarray(coefficients, dtype=np.float32)
+    _check(
+        _lib().qs_accumulate_signed(
+            _ptr(delta, _PF32), _ptr(bits, _P8), _ptr(c, _PF32), rows, size
+        ),
+        "accumulate_signed",
+    )

@@ -28,6 +28,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from qsched.zo import native
 from qsched.zo.prng import DOMAIN_PERTURB, philox4x32, rademacher_bits
 
 __all__ = [
@@ -116,6 +117,9 @@ def accumulate_delta(
         chunk = ordered[start : start + per_call]
         rows = _bits_rows(seed, step, [k for k, _ in chunk], size)
         coefficients = np.array([c for _, c in chunk], dtype=np.float32)
+        if native.available():
+            native.accumulate_signed(delta, rows, coefficients)  # the loop below, in C
+            continue
         # Row by row on purpose: a numpy reduction over the rows would be sequential
         # only while a row has more than one element (with one, it sums pairwise).
         for term in _signed_terms(coefficients, rows):

@@ -10,7 +10,9 @@
  *   buffer (x - zero_point, padding cells 0), then an integer GEMM against weights
  *   packed as int16 pairs (k, k+1) per output channel, accumulated in int32;
  * - depthwise convolution: per output pixel, taps accumulated over contiguous channels;
- * - requantisation fused into the store (see requant_row).
+ * - requantisation fused into the store (see requant_row);
+ * - and, apart from the INT8 engine, the float32 sum of an update's terms
+ *   (qs_accumulate_signed).
  *
  * Bounds. |x - zp| <= 255 and |w| <= 128, so a product is below 2^15 and the sum of a
  * pair below 2^16: int16 operands and the pairwise int32 multiply-add (vpmaddwd) are
@@ -699,6 +701,22 @@ int qs_add(const int8_t *restrict a, const int8_t *restrict b, int64_t count, co
         r = r < lo ? lo : r;
         r = r > hi ? hi : r;
         out[i] = (int8_t)r;
+    }
+    return 0;
+}
+
+/*
+ * The sum of a ZO update's terms (qsched.zo.update.accumulate_delta; SPEC section 4.2):
+ * delta[i] += negative[r][i] ? -c[r] : c[r] for r = 0, 1, ... in turn, in float32. Each
+ * element's additions run in row order, one rounding each, as numpy's row-by-row sum
+ * does (no -ffast-math: the compiler may not reassociate them; -c is exact).
+ */
+int qs_accumulate_signed(float *restrict delta, const uint8_t *restrict negative,
+                         const float *restrict coefficients, int64_t rows, int64_t size) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float c = coefficients[r], minus_c = -c;
+        const uint8_t *row = negative + r * size;
+        for (int64_t i = 0; i < size; i++) delta[i] += row[i] ? minus_c : c;
     }
     return 0;
 }
