@@ -288,6 +288,12 @@ def _encode_shared(msg: UpdateAck) -> bytes:
     return encode(msg)
 
 
+@functools.lru_cache(maxsize=8)
+def _ack(job_id: int, step: int, checksum: int) -> UpdateAck:
+    """The ack of an update, one object per process for the boards that ack alike."""
+    return UpdateAck(job_id=job_id, step=step, checksum=checksum)
+
+
 def _encode(msg: DataMessage) -> bytes:
     """``encode``, once per process for an UpdateAck: the boards of a process ack an
     update with the same message, and the aggregator above them decodes equal bytes
@@ -988,13 +994,13 @@ class BoardAgent:
 
     async def _on_apply_update(self, msg: ApplyUpdate) -> list[DataMessage]:
         _, state = self._ready(msg.job_id)
-        if self._last_update is not None and self._last_update[0] == msg:
-            return [self._last_update[1]]  # a duplicate delivery: the same answer again
+        last = self._last_update
+        if last is not None and last[0].step == msg.step and last[0] == msg:
+            return [last[1]]  # a duplicate delivery: the same answer again
         self._check_step(msg.job_id, msg.step, state)
         new_state = await self._updated(state, msg)
         self._state = new_state
-        checksum = self.faults.checksum(msg.step, new_state.checksum())
-        ack = UpdateAck(job_id=msg.job_id, step=msg.step, checksum=checksum)
+        ack = _ack(msg.job_id, msg.step, self.faults.checksum(msg.step, new_state.checksum()))
         self._last_update = (msg, ack)
         return [ack]
 
