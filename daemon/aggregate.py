@@ -578,6 +578,8 @@ class HostAggregator:
     ) -> DataMessage:
         """A member's answer; its silence or loss is a refusal of ``msg``."""
         try:
+            if future.done():  # most are, when a fold gets to them: no timer to arm
+                return future.result()
             async with asyncio.timeout(self.reply_timeout_s):
                 return await future
         except TimeoutError as exc:
