@@ -455,7 +455,11 @@ class HostAggregator:
             if not members:
                 return
             expected = shared.model_copy(update={"step": shared.step + 1})
-            shares = self._shares(expected, members)
+            try:
+                shares = self._shares(expected, members)
+            except (ProtocolError, ValueError) as exc:  # planned on arrival instead
+                _log.warning("next step's shares not prepared", host=self.name, error=str(exc))
+                return
             self._prepared = _Prepared(expected, tuple(members), self._int8, shares)
 
         return prepare

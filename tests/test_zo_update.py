@@ -109,6 +109,10 @@ def test_native_accumulate_refuses_mismatched_shapes():
         native.accumulate_signed(
             np.zeros(4, np.float32), np.zeros((2, 5), np.bool_), np.zeros(2, np.float32)
         )
+    with pytest.raises(ValueError, match="bool array"):
+        native.accumulate_signed(
+            np.zeros(4, np.float32), np.zeros((2, 4), np.int64), np.zeros(2, np.float32)
+        )
     with pytest.raises(ValueError, match="contiguous float32"):
         native.accumulate_signed(
             np.zeros(8, np.float32)[::2], np.zeros((2, 4), np.bool_), np.zeros(2, np.float32)

@@ -577,6 +577,8 @@ def accumulate_signed(
         raise ValueError("accumulate_signed: one coefficient per row, rows as long as delta")
     if delta.dtype != np.float32 or not delta.flags.c_contiguous:
         raise ValueError("accumulate_signed: delta must be a contiguous float32 array")
+    if negative.dtype != np.bool_:
+        raise ValueError("accumulate_signed: the signs must be a bool array")
     bits = np.ascontiguousarray(negative).view(np.int8)
     c = np.ascontiguousarray(coefficients, dtype=np.float32)
     _check(
