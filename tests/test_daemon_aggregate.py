@@ -167,8 +167,9 @@ async def test_a_host_prepares_the_next_steps_shares_while_its_members_compute()
     aggregators: list[HostAggregator] = []
     result = await _run(spec, {"host-a": _boards("a", 4)}, aggregators=aggregators)
     assert result.state.checksum() == train_zo(spec).state.checksum()
-    # Steps 0 and 1 come before any update the host could prepare behind.
-    assert aggregators[0].prepared_used == spec.steps - 2
+    # Steps 0 and 1 come before any update the host could prepare behind (one more may
+    # miss on a loaded machine, where the acks' fold can end after the next order).
+    assert spec.steps - 3 <= aggregators[0].prepared_used <= spec.steps - 2
 
 
 async def test_a_host_plans_afresh_when_the_order_is_not_the_one_prepared() -> None:
