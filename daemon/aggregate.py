@@ -40,14 +40,8 @@ from typing import Any, Final
 import structlog
 
 from qsched.daemon.fleet import error_matches, reply_key, request_key
-from qsched.daemon.planner import (
-    StepSplit,
-    ThroughputEstimate,
-    choose_split,
-    estimate_for,
-    observe_split,
-    plan_units,
-)
+from qsched.daemon.planner import ThroughputEstimate, estimate_for, observe_split
+from qsched.daemon.shares import PreparedShares, plan_shares
 from qsched.protocol.codec import decode, decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
@@ -192,35 +186,6 @@ class _Part:
         observe_split(member.throughput, member.slice_throughput, self.parts, self.cost, seconds)
 
 
-@dataclass(frozen=True)
-class _Share:
-    """One member's share of an eval request, encoded, before it is sent."""
-
-    member: Member
-    request: EvalRequest | EvalSliceRequest
-    data: bytes
-    parts: int  # slices per key of the split it belongs to
-    cost: float  # whole-batch keys
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """The shares of the eval request expected next, and what they were planned for."""
-
-    request: EvalRequest | EvalSliceRequest
-    members: tuple[Member, ...]
-    int8: bool
-    shares: tuple[_Share, ...]
-
-    def fits(self, msg: DataMessage, members: Sequence[Member], int8: bool) -> bool:
-        """Whether these shares are what planning ``msg`` now would send (bar the rates,
-        which are a step older)."""
-        same_members = len(members) == len(self.members) and all(
-            a is b for a, b in zip(members, self.members, strict=True)
-        )
-        return same_members and int8 == self.int8 and msg == self.request
-
-
 class _Refused(Exception):
     """A member refused or failed: the request is refused up with this error."""
 
@@ -255,7 +220,7 @@ class HostAggregator:
         self.sliced = 0  # eval requests answered from batch slices of the members
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_shared: EvalRequest | EvalSliceRequest | None = None
-        self._prepared: _Prepared | None = None
+        self._prepared: PreparedShares | None = None
         self.prepared_used = 0  # eval requests sent from shares prepared a step ahead
 
     def alive(self) -> list[Member]:
@@ -416,7 +381,8 @@ class HostAggregator:
             shares = prepared.shares
             self.prepared_used += 1
         else:
-            shares = self._shares(msg, members)
+            shares = plan_shares(msg, members, self._int8)
+        self.sliced += bool(shares) and shares[0].parts > 1
         out = []
         loop = asyncio.get_running_loop()
         for share in shares:
@@ -426,19 +392,6 @@ class HostAggregator:
             future.add_done_callback(part.answered)
             out.append(part)
         return out
-
-    def _shares(
-        self, msg: EvalRequest | EvalSliceRequest, members: list[Member]
-    ) -> tuple[_Share, ...]:
-        """The members' shares of ``msg`` planned on their rates now, encoded."""
-        split, plan = self._plan(msg, members)
-        slices = self._slice_requests(msg, split)
-        shares = []
-        for address, units in plan.items():
-            request = self._part_request(slices, split, units)
-            member = members[int(address)]
-            shares.append(_Share(member, request, encode(request), split.parts, split.cost(units)))
-        return tuple(shares)
 
     def _prepare_next(self, update: ApplyUpdate) -> Callable[[DataMessage], None]:
         """What to do once the members' acks of ``update`` went up: while they compute,
@@ -456,48 +409,13 @@ class HostAggregator:
                 return
             expected = shared.model_copy(update={"step": shared.step + 1})
             try:
-                shares = self._shares(expected, members)
+                shares = plan_shares(expected, members, self._int8)
             except (ProtocolError, ValueError) as exc:  # planned on arrival instead
                 _log.warning("next step's shares not prepared", host=self.name, error=str(exc))
                 return
-            self._prepared = _Prepared(expected, tuple(members), self._int8, shares)
+            self._prepared = PreparedShares(expected, tuple(members), self._int8, shares)
 
         return prepare
-
-    def _plan(
-        self, msg: EvalRequest | EvalSliceRequest, members: list[Member]
-    ) -> tuple[StepSplit, dict[str, list[int]]]:
-        """The split (whole keys, or, for an INT8 EvalRequest, slices when that is
-        faster) and its units by member (addressed by their index in ``members``)."""
-
-        def rates(parts: int) -> dict[str, float]:
-            return {str(i): m.rate(parts) for i, m in enumerate(members)}
-
-        if isinstance(msg, EvalRequest) and self._int8:
-            split, plan = choose_split(len(msg.ks), msg.batch_size, rates)
-            self.sliced += split.parts > 1
-            return split, plan
-        split = StepSplit(len(msg.ks), msg.batch_size)
-        return split, plan_units(split, split.units, rates(1))
-
-    @staticmethod
-    def _part_request(
-        slices: list[EvalRequest | EvalSliceRequest], split: StepSplit, units: list[int]
-    ) -> EvalRequest | EvalSliceRequest:
-        """A member's share: the keys of its units, on the request's batch or a slice
-        (``slices``: the request on each slice of ``split``, from ``_slice_requests``).
-        The keys are a sorted subset of a validated request's: no validation again."""
-        ks = tuple(sorted(slices[0].ks[split.key(u)] for u in units))
-        return slices[split.part(units[0])].model_copy(update={"ks": ks})
-
-    @staticmethod
-    def _slice_requests(
-        msg: EvalRequest | EvalSliceRequest, split: StepSplit
-    ) -> list[EvalRequest | EvalSliceRequest]:
-        """``msg`` on each slice of ``split`` (itself when it is not split)."""
-        if split.parts == 1 or isinstance(msg, EvalSliceRequest):
-            return [msg]
-        return [EvalSliceRequest.of(msg, start, count) for start, count in split.slices]
 
     async def _fold_eval(
         self, msg: EvalRequest | EvalSliceRequest, parts: list[_Part]

@@ -1,0 +1,101 @@
+"""An eval request shared among a host's member boards (``HostAggregator``).
+
+The keys go to the members by their measured throughput (``qsched.daemon.planner``); in
+INT8, an ``EvalRequest``'s batch is cut into slices (SPEC 6.10) when that is faster,
+and an ``EvalSliceRequest`` is shared by keys. Each member's share is a request of its
+own, encoded once.
+
+Shares can be prepared a step ahead: ``PreparedShares`` keeps them with what they were
+planned for, and ``fits`` says whether they are what planning the request that came
+would send, bar the rates (a step older then). Which member computes a key changes no
+bit, so a plan on older rates only costs time if the rates moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qsched.daemon.planner import StepSplit, choose_split, plan_units
+from qsched.protocol.codec import encode
+from qsched.protocol.messages import DataMessage, EvalRequest, EvalSliceRequest
+
+if TYPE_CHECKING:
+    from qsched.daemon.aggregate import Member
+
+__all__ = ["PreparedShares", "Share", "plan_shares"]
+
+Request = EvalRequest | EvalSliceRequest
+
+
+@dataclass(frozen=True)
+class Share:
+    """One member's share of an eval request, encoded, before it is sent."""
+
+    member: Member
+    request: Request
+    data: bytes
+    parts: int  # slices per key of the split it belongs to
+    cost: float  # whole-batch keys
+
+
+@dataclass(frozen=True)
+class PreparedShares:
+    """The shares of the eval request expected next, and what they were planned for."""
+
+    request: Request
+    members: tuple[Member, ...]
+    int8: bool
+    shares: tuple[Share, ...]
+
+    def fits(self, msg: DataMessage, members: Sequence[Member], int8: bool) -> bool:
+        """Whether these shares are what planning ``msg`` for ``members`` now would send
+        (bar the rates)."""
+        same_members = len(members) == len(self.members) and all(
+            a is b for a, b in zip(members, self.members, strict=True)
+        )
+        return same_members and int8 == self.int8 and msg == self.request
+
+
+def plan_shares(msg: Request, members: Sequence[Member], int8: bool) -> tuple[Share, ...]:
+    """The members' shares of ``msg`` on their rates now, encoded; ``int8``: the job's
+    numerics allow batch slices."""
+    split, plan = _plan(msg, members, int8)
+    slices = _slice_requests(msg, split)
+    shares = []
+    for address, units in plan.items():
+        request = _part_request(slices, split, units)
+        member = members[int(address)]
+        shares.append(Share(member, request, encode(request), split.parts, split.cost(units)))
+    return tuple(shares)
+
+
+def _plan(
+    msg: Request, members: Sequence[Member], int8: bool
+) -> tuple[StepSplit, dict[str, list[int]]]:
+    """The split (whole keys, or, for an INT8 EvalRequest, slices when that is faster)
+    and its units by member (addressed by their index in ``members``)."""
+
+    def rates(parts: int) -> dict[str, float]:
+        return {str(i): m.rate(parts) for i, m in enumerate(members)}
+
+    if isinstance(msg, EvalRequest) and int8:
+        return choose_split(len(msg.ks), msg.batch_size, rates)
+    split = StepSplit(len(msg.ks), msg.batch_size)
+    return split, plan_units(split, split.units, rates(1))
+
+
+def _part_request(slices: list[Request], split: StepSplit, units: list[int]) -> Request:
+    """A member's share: the keys of its units, on the request's batch or a slice
+    (``slices``: the request on each slice of ``split``, from ``_slice_requests``). The
+    keys are a sorted subset of a validated request's: no validation again."""
+    ks = tuple(sorted(slices[0].ks[split.key(u)] for u in units))
+    return slices[split.part(units[0])].model_copy(update={"ks": ks})
+
+
+def _slice_requests(msg: Request, split: StepSplit) -> list[Request]:
+    """``msg`` on each slice of ``split`` (itself when it is not split)."""
+    if split.parts == 1 or isinstance(msg, EvalSliceRequest):
+        return [msg]
+    return [EvalSliceRequest.of(msg, start, count) for start, count in split.slices]
