@@ -14,6 +14,7 @@ created after the boards' tasks, so none of them can miss an early answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -123,15 +124,17 @@ def _order_bytes(
 def _shard(board_id: str, request: NextRequest | None) -> Shard:
     """A board's shard of the order: its request's keys (and slice), or none."""
     if request is None:
-        return Shard(board_id=board_id)
+        return _shard_of(board_id, (), 0, 0)
     if isinstance(request, EvalSliceRequest):
-        return Shard(
-            board_id=board_id,
-            ks=request.ks,
-            slice_start=request.slice_start,
-            slice_count=request.slice_count,
-        )
-    return Shard(board_id=board_id, ks=request.ks)
+        return _shard_of(board_id, request.ks, request.slice_start, request.slice_count)
+    return _shard_of(board_id, request.ks, 0, 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_of(board_id: str, ks: tuple[int, ...], slice_start: int, slice_count: int) -> Shard:
+    """A shard, validated once while its board keeps its keys step after step (shards
+    are immutable; building 128 of them took 0.6 ms of every step's order)."""
+    return Shard(board_id=board_id, ks=ks, slice_start=slice_start, slice_count=slice_count)
 
 
 async def _publish(channel: Any, payload: bytes, sent: asyncio.Future[None]) -> None:
