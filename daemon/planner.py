@@ -13,6 +13,8 @@ the boards' measured rates.
 from __future__ import annotations
 
 import functools
+import heapq
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -80,14 +82,16 @@ def split_proportional(count: int, weights: Sequence[float]) -> list[int]:
     """
     if not weights:
         raise ValueError("no weights to split over")
-    positive = [max(w, 0.0) for w in weights]
+    positive = [0.0 if w < 0.0 else w for w in weights]  # max(w, 0.0), inline
     total = sum(positive)
     if total <= 0:
         positive, total = [1.0] * len(weights), float(len(weights))
     exact = [count * w / total for w in positive]
     shares = [int(x) for x in exact]
-    remainders = sorted(range(len(exact)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in remainders[: count - sum(shares)]:
+    fractions = [x - s for x, s in zip(exact, shares, strict=True)]
+    # The largest remainders, ties to the earlier entry (nsmallest is sorted()[:n]).
+    left = count - sum(shares)
+    for i in heapq.nsmallest(left, range(len(exact)), key=lambda i: (-fractions[i], i)):
         shares[i] += 1
     return shares
 
@@ -115,7 +119,7 @@ def even_or_proportional(count: int, rates: Sequence[float]) -> list[int]:
 
 
 def _makespan(shares: Sequence[int], rates: Sequence[float]) -> float:
-    return max(share / max(rate, 1e-12) for share, rate in zip(shares, rates, strict=True))
+    return max(map(operator.truediv, shares, [1e-12 if r < 1e-12 else r for r in rates]))
 
 
 def plan_shards(ks: Sequence[int], rates: Mapping[str, float]) -> dict[str, list[int]]:
@@ -235,7 +239,13 @@ class StepSplit:
         """Work of ``units`` in whole-batch keys (what ``ThroughputEstimate`` counts)."""
         if self.parts == 1:
             return float(len(units))
-        return sum(self.slices[self.part(u)][1] for u in units) / self.batch_size
+        counts, q = self._counts, self.q
+        return sum(counts[u // q] for u in units) / self.batch_size
+
+    @functools.cached_property
+    def _counts(self) -> tuple[int, ...]:
+        """Samples of each slice, by slice index."""
+        return tuple(count for _, count in self.slices)
 
 
 def plan_units(
@@ -252,16 +262,21 @@ def plan_units(
     if split.parts == 1:
         return plan_shards(units, rates)
     by_part: dict[int, list[int]] = {}
+    q = split.q
     for unit in sorted(units):
-        by_part.setdefault(split.part(unit), []).append(unit)
+        by_part.setdefault(unit // q, []).append(unit)  # split.part(unit)
     parts = sorted(by_part)
     fastest = sorted(rates, key=lambda b: (-rates[b], b))
     if len(fastest) < len(parts):
         return {b: by_part[p] for b, p in zip(sorted(rates), parts, strict=False)}
     groups: dict[int, list[str]] = {p: [b] for p, b in zip(parts, fastest, strict=False)}
     totals = {p: rates[group[0]] for p, group in groups.items()}  # each group's rate
+    sizes = {p: len(by_part[p]) for p in parts}
     for board in fastest[len(parts) :]:
-        part = min(parts, key=lambda p: (totals[p] / len(by_part[p]), p))
+        part = parts[0]  # the least rate per unit; ties to the lower slice
+        for p in parts[1:]:
+            if totals[p] / sizes[p] < totals[part] / sizes[part]:
+                part = p
         groups[part].append(board)
         totals[part] += rates[board]
     plan: dict[str, list[int]] = {}
@@ -276,7 +291,8 @@ def predicted_seconds(split: StepSplit, rates: Mapping[str, float]) -> float:
 
 
 def _slowest(split: StepSplit, plan: Mapping[str, list[int]], rates: Mapping[str, float]) -> float:
-    return max(split.cost(units) / max(rates[b], 1e-12) for b, units in plan.items())
+    cost = split.cost
+    return max(cost(units) / (1e-12 if rates[b] < 1e-12 else rates[b]) for b, units in plan.items())
 
 
 def choose_split(
