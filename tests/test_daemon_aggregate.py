@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from qsched.daemon.aggregate import HostAggregator, Member, await_members
-from qsched.daemon.engine import JobResult, StepEngine
+from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
@@ -39,7 +39,10 @@ def _spec(**over: object) -> JobSpec:
 
 @contextlib.asynccontextmanager
 async def _host(
-    daemon_side: InProcTransport, name: str, agents: Sequence[BoardAgent]
+    daemon_side: InProcTransport,
+    name: str,
+    agents: Sequence[BoardAgent],
+    reply_timeout_s: float = 60.0,
 ) -> AsyncIterator[HostAggregator]:
     """``agents`` behind one aggregator, attached to the daemon's transport as ``name``."""
     async with InProcTransport() as local, asyncio.TaskGroup() as tasks:
@@ -50,7 +53,8 @@ async def _host(
             links.append(event.link)  # type: ignore[union-attr]
             if len(links) == len(agents):
                 break
-        aggregator = HostAggregator(name, await await_members(links, timeout=10))
+        members = await await_members(links, timeout=10)
+        aggregator = HostAggregator(name, members, reply_timeout_s=reply_timeout_s)
         upstream = daemon_side.attach(name)
         serving = tasks.create_task(aggregator.serve(upstream))
         try:
@@ -65,6 +69,8 @@ async def _run(
     hosts: dict[str, list[BoardAgent]],
     plain: int = 0,
     aggregators: list[HostAggregator] | None = None,
+    reply_timeout_s: float = 60.0,
+    config: EngineConfig | None = None,
 ) -> JobResult:
     async with (
         InProcTransport() as transport,
@@ -72,7 +78,8 @@ async def _run(
         contextlib.AsyncExitStack() as stack,
     ):
         for name, agents in hosts.items():
-            host = await stack.enter_async_context(_host(transport, name, agents))
+            context = _host(transport, name, agents, reply_timeout_s)
+            host = await stack.enter_async_context(context)
             if aggregators is not None:
                 aggregators.append(host)
         for i in range(plain):
@@ -85,7 +92,7 @@ async def _run(
         async with asyncio.timeout(30):
             while not all((s := fleet.find(n)) and s.hello for n in names):
                 await fleet.wait_changed(0.1)
-        return await asyncio.wait_for(StepEngine(spec, fleet).run(), 120)
+        return await asyncio.wait_for(StepEngine(spec, fleet, config=config).run(), 120)
 
 
 async def _cancel(task: asyncio.Task[object]) -> None:
@@ -146,6 +153,22 @@ async def test_a_member_that_dies_leaves_its_host_working() -> None:
     assert result.status == "completed"
     assert result.state.checksum() == train_zo(spec).state.checksum()
     assert result.work.get("host-a")
+
+
+async def test_a_silent_member_has_its_host_refuse_in_time() -> None:
+    """A member that answers nothing about step 3 (neither its update's ack nor its
+    share): its host refuses both once its own reply timeout is up, long before the
+    daemon's would end the wait (60 s here), and the run ends with the reference
+    weights."""
+    spec = _spec(steps=6)
+    hosts = {"host-a": _boards("a", 2) + _boards("mute", 1, ["drop:step=3"])}
+    config = EngineConfig(reply_timeout_s=60.0, step_deadline_s=60.0)
+    started = asyncio.get_running_loop().time()
+    result = await _run(spec, hosts, plain=1, reply_timeout_s=0.5, config=config)
+    assert result.status == "completed"
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert result.faults >= 1
+    assert asyncio.get_running_loop().time() - started < 30
 
 
 async def test_hosts_take_the_daemons_batch_slices() -> None:
