@@ -23,16 +23,18 @@ LEVELS = {
 }
 
 
-# Whether debug records go anywhere (structlog unconfigured prints them all).
-_debug = True
+# The filtering logger class of each level ``configure_logging`` set (structlog makes one
+# class per level), and whether it emits debug records.
+_EMITS_DEBUG: dict[object, bool] = {}
 
 
 def debug_enabled() -> bool:
-    """Whether debug records are emitted. A path taken per board and per step asks
-    first: a filtered-out call through a module's lazy structlog logger still binds a
-    logger, about 5 us, which at 128 boards and a few state changes each is a
+    """Whether debug records are emitted under structlog's configuration now (an unknown
+    one, such as structlog's default, may emit them). A path taken per board and per
+    step asks first: a filtered-out call through a module's lazy structlog logger still
+    binds a logger, about 5 us, which at 128 boards and a few state changes each is a
     millisecond of the daemon's step."""
-    return _debug
+    return _EMITS_DEBUG.get(structlog.get_config()["wrapper_class"], True)
 
 
 class _Stderr:
@@ -76,11 +78,11 @@ def configure_logging(
         processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
         processors += [structlog.dev.ConsoleRenderer(colors=False)]
-    global _debug
-    _debug = numeric <= logging.DEBUG
+    wrapper = structlog.make_filtering_bound_logger(numeric)
+    _EMITS_DEBUG[wrapper] = numeric <= logging.DEBUG
     structlog.configure(
         processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        wrapper_class=wrapper,
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
