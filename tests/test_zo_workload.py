@@ -88,6 +88,45 @@ def test_workload_fp32_losses_match_direct_evaluation(fp32_workload: Workload) -
     assert losses.plus[1] == float(expected)
 
 
+@pytest.mark.parametrize("numerics", ["int8", "fp32"])
+@pytest.mark.parametrize("estimator", ["two_sided", "one_sided"])
+def test_workload_perturbed_sets_are_the_reference_perturbations(
+    numerics: str, estimator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each row of the batched perturbation is update.perturb_int8 / perturb_fp32 of its
+    key and sign, to the bit: saturated int8 weights, negative and zero floats, keys
+    perturbed in several groups (a small group size forced here)."""
+    from qsched.zo import workload as workload_module
+
+    spec = JobSpec(numerics=numerics, estimator=estimator, eps=2 if numerics == "int8" else 0.01)
+    wl = Workload.from_spec(spec)
+    state = wl.initial_state()
+    params = state.params.copy()
+    params[:8] = (127, -127, 126, -126, 0, 1, -1, 0) if numerics == "int8" else 0.0
+    if numerics == "fp32":
+        params[1] = -0.0
+    state = TrainState(state.step, params, state.buffer, state.scale_exps)
+    monkeypatch.setattr(workload_module, "_PERTURB_ELEMENTS", 2 * wl.num_params)
+    keys = [9, 0, 4, 2**32 - 1, 7]
+    got_keys, sets = wl._perturbed_sets(state, 11, keys)
+    assert got_keys == keys
+    signs = (1, -1) if estimator == "two_sided" else (1,)
+    expected = []
+    for k in keys:
+        for sign in signs:
+            if numerics == "int8":
+                expected.append(update.perturb_int8(params, spec.seed, 11, k, 2, sign))
+            else:
+                expected.append(update.perturb_fp32(params, spec.seed, 11, k, spec.eps, sign))
+    if estimator == "one_sided":
+        expected.append(params)
+    assert sets.dtype == params.dtype and sets.shape == (len(expected), wl.num_params)
+    for row, want in zip(sets, expected, strict=True):
+        assert row.tobytes() == want.astype(params.dtype).tobytes()
+    if numerics == "int8":  # the clamp is reached both ways
+        assert {127, -127} <= set(sets[:, :4].ravel().tolist())
+
+
 @pytest.mark.parametrize("spec_kwargs", [{}, {"numerics": "fp32"}, {"accumulator": "int8"}])
 def test_workload_sharded_steps_bit_identical(spec_kwargs: dict[str, str]) -> None:
     """ks split across 3 boards give the same losses and the same final checksum."""

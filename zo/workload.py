@@ -68,6 +68,9 @@ LOGIT_RANGE: Final = 8.0
 # Perturbed weight sets evaluated per engine call are capped so that sets x parameters
 # stays near this many elements (memory), whatever q and the model are.
 _MAX_SET_ELEMENTS: Final = 1 << 24
+# Keys perturbed together are capped so that keys x parameters stays near this many
+# elements (the int32 temporaries of a group).
+_PERTURB_ELEMENTS: Final = 1 << 20
 _VALIDATION_CHUNK: Final = 1024
 
 _STATE_MAGIC: Final = b"QZST"
@@ -646,21 +649,45 @@ class Workload:
 
     def _perturbed_sets(
         self, state: TrainState, step: int, ks: Sequence[int]
-    ) -> tuple[list[int], list[Flat]]:
-        """The keys and the weight sets to evaluate: per key +eps (and -eps two-sided),
-        then one-sided the unperturbed weights."""
+    ) -> tuple[list[int], Flat]:
+        """The keys and the weight sets to evaluate, one row each: per key +eps (and
+        -eps two-sided), then one-sided the unperturbed weights."""
         self.check_state(state)
         keys = [int(k) for k in ks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"repeated perturbation index in {keys}")
-        signs = (1, -1) if self.spec.estimator == "two_sided" else (1,)
-        sets: list[Flat] = []
-        negatives = _rademacher_many(self.spec.seed, step, keys, self.num_params)
-        for negative in negatives:
-            sets.extend(self._perturb(state.params, negative, self.spec.eps, signs))
-        if self.spec.estimator == "one_sided":
-            sets.append(state.params)
+        per_key = 2 if self.spec.estimator == "two_sided" else 1
+        rows = len(keys) * per_key + (per_key == 1)
+        sets = np.empty((rows, self.num_params), dtype=state.params.dtype)
+        # Keys in groups, so the temporaries stay near _PERTURB_ELEMENTS elements.
+        group = max(1, _PERTURB_ELEMENTS // max(1, self.num_params))
+        for first in range(0, len(keys), group):
+            part = keys[first : first + group]
+            negatives = _rademacher_many(self.spec.seed, step, part, self.num_params)
+            rows_of_part = sets[first * per_key : (first + len(part)) * per_key]
+            self._perturb_into(rows_of_part, state.params, negatives, per_key)
+        if per_key == 1:
+            sets[-1] = state.params
         return keys, sets
+
+    def _perturb_into(
+        self, out: Flat, params: Flat, negatives: npt.NDArray[np.bool_], per_key: int
+    ) -> None:
+        """Rows params + eps z_k (and then params - eps z_k) of each key's sign bits, into
+        ``out``; the bits of update.perturb_int8 and update.perturb_fp32."""
+        # +1 or -1 per weight (np.where on a boolean array is several times slower)
+        signs = 1 - 2 * negatives.view(np.uint8).astype(np.int32 if self.int8 else np.float32)
+        if self.int8:
+            moves = np.int32(int(self.spec.eps)) * signs
+            wide = params.astype(np.int32)
+            for row, moved in enumerate((wide + moves, wide - moves)[:per_key]):
+                np.clip(moved, -update.INT8_WEIGHT_MAX, update.INT8_WEIGHT_MAX, out=moved)
+                out[row::per_key] = moved  # in int8 range: the cast is exact
+            return
+        moves = np.float32(self.spec.eps) * signs  # +-eps exactly (-0.0 where eps is 0)
+        np.add(params, moves, out=out[0::per_key])
+        if per_key == 2:  # theta - d is theta + (-d) in IEEE 754, to the bit
+            np.subtract(params, moves, out=out[1::per_key])
 
     def _pairs(self, keys: list[int], values: Sequence[float]) -> LossPairs:
         """One value per set of ``_perturbed_sets``, as LossPairs."""
@@ -692,26 +719,6 @@ class Workload:
             cached = engine.prefix_activations(source, x, self.trainable_layers)
             self._prefix[split] = cached
         return cached.take(idx)
-
-    def _perturb(
-        self, params: Flat, negative: npt.NDArray[np.bool_], eps: float, signs: Sequence[int]
-    ) -> list[Flat]:
-        """params + sign * eps * z for each sign, z from its sign bits (as update.perturb_*)."""
-        out: list[Flat] = []
-        if self.int8:
-            wide = params.astype(np.int32)
-            z = np.where(negative, -int(eps), int(eps)).astype(np.int32)
-            for sign in signs:
-                moved = wide + z if sign > 0 else wide - z
-                out.append(
-                    np.clip(moved, -update.INT8_WEIGHT_MAX, update.INT8_WEIGHT_MAX).astype(np.int8)
-                )
-            return out
-        theta = params.astype(np.float32)
-        for sign in signs:
-            step_size = np.float32(eps) * np.float32(sign)
-            out.append((theta + np.where(negative, -step_size, step_size)).astype(np.float32))
-        return out
 
     def apply_update(
         self, state: TrainState, step: int, pairs: Sequence[tuple[int, float]]
@@ -768,12 +775,12 @@ class Workload:
 
     def _set_losses(
         self,
-        sets: Sequence[Flat],
+        sets: Flat,
         x: Inputs,
         y: npt.NDArray[np.int64],
         exps: Flat | None,
     ) -> list[float]:
-        """Mean batch loss of each flat weight set, in engine calls of bounded size."""
+        """Mean batch loss of each flat weight set (a row), in engine calls of bounded size."""
         out: list[float] = []
         for per_sample in self._chunked_losses(sets, x, y, exps):
             if self.int8:
@@ -785,7 +792,7 @@ class Workload:
         return out
 
     def _set_loss_sums(
-        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
+        self, sets: Flat, x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
     ) -> list[float]:
         """INT8: the sum of each set's per-sample Q16 losses (exact as float64 below 2^53)."""
         out: list[float] = []
@@ -794,12 +801,13 @@ class Workload:
         return out
 
     def _chunked_losses(
-        self, sets: Sequence[Flat], x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
+        self, sets: Flat, x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
     ) -> Iterator[Flat]:
-        """Per-sample losses (P, B) of the sets, P bounded so one engine call stays small."""
+        """Per-sample losses (P, B) of the sets (rows), P bounded so one engine call stays
+        small."""
         chunk = max(1, min(len(sets), _MAX_SET_ELEMENTS // max(1, self.num_params)))
         for start in range(0, len(sets), chunk):
-            yield self._per_sample_losses(np.stack(sets[start : start + chunk]), x, y, exps)
+            yield self._per_sample_losses(sets[start : start + chunk], x, y, exps)
 
     def _logits(self, stacked: Flat, x: Inputs, exps: Flat | None) -> Flat:
         """Logits (P, B, C) of P flat weight sets on one input batch (INT8: under the
