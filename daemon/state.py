@@ -17,7 +17,8 @@ and the previous one is used.
 
 A checkpoint holds what a bit-identical resume needs and nothing random: the numeric
 state (``TrainState.to_bytes()``, opaque here), the policy's state (JSON), the step and
-the metric history. Randomness is re-derived from ``(job seed, step, k)``.
+the metric history (packed binary records, so that a checkpoint late in a long job costs
+about what an early one does). Randomness is re-derived from ``(job seed, step, k)``.
 """
 
 from __future__ import annotations
@@ -110,8 +111,11 @@ class Checkpoint:
         step: the number of completed steps.
         train_state: the numeric state (``TrainState.to_bytes()``), opaque here.
         policy_state: the q policy's state, JSON-serialisable.
-        metrics: the metric history (what the policy and reports need).
+        metrics: the metric history as JSON records (checkpoints written before
+            ``history`` existed; new ones leave it empty).
         extra: anything else JSON-serialisable the engine wants back.
+        history: the metric history packed by its writer (``qsched.daemon.checkpoints``),
+            opaque here.
     """
 
     step: int
@@ -119,9 +123,11 @@ class Checkpoint:
     policy_state: dict[str, Any] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    history: bytes = b""
 
     def to_bytes(self) -> bytes:
-        """Serialise: magic, u32 header length, JSON header, then the train state."""
+        """Serialise: magic, u32 header length, JSON header, the train state, then the
+        packed history (each of the two with its length and SHA-256 in the header)."""
         header = {
             "step": self.step,
             "policy_state": self.policy_state,
@@ -129,13 +135,15 @@ class Checkpoint:
             "extra": self.extra,
             "train_state_len": len(self.train_state),
             "train_state_sha256": hashlib.sha256(self.train_state).hexdigest(),
+            "history_len": len(self.history),
+            "history_sha256": hashlib.sha256(self.history).hexdigest(),
         }
         head = json.dumps(header, sort_keys=True).encode()
-        return _CKPT_MAGIC + struct.pack("<I", len(head)) + head + self.train_state
+        return _CKPT_MAGIC + struct.pack("<I", len(head)) + head + self.train_state + self.history
 
     @classmethod
     def from_bytes(cls, data: bytes, origin: Path | str = "<bytes>") -> Checkpoint:
-        """Parse and verify a checkpoint.
+        """Parse and verify a checkpoint (also one written before the history section).
 
         Args:
             data: the file contents.
@@ -145,7 +153,7 @@ class Checkpoint:
             The checkpoint.
 
         Raises:
-            StateDirError: bad magic, truncated, or the hash does not match.
+            StateDirError: bad magic, truncated, or a hash does not match.
         """
         if not data.startswith(_CKPT_MAGIC) or len(data) < len(_CKPT_MAGIC) + 4:
             raise StateDirError(origin, "not a qsched checkpoint")
@@ -156,16 +164,24 @@ class Checkpoint:
         except ValueError as exc:
             raise StateDirError(origin, "checkpoint header is not JSON") from exc
         blob = data[start + head_len :]
-        if len(blob) != header.get("train_state_len"):
+        state_len = header.get("train_state_len")
+        history_len = header.get("history_len", 0)
+        if not isinstance(state_len, int) or not isinstance(history_len, int):
+            raise StateDirError(origin, "checkpoint header lacks its lengths")
+        if len(blob) != state_len + history_len:
             raise StateDirError(origin, "checkpoint is truncated")
-        if hashlib.sha256(blob).hexdigest() != header.get("train_state_sha256"):
+        train_state, history = blob[:state_len], blob[state_len:]
+        if hashlib.sha256(train_state).hexdigest() != header.get("train_state_sha256"):
             raise StateDirError(origin, "checkpoint hash mismatch")
+        if history and hashlib.sha256(history).hexdigest() != header.get("history_sha256"):
+            raise StateDirError(origin, "checkpoint history hash mismatch")
         return cls(
             step=int(header["step"]),
-            train_state=blob,
+            train_state=train_state,
             policy_state=header["policy_state"],
             metrics=header["metrics"],
             extra=header["extra"],
+            history=history,
         )
 
 
