@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One finished step: its q, training loss and the cumulative forward passes."""
 
@@ -39,7 +39,7 @@ class StepRecord:
     forward_passes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EvalRecord:
     """One validation, after step ``step``."""
 
