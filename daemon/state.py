@@ -103,6 +103,20 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
+def _after_last_newline(fh: Any, end: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline before ``end`` in a binary file (0: none),
+    reading backwards from the end a chunk at a time."""
+    stop = end
+    while stop > 0:
+        start = max(0, stop - chunk)
+        fh.seek(start)
+        found = fh.read(stop - start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        stop = start
+    return 0
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A resumable snapshot of one job.
@@ -282,13 +296,15 @@ class JobDir:
     def _repair_metrics(self) -> None:
         # A crash mid-append leaves a line without its newline; appending after it
         # would glue two records together, so cut the log back to the last full line.
+        # Only the end of the log is read: a long job's log runs to many megabytes.
         self._metrics_repaired = True
         if not self.metrics_path.exists():
             return
-        data = self.metrics_path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(self.metrics_path, "r+b") as fh:
-                fh.truncate(data.rfind(b"\n") + 1)
+        with open(self.metrics_path, "r+b") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            cut = _after_last_newline(fh, end)
+            if cut != end:
+                fh.truncate(cut)
                 fh.flush()
                 os.fsync(fh.fileno())
 

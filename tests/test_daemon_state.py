@@ -173,3 +173,25 @@ def test_default_state_dir_honours_systemd(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.delenv("STATE_DIRECTORY")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     assert default_state_dir() == tmp_path / "xdg" / "qsched"
+
+
+@pytest.mark.parametrize("tail", [b"", b'{"step": 3, "lo', b"x" * 70_000])
+def test_metrics_repair_reads_back_to_the_last_full_line(tmp_path: Path, tail: bytes) -> None:
+    """The repair before the next append cuts exactly the torn tail, also one longer than
+    the chunk it reads backwards, and leaves a whole log alone."""
+    job = StateStore(tmp_path).create_job("j", {})
+    for step in range(3):
+        job.append_metrics({"step": step, "pad": "y" * 40_000})
+    whole = job.metrics_path.read_bytes()
+    with open(job.metrics_path, "ab") as fh:
+        fh.write(tail)
+    StateStore(tmp_path).job("j").append_metrics({"step": 3})
+    assert job.metrics_path.read_bytes() == whole + b'{"step":3}\n'
+
+
+def test_metrics_repair_of_a_log_without_any_full_line(tmp_path: Path) -> None:
+    """A log holding only a torn first record is emptied before the next append."""
+    job = StateStore(tmp_path).create_job("j", {})
+    job.metrics_path.write_bytes(b'{"step": 0, "lo')
+    StateStore(tmp_path).job("j").append_metrics({"step": 0})
+    assert job.metrics_path.read_bytes() == b'{"step":0}\n'
