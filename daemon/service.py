@@ -706,14 +706,12 @@ def _stored_status(folder: JobDir) -> JobStatus:
     """A job's progress as its folder records it (status, metrics log)."""
     spec = _stored_spec(folder)
     try:
-        records = folder.read_metrics()
+        records = folder.last_records(("step", "validation"))
         state = folder.status().get("status", "failed")
     except StateDirError as exc:
         raise ControlError("internal", f"job {folder.job_id!r}: {exc}") from exc
-    steps = [r for r in records if r.get("kind") == "step"]
-    evals = [r for r in records if r.get("kind") == "validation"]
-    last = steps[-1] if steps else {}
-    evaluation = evals[-1] if evals else {}
+    last = records.get("step", {})
+    evaluation = records.get("validation", {})
     return JobStatus(
         name=spec.name,
         job_id=job_id_of(spec),

@@ -30,7 +30,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -101,6 +101,26 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _lines_backwards(fh: Any, chunk: int = 1 << 16) -> Iterator[tuple[bytes, bool]]:
+    """The lines of a binary file, last first, each with whether a newline ends it (only
+    the file's last line can lack one)."""
+    stop = fh.seek(0, os.SEEK_END)
+    rest = b""  # the end of a line whose start lies in an earlier chunk
+    terminated = False  # whether the line being completed has its newline
+    while stop > 0:
+        start = max(0, stop - chunk)
+        fh.seek(start)
+        pieces = (fh.read(stop - start) + rest).split(b"\n")
+        rest = pieces[0]
+        for piece in reversed(pieces[1:]):
+            if piece or terminated:
+                yield piece, terminated
+            terminated = True
+        stop = start
+    if rest:
+        yield rest, terminated
 
 
 def _after_last_newline(fh: Any, end: int, chunk: int = 1 << 16) -> int:
@@ -330,6 +350,35 @@ class JobDir:
                     self.metrics_path, f"line {index + 1} is not valid JSON"
                 ) from exc
         return records
+
+    def last_records(self, kinds: Collection[str]) -> dict[str, dict[str, Any]]:
+        """The last record of each of ``kinds`` in the metrics log (a kind without one is
+        left out), read from the end, so a status does not parse a long job's whole log;
+        a torn last line is ignored.
+
+        Raises:
+            StateDirError: a full line it needs to read is not valid JSON.
+        """
+        found: dict[str, dict[str, Any]] = {}
+        if not self.metrics_path.exists():
+            return found
+        with open(self.metrics_path, "rb") as fh:
+            for line, terminated in _lines_backwards(fh):
+                wanted = [k for k in kinds if k not in found and k.encode() in line]
+                if not wanted:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    if not terminated:  # no newline after it: torn by a crash
+                        continue
+                    raise StateDirError(self.metrics_path, "a line is not valid JSON") from exc
+                kind = record.get("kind") if isinstance(record, dict) else None
+                if kind in wanted:
+                    found[kind] = record
+                if len(found) == len(kinds):
+                    break
+        return found
 
     def write_export(self, data: bytes, name: str = "model.tflite") -> Path:
         """Store the exported model atomically.

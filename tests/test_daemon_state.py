@@ -195,3 +195,37 @@ def test_metrics_repair_of_a_log_without_any_full_line(tmp_path: Path) -> None:
     job.metrics_path.write_bytes(b'{"step": 0, "lo')
     StateStore(tmp_path).job("j").append_metrics({"step": 0})
     assert job.metrics_path.read_bytes() == b'{"step":0}\n'
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 16])
+def test_last_records_read_from_the_end(
+    tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last record of each kind, as the whole log says, read backwards in chunks
+    smaller and larger than a line; a torn last line is ignored, a damaged full one is
+    an error."""
+    from qsched.daemon import state as state_module
+
+    backwards = state_module._lines_backwards
+    monkeypatch.setattr(state_module, "_lines_backwards", lambda fh: backwards(fh, chunk=chunk))
+    job = StateStore(tmp_path).create_job("j", {})
+    assert job.last_records(("step", "validation")) == {}
+    for step in range(40):
+        job.append_metrics({"kind": "step", "step": step, "q": 1 + step // 10})
+        if step % 10 == 9:
+            job.append_metrics({"kind": "validation", "step": step, "val_accuracy": step / 100})
+    job.append_metrics({"kind": "resumed", "step": 35})
+    job.append_metrics({"kind": "step", "step": 35, "q": 4})
+    with open(job.metrics_path, "ab") as fh:
+        fh.write(b'{"kind": "step", "step": 36, "q"')  # the crash
+    by_kind: dict[str, dict[str, object]] = {}
+    for record in job.read_metrics():
+        by_kind[record["kind"]] = record
+    got = job.last_records(("step", "validation"))
+    assert got == {k: by_kind[k] for k in ("step", "validation")}
+    assert got["step"]["step"] == 35 and got["validation"]["step"] == 39
+    lines = job.metrics_path.read_bytes().split(b"\n")
+    lines[-2] = b'{"kind": "step", "st'  # a full line damaged, the torn one after it
+    job.metrics_path.write_bytes(b"\n".join(lines))
+    with pytest.raises(StateDirError, match="not valid JSON"):
+        job.last_records(("step", "validation"))
