@@ -30,22 +30,22 @@ _STEP: Final = struct.Struct("<IIdQ")
 _EVAL: Final = struct.Struct("<IddQ")
 _COUNTS: Final = struct.Struct("<II")  # steps, then validations
 
-R = TypeVar("R", StepRecord, EvalRecord)
+_R = TypeVar("_R", StepRecord, EvalRecord)
 
 
-class _Packed(Generic[R]):
+class _Packed(Generic[_R]):
     """One kind of record, packed in order; each record packed once."""
 
     def __init__(
-        self, layout: struct.Struct, fields: Callable[[R], tuple[float | int, ...]]
+        self, layout: struct.Struct, fields: Callable[[_R], tuple[float | int, ...]]
     ) -> None:
         self._layout = layout
-        self._fields: Callable[[R], tuple[float | int, ...]] = fields
+        self._fields: Callable[[_R], tuple[float | int, ...]] = fields
         self._data = bytearray()
-        self._last: R | None = None  # the last record packed (identity: append-only check)
+        self._last: _R | None = None  # the last record packed (identity: append-only check)
         self.count = 0
 
-    def update(self, records: Sequence[R]) -> bytearray:
+    def update(self, records: Sequence[_R]) -> bytearray:
         """The packed ``records``: those since the last call added to what was packed,
         or all of them again when ``records`` is not an extension of what was packed."""
         if self.count > len(records) or (self.count and records[self.count - 1] is not self._last):

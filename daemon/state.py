@@ -123,20 +123,6 @@ def _lines_backwards(fh: Any, chunk: int = 1 << 16) -> Iterator[tuple[bytes, boo
         yield rest, terminated
 
 
-def _after_last_newline(fh: Any, end: int, chunk: int = 1 << 16) -> int:
-    """The offset just past the last newline before ``end`` in a binary file (0: none),
-    reading backwards from the end a chunk at a time."""
-    stop = end
-    while stop > 0:
-        start = max(0, stop - chunk)
-        fh.seek(start)
-        found = fh.read(stop - start).rfind(b"\n")
-        if found >= 0:
-            return start + found + 1
-        stop = start
-    return 0
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """A resumable snapshot of one job.
@@ -322,7 +308,8 @@ class JobDir:
             return
         with open(self.metrics_path, "r+b") as fh:
             end = fh.seek(0, os.SEEK_END)
-            cut = _after_last_newline(fh, end)
+            last, terminated = next(_lines_backwards(fh), (b"", True))
+            cut = end if terminated else end - len(last)
             if cut != end:
                 fh.truncate(cut)
                 fh.flush()
