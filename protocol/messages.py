@@ -13,7 +13,7 @@ import array
 import itertools
 import math
 import zlib
-from typing import Annotated, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -209,6 +209,25 @@ class Heartbeat(WireModel):
     step: U32 = 0  # the step its weights are at: the next step it can evaluate
 
 
+def _check_values(
+    kind: str,
+    estimator: str,
+    ks: tuple[int, ...],
+    plus: tuple[Any, ...],
+    minus: tuple[Any, ...],
+    zero: object,
+) -> None:
+    """An eval answer's values (``kind``: loss or sum): one plus per k; two-sided also one
+    minus per k and no zero, one-sided one zero and no minus."""
+    if len(plus) != len(ks):
+        raise ValueError(f"{kind}_plus needs one {kind} per k")
+    if estimator == "two_sided":
+        if len(minus) != len(ks) or zero is not None:
+            raise ValueError(f"two-sided results carry {kind}_minus per k and no {kind}_zero")
+    elif minus or zero is None:
+        raise ValueError(f"one-sided results carry one {kind}_zero and no {kind}_minus")
+
+
 class EvalResult(WireModel):
     """Losses for each requested k: L+ and L- (two-sided) or L+ and one L0 (one-sided)."""
 
@@ -224,13 +243,9 @@ class EvalResult(WireModel):
 
     @model_validator(mode="after")
     def _check_losses(self) -> EvalResult:
-        if len(self.loss_plus) != len(self.ks):
-            raise ValueError("loss_plus needs one loss per k")
-        if self.estimator == "two_sided":
-            if len(self.loss_minus) != len(self.ks) or self.loss_zero is not None:
-                raise ValueError("two-sided results carry loss_minus per k and no loss_zero")
-        elif self.loss_minus or self.loss_zero is None:
-            raise ValueError("one-sided results carry one loss_zero and no loss_minus")
+        _check_values(
+            "loss", self.estimator, self.ks, self.loss_plus, self.loss_minus, self.loss_zero
+        )
         return self
 
 
@@ -251,13 +266,7 @@ class EvalSliceResult(WireModel):
 
     @model_validator(mode="after")
     def _check_sums(self) -> EvalSliceResult:
-        if len(self.sum_plus) != len(self.ks):
-            raise ValueError("sum_plus needs one sum per k")
-        if self.estimator == "two_sided":
-            if len(self.sum_minus) != len(self.ks) or self.sum_zero is not None:
-                raise ValueError("two-sided results carry sum_minus per k and no sum_zero")
-        elif self.sum_minus or self.sum_zero is None:
-            raise ValueError("one-sided results carry one sum_zero and no sum_minus")
+        _check_values("sum", self.estimator, self.ks, self.sum_plus, self.sum_minus, self.sum_zero)
         return self
 
 
