@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from qsched.daemon.config import ConfigError, load_config
 from qsched.daemon.errors import NotBuiltError
+from qsched.daemon.heap import settle_heap
 from qsched.daemon.logging import LEVELS, configure_logging
 
 __all__ = ["COMMANDS", "Command", "NotBuiltError", "main", "resolve"]
@@ -179,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotBuiltError as exc:
         print(f"qsched {name}: not built yet ({exc})", file=sys.stderr)
         return EXIT_USAGE
+    settle_heap()  # the imports are done: what exists now lives as long as the process
     try:
         status = func(rest)
     except NotBuiltError as exc:  # a command that needs a part not built yet

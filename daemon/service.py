@@ -40,6 +40,7 @@ from qsched.daemon.engine import EngineConfig, JobError, StepEngine, fleet_event
 from qsched.daemon.errors import FleetTakenError, InstanceError
 from qsched.daemon.export import ExportError, default_format, export_model
 from qsched.daemon.fleet import Fleet, FleetEvent
+from qsched.daemon.heap import settle_heap
 from qsched.daemon.instance import (
     EXIT_ANOTHER_INSTANCE,
     EXIT_FLEET_TAKEN,
@@ -344,6 +345,7 @@ class Daemon:
             engine.pause()
         job.task = self._spawn(self._run_job(job), f"job[{spec.name}]")
         self._status_changed.set()
+        settle_heap()  # the job's model and engine live as long as the job
         return job
 
     async def _run_job(self, job: ActiveJob) -> None:

@@ -33,6 +33,7 @@ async def serve_host(
         Why the aggregate stopped (``"closed"`` or ``"members gone"``).
     """
     from qsched.daemon.aggregate import HostAggregator, await_members
+    from qsched.daemon.heap import settle_heap
     from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
     from qsched.protocol.links.config import MqttConfig, parse_host_port
     from qsched.protocol.links.inproc import InProcTransport
@@ -53,6 +54,7 @@ async def serve_host(
             if len(links) == count:
                 break
         aggregator = HostAggregator(name, await await_members(links, HELLO_TIMEOUT_S))
+        settle_heap()  # as the qsched command does: what exists now lives as long as the process
         try:
             async with MqttEndpoint(cfg, TopicMap(fleet=fleet), name) as endpoint:
                 await endpoint.wait_connected()
