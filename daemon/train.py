@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qsched.daemon.checkpoints import HistoryWriter, checkpoint_of, restore_checkpoint
+from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
 from qsched.daemon.export import default_format, export_model
 from qsched.daemon.specfile import load_spec_data
 from qsched.daemon.state import JobDir, StateDirError, atomic_write
@@ -94,7 +94,6 @@ def run_in_folder(
     """
     spec, result = workload.spec, resume
     end = spec.steps if stop_at is None else min(stop_at, spec.steps)
-    history = HistoryWriter()
 
     def log(record: StepRecord, evaluation: EvalRecord | None) -> None:
         folder.append_metrics({"kind": "step", "time": time.time(), **asdict(record)})
@@ -107,7 +106,7 @@ def run_in_folder(
         # Run to the next checkpoint: train_zo resumes a result to the same bits.
         chunk_end = min(end, _next_checkpoint(start, spec.checkpoint_every))
         result = train_zo(spec, on_step=log, workload=workload, resume=result, stop_at=chunk_end)
-        folder.save_checkpoint(checkpoint_of(result, spec.policy, history))
+        folder.save_checkpoint(checkpoint_of(result, spec.policy))
     if result.done:
         fmt = default_format(workload)
         folder.write_export(export_model(workload, result.state, fmt), f"{spec.name}.{fmt}")

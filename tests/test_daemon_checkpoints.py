@@ -1,4 +1,4 @@
-"""A run's checkpoint: its packed history, written once per record, and older layouts."""
+"""A run's checkpoint: its packed history, and checkpoints of the earlier layout."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import asdict
 
 import pytest
 
-from qsched.daemon import checkpoints
-from qsched.daemon.checkpoints import HistoryWriter, checkpoint_of, restore_checkpoint
+from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
 from qsched.daemon.state import Checkpoint, StateDirError
 from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.zo.history import EvalHistory, StepHistory
 from qsched.zo.step import EvalRecord, StepRecord
 from qsched.zo.trainer import TrainResult, train_zo
 
@@ -24,14 +24,14 @@ def result() -> TrainResult:
 
 
 def _extended(result: TrainResult, steps: int) -> TrainResult:
-    """``result`` with ``steps`` more records, the same record objects first."""
+    """``result`` with ``steps`` more step records and one more validation."""
     more = [StepRecord(len(result.steps) + i, 4, 0.25 * i, 1000 + i) for i in range(steps)]
     return TrainResult(
         spec=result.spec,
         state=result.state,
         policy_state=result.policy_state,
-        steps=[*result.steps, *more],
-        evals=[*result.evals, EvalRecord(99, math.inf, 0.5, 2**40)],
+        steps=StepHistory([*result.steps, *more]),
+        evals=EvalHistory([*result.evals, EvalRecord(99, math.inf, 0.5, 2**40)]),
         forward_passes=result.forward_passes,
         wall_s=result.wall_s,
     )
@@ -48,37 +48,6 @@ def test_a_checkpoint_restores_the_run_exactly(result: TrainResult) -> None:
     assert restored.state.checksum() == run.state.checksum()
     assert restored.policy_state == run.policy_state and policy == SPEC.policy
     assert (restored.forward_passes, restored.wall_s) == (run.forward_passes, run.wall_s)
-
-
-def test_the_writer_packs_each_record_once(
-    result: TrainResult, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Later checkpoints of a run pack only the records added since the previous one,
-    and give the bytes a fresh writer gives; a history that is not an extension of what
-    was packed (another run) is packed afresh."""
-    packed: list[int] = []
-    step_layout = checkpoints._STEP
-
-    class Counting:
-        size = step_layout.size
-
-        def pack(self, *fields: float) -> bytes:
-            packed.append(int(fields[0]))
-            return step_layout.pack(*fields)
-
-    monkeypatch.setattr(checkpoints, "_STEP", Counting())
-    writer = HistoryWriter()
-    first = writer.pack(result)
-    assert len(packed) == len(result.steps)
-    packed.clear()
-    longer = _extended(result, 5)
-    assert writer.pack(longer) == HistoryWriter().pack(longer)
-    assert packed[:5] == [r.step for r in longer.steps[-5:]]  # the writer's own call first
-    assert len(packed) == 5 + len(longer.steps)
-    packed.clear()
-    other = train_zo(SPEC.model_copy(update={"seed": 7}))
-    assert writer.pack(other) == HistoryWriter().pack(other) != first
-    assert len(packed) == 2 * len(other.steps)
 
 
 def test_a_checkpoint_of_the_earlier_layout_still_restores(result: TrainResult) -> None:

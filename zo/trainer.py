@@ -15,6 +15,7 @@ from typing import Any
 
 from qsched.policies import PolicyContext, QPolicy, checked_lr_scale, checked_q, create_policy
 from qsched.protocol.jobspec import JobSpec
+from qsched.zo.history import EvalHistory, StepHistory
 from qsched.zo.step import EvalRecord, StepRecord, eval_record, settle_step, validates_after
 from qsched.zo.workload import TrainState, Workload, float_warnings_silenced
 
@@ -31,8 +32,8 @@ class TrainResult:
     spec: JobSpec
     state: TrainState
     policy_state: dict[str, Any]
-    steps: list[StepRecord] = field(default_factory=list)
-    evals: list[EvalRecord] = field(default_factory=list)
+    steps: StepHistory = field(default_factory=StepHistory)
+    evals: EvalHistory = field(default_factory=EvalHistory)
     forward_passes: int = 0
     wall_s: float = 0.0
 
@@ -90,8 +91,8 @@ def train_zo(
             spec,
             resume.state.copy(),
             dict(resume.policy_state),
-            list(resume.steps),
-            list(resume.evals),
+            resume.steps.copy(),
+            resume.evals.copy(),
             resume.forward_passes,
             resume.wall_s,
         )

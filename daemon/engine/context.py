@@ -34,7 +34,7 @@ from qsched.protocol.control import Event, EventKind
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.messages import PROTOCOL_VERSION, EvalRequest, EvalSliceRequest
 from qsched.protocol.states import JobState
-from qsched.zo.step import EvalRecord, StepRecord
+from qsched.zo.history import EvalHistory, StepHistory
 from qsched.zo.trainer import TrainResult
 from qsched.zo.workload import TrainState, Workload
 
@@ -112,12 +112,12 @@ class JobResult:
         return self.train.state
 
     @property
-    def steps(self) -> list[StepRecord]:
+    def steps(self) -> StepHistory:
         """Per-step history."""
         return self.train.steps
 
     @property
-    def evals(self) -> list[EvalRecord]:
+    def evals(self) -> EvalHistory:
         """Per-validation history."""
         return self.train.evals
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from qsched.daemon.checkpoints import HistoryWriter, checkpoint_of, restore_checkpoint
+from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
 from qsched.daemon.engine.collect import KeyCollector
 from qsched.daemon.engine.context import (
     EngineConfig,
@@ -106,7 +106,6 @@ class StepEngine:
         )
         self.job_state: JobState = "pending"
         self.last_checkpoint: str | None = None
-        self._history = HistoryWriter()  # packs each step's record once, not at every checkpoint
         self._sync = BoardSync(self.ctx)
         self._collector = KeyCollector(self.ctx, self._sync)
         self._updates = UpdateSender(self.ctx)
@@ -318,8 +317,7 @@ class StepEngine:
         if self.job_dir is None:
             return
         self.result.policy_state = self.policy.state_dict()
-        checkpoint = checkpoint_of(self.result, self.policy_spec, self._history)
-        path = self.job_dir.save_checkpoint(checkpoint)
+        path = self.job_dir.save_checkpoint(checkpoint_of(self.result, self.policy_spec))
         self.last_checkpoint = str(path)
         self.ctx.emit("checkpoint", message=str(path))
 
