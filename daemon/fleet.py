@@ -193,6 +193,7 @@ class BoardSession:
     appeared: float = field(default_factory=time.monotonic)
     epoch: int = 0  # counts Hellos: work begun before the latest one is void
     hello_asked: float = 0.0  # when the daemon last asked for a Hello (soft Reset)
+    hellos_owed: int = 0  # soft Resets sent whose Hello may still come
     # The last send failed although the link looks open (e.g. the broker went away with
     # its socket half closed): no work until a send (a liveness ping) goes through again.
     link_down: bool = False
@@ -409,6 +410,12 @@ def _safe_id(name: str) -> str:
     return cleaned[-64:]
 
 
+def _answers_our_reset(session: BoardSession) -> bool:
+    """Whether a Hello after the session's first can be the answer to a soft Reset the
+    daemon sent while the board had not said Hello (a board answers within seconds)."""
+    return session.hellos_owed > 0 and time.monotonic() - session.hello_asked < HELLO_RETRY_S
+
+
 class Fleet:
     """The boards reachable through a transport, as sessions.
 
@@ -610,12 +617,19 @@ class Fleet:
             await self._refuse_hello(session, hello)
             return
         session.deliver(hello)
+        if session.hello is not None and _answers_our_reset(session):
+            # The board's own Hello crossed our soft Reset, and this is the Reset's answer:
+            # whatever was sent since went out after the Reset, so nothing is void and
+            # the session goes on (voiding it failed a starting job's first load).
+            session.hellos_owed -= 1
+            return
         first = session.hello is None
         if not first:
             # A fresh session (a reboot, or a reconnect that may have lost messages both
             # ways): what the board was asked before is void, so its pending requests
             # fail now and their work is reassigned, instead of waiting out a timeout.
             session.fail_all("said Hello again")
+            session.hellos_owed = 0
         session.epoch += 1
         session.hello = hello
         session.model_hash = hello.model_hash
@@ -675,6 +689,7 @@ class Fleet:
         if now - session.hello_asked < HELLO_RETRY_S:
             return
         session.hello_asked = now
+        session.hellos_owed += 1
         _log.info("board without hello; asking for one", board=session.address)
         with contextlib.suppress(BoardFaultError):
             await session.send(Reset(scope="soft"))

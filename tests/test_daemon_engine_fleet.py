@@ -126,6 +126,30 @@ async def test_fleet_asks_a_silent_board_for_hello() -> None:
         assert session.state == "hello" and session.board_id == "scripted"
 
 
+async def test_fleet_takes_the_answer_to_its_reset_as_the_same_session() -> None:
+    """A board that comes up after the daemon asked it for a Hello says its own Hello and
+    then answers the soft Reset with a second one. That second Hello voids nothing: all
+    the daemon sent since went out after the Reset. A Hello after it is a fresh session
+    again (a reboot), and its pending request fails at once."""
+    async with InProcTransport() as transport, Fleet(transport) as fleet:
+        board = transport.attach("scripted")
+        session = await _session(fleet)
+        assert isinstance(await _next(board), Reset)  # asked before the board was up
+        await board.send(encode(HELLO))  # the board's own Hello, crossing the Reset
+        while session.state != "hello":
+            await fleet.wait_changed(1)
+        pending = asyncio.create_task(session.request(REQUEST, timeout=30))
+        assert await _next(board) == REQUEST
+        epoch = session.epoch
+        await board.send(encode(HELLO))  # the Reset's answer
+        await asyncio.sleep(0.2)
+        assert not pending.done() and session.epoch == epoch
+        await board.send(encode(HELLO))  # a reboot
+        with pytest.raises(BoardFaultError, match="Hello again"):
+            await asyncio.wait_for(pending, 5)
+        assert session.epoch == epoch + 1
+
+
 async def test_fleet_lost_board_unawaited_waiter_is_quiet() -> None:
     """A waiter nobody awaits any more fails silently when its board is given up
     (no 'never retrieved')."""
