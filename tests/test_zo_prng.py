@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qsched.zo.prng import batch_indices, philox4x32, rademacher, rademacher_bits
+from qsched.zo.prng import batch_indices, philox4x32, rademacher, rademacher_bits, rademacher_rows
 
 # Known-answer tests of Philox4x32-10 (the Random123 distribution's kat_vectors).
 KAT = [
@@ -68,3 +68,14 @@ def test_prng_rejects_out_of_range_keys():
         rademacher_bits(-1, 0, 0, 8)
     with pytest.raises(ValueError, match="step"):
         rademacher_bits(0, 2**32, 0, 8)
+
+
+def test_rademacher_rows_are_each_keys_bits():
+    """Several keys from one Philox call give each key's own bits; no key, no row."""
+    rows = rademacher_rows(5, 7, [3, 0, 2**32 - 1], 300)
+    assert rows.shape == (3, 300)
+    for row, k in zip(rows, (3, 0, 2**32 - 1), strict=True):
+        assert np.array_equal(row, rademacher_bits(5, 7, k, 300))
+    assert rademacher_rows(5, 7, [], 300).shape == (0, 300)
+    with pytest.raises(ValueError, match="k"):
+        rademacher_rows(5, 7, [1, 2**32], 8)

@@ -13,6 +13,7 @@ and each call yields four uint32 words, i.e. 128 random bits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = [
     "philox4x32",
     "rademacher",
     "rademacher_bits",
+    "rademacher_rows",
 ]
 
 PHILOX_M0: Final = np.uint64(0xD2511F53)
@@ -87,18 +89,27 @@ def rademacher_bits(seed: int, step: int, k: int, size: int) -> npt.NDArray[np.b
     Parameter i takes bit (i mod 32) of word ((i mod 128) div 32) of Philox block
     (i div 128), counter (block, step, k, DOMAIN_PERTURB).
     """
+    bits: npt.NDArray[np.bool_] = rademacher_rows(seed, step, [k], size)[0]
+    return bits
+
+
+def rademacher_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArray[np.bool_]:
+    """``rademacher_bits`` of several k from one Philox call: shape (len(ks), size)."""
     _check_u32("step", step)
-    _check_u32("k", k)
+    for k in ks:
+        _check_u32("k", k)
+    if not ks:
+        return np.zeros((0, size), dtype=np.bool_)
     blocks = (size + 127) // 128
-    counters = np.zeros((blocks, 4), dtype=np.uint32)
-    counters[:, 0] = np.arange(blocks, dtype=np.uint32)
-    counters[:, 1] = step
-    counters[:, 2] = k
-    counters[:, 3] = DOMAIN_PERTURB
-    words = philox4x32(counters, _seed_key(seed)).reshape(-1)
+    counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
+    counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)
+    counters[:, :, 1] = step
+    counters[:, :, 2] = np.asarray(ks, dtype=np.uint32).reshape(-1, 1)
+    counters[:, :, 3] = DOMAIN_PERTURB
+    words = philox4x32(counters.reshape(-1, 4), _seed_key(seed)).reshape(len(ks), -1)
     # Little-endian bit order inside each word: bit 0 of word 0 is parameter 0.
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-    return bits[:size].astype(np.bool_)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :size].astype(np.bool_)
 
 
 def rademacher(seed: int, step: int, k: int, size: int) -> npt.NDArray[np.int8]:

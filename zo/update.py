@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qsched.zo import native
-from qsched.zo.prng import DOMAIN_PERTURB, philox4x32, rademacher_bits
+from qsched.zo.prng import rademacher_bits, rademacher_rows
 
 __all__ = [
     "FP16_MAX",
@@ -58,23 +58,6 @@ def _sorted_pairs(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, np.floa
     if len(set(ks)) != len(ks):
         raise ValueError("update pairs repeat a sample index k")
     return [(k, np.float32(c)) for k, c in sorted(pairs, key=lambda kc: kc[0])]
-
-
-def _bits_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArray[np.bool_]:
-    """``rademacher_bits`` of several k from one Philox call: shape (len(ks), size)."""
-    if not 0 <= step < 2**32 or not all(0 <= k < 2**32 for k in ks) or not 0 <= seed < 2**64:
-        raise ValueError("seed, step and k out of range (SPEC: u64 seed, u32 step and k)")
-    blocks = (size + 127) // 128
-    counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
-    counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)
-    counters[:, :, 1] = step
-    counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
-    counters[:, :, 3] = DOMAIN_PERTURB
-    words = philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(
-        len(ks), -1
-    )
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :size].astype(np.bool_)
 
 
 def channel_gains(scales: npt.ArrayLike) -> F32:
@@ -115,7 +98,7 @@ def accumulate_delta(
     per_call = max(1, _BITS_PER_CALL // max(size, 1))
     for start in range(0, len(ordered), per_call):
         chunk = ordered[start : start + per_call]
-        rows = _bits_rows(seed, step, [k for k, _ in chunk], size)
+        rows = rademacher_rows(seed, step, [k for k, _ in chunk], size)
         coefficients = np.array([c for _, c in chunk], dtype=np.float32)
         if native.available():
             native.accumulate_signed(delta, rows, coefficients)  # the loop below, in C

@@ -663,7 +663,7 @@ class Workload:
         group = max(1, _PERTURB_ELEMENTS // max(1, self.num_params))
         for first in range(0, len(keys), group):
             part = keys[first : first + group]
-            negatives = _rademacher_many(self.spec.seed, step, part, self.num_params)
+            negatives = prng.rademacher_rows(self.spec.seed, step, part, self.num_params)
             rows_of_part = sets[first * per_key : (first + len(part)) * per_key]
             self._perturb_into(rows_of_part, state.params, negatives, per_key)
         if per_key == 1:
@@ -949,25 +949,6 @@ def widen_logits(qmodel: QuantModel, logit_range: float = LOGIT_RANGE) -> QuantM
     tensors = dict(qmodel.tensors)
     tensors[name] = asymmetric_params(lo, hi)
     return QuantModel(model=qmodel.model, tensors=tensors, layers=qmodel.layers)
-
-
-def _rademacher_many(seed: int, step: int, ks: Sequence[int], size: int) -> npt.NDArray[np.bool_]:
-    """``prng.rademacher_bits`` for several k in one Philox call: shape (len(ks), size)."""
-    if not ks:
-        return np.zeros((0, size), dtype=np.bool_)
-    if min(ks) < 0 or max(ks) >= 2**32:
-        raise ValueError(f"perturbation indices must be in [0, 2**32), got {list(ks)}")
-    blocks = (size + 127) // 128
-    counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
-    counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)
-    counters[:, :, 1] = step
-    counters[:, :, 2] = np.asarray(ks, dtype=np.uint32)[:, None]
-    counters[:, :, 3] = prng.DOMAIN_PERTURB
-    words = prng.philox4x32(counters.reshape(-1, 4), (seed & 0xFFFFFFFF, seed >> 32)).reshape(
-        len(ks), -1
-    )
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :size].astype(np.bool_)
 
 
 def calibration_indices(
