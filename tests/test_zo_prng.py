@@ -79,3 +79,24 @@ def test_rademacher_rows_are_each_keys_bits():
     assert rademacher_rows(5, 7, [], 300).shape == (0, 300)
     with pytest.raises(ValueError, match="k"):
         rademacher_rows(5, 7, [1, 2**32], 8)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_native_sign_bits_match_numpy(trial):
+    """The C kernel (``native.rademacher_rows``) gives numpy's Philox bits: whole and
+    partial blocks, one element, the extremes of step and k, seeds above 2**32."""
+    from qsched.zo import native, prng
+
+    if not native.available():
+        pytest.skip("the native kernels are not built here")
+    rng = np.random.default_rng(trial)
+    cases = [(2**64 - 1, 2**32 - 1, [0, 2**32 - 1], 1), (0, 0, [0], 128), (5, 1, [3], 129)]
+    for _ in range(40):
+        seed = int(rng.integers(0, 2**63)) * 2 + int(rng.integers(0, 2))
+        ks = sorted({int(k) for k in rng.integers(0, 2**32, size=int(rng.integers(1, 6)))})
+        cases.append((seed, int(rng.integers(0, 2**32)), ks, int(rng.integers(1, 2000))))
+    for seed, step, ks, size in cases:
+        got = rademacher_rows(seed, step, ks, size)
+        want = prng._rademacher_rows_numpy(seed, step, ks, size)
+        assert got.dtype == np.bool_ and got.shape == (len(ks), size)
+        assert np.array_equal(got, want), (seed, step, ks, size)

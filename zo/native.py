@@ -5,7 +5,8 @@ kernels); the C kernels compute the same integers without int64 temporaries, all
 perturbed copies and N samples in one call per layer. Functions here take the same
 arguments as their ``kernels_int8`` namesakes and return the same bits.
 ``accumulate_signed`` sums an update's terms for ``qsched.zo.update`` (same bits as
-its numpy loop).
+its numpy loop); ``rademacher_rows`` computes perturbations' sign bits for
+``qsched.zo.prng`` (the same bits as its numpy Philox).
 
 Build: the system C compiler (``$CC`` or ``gcc``) with ``-O3 -march=native
 -ffp-contract=off -fno-strict-aliasing``, into ``$XDG_CACHE_HOME/qsched/native/`` (else
@@ -50,6 +51,7 @@ __all__ = [
     "dense",
     "depthwise_conv2d",
     "library_path",
+    "rademacher_rows",
     "set_threads",
     "threads",
 ]
@@ -191,6 +193,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qs_add.restype = ctypes.c_int
     lib.qs_accumulate_signed.argtypes = [_PF32, _P8, _PF32, _I, _I]
     lib.qs_accumulate_signed.restype = ctypes.c_int
+    lib.qs_rademacher_rows.argtypes = [
+        ctypes.c_uint32,
+        ctypes.c_uint32,
+        ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_uint32),
+        _I,
+        _I,
+        ctypes.POINTER(ctypes.c_uint8),
+    ]
+    lib.qs_rademacher_rows.restype = ctypes.c_int
     lib.qs_build_info.argtypes = []
     lib.qs_build_info.restype = ctypes.c_char_p
 
@@ -587,3 +599,32 @@ def accumulate_signed(
         ),
         "accumulate_signed",
     )
+
+
+def rademacher_rows(
+    key: tuple[int, int], step: int, ks: npt.NDArray[np.uint32], size: int
+) -> npt.NDArray[np.bool_]:
+    """The sign bits of perturbations ``ks`` at ``step``: shape (len(ks), size), True
+    where z = -1 (``qsched.zo.prng.rademacher_rows``, same bits; the caller checks the
+    ranges).
+
+    Args:
+        key: the Philox key words (seed mod 2**32, seed >> 32).
+        step: the step (a uint32).
+        ks: the perturbation indices, uint32, C-contiguous.
+        size: elements per row.
+    """
+    out = np.empty((len(ks), size), dtype=np.bool_)
+    _check(
+        _lib().qs_rademacher_rows(
+            key[0],
+            key[1],
+            step,
+            _ptr(ks, ctypes.POINTER(ctypes.c_uint32)),
+            len(ks),
+            size,
+            _ptr(out, ctypes.POINTER(ctypes.c_uint8)),
+        ),
+        "rademacher_rows",
+    )
+    return out

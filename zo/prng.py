@@ -100,6 +100,19 @@ def rademacher_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.N
         _check_u32("k", k)
     if not ks:
         return np.zeros((0, size), dtype=np.bool_)
+    from qsched.zo import native  # lazily: the native module imports the engine's kernels
+
+    if native.available():  # the same bits; numpy's ten rounds cost more per call than work
+        return native.rademacher_rows(
+            _seed_key(seed), step, np.asarray(ks, dtype=np.uint32), size
+        )
+    return _rademacher_rows_numpy(seed, step, ks, size)
+
+
+def _rademacher_rows_numpy(
+    seed: int, step: int, ks: Sequence[int], size: int
+) -> npt.NDArray[np.bool_]:
+    """``rademacher_rows`` in numpy: the specification the native kernel matches."""
     blocks = (size + 127) // 128
     counters = np.zeros((len(ks), blocks, 4), dtype=np.uint32)
     counters[:, :, 0] = np.arange(blocks, dtype=np.uint32)

@@ -12,7 +12,7 @@
  * - depthwise convolution: per output pixel, taps accumulated over contiguous channels;
  * - requantisation fused into the store (see requant_row);
  * - and, apart from the INT8 engine, the float32 sum of an update's terms
- *   (qs_accumulate_signed).
+ *   (qs_accumulate_signed) and the perturbations' sign bits (qs_rademacher_rows).
  *
  * Bounds. |x - zp| <= 255 and |w| <= 128, so a product is below 2^15 and the sum of a
  * pair below 2^16: int16 operands and the pairwise int32 multiply-add (vpmaddwd) are
@@ -717,6 +717,76 @@ int qs_accumulate_signed(float *restrict delta, const uint8_t *restrict negative
         const float c = coefficients[r], minus_c = -c;
         const uint8_t *row = negative + r * size;
         for (int64_t i = 0; i < size; i++) delta[i] += row[i] ? minus_c : c;
+    }
+    return 0;
+}
+
+/*
+ * The sign bits of perturbations (qsched.zo.prng.rademacher_rows; SPEC section "PRNG"):
+ * row r, element i is bit (i mod 32) of word ((i mod 128) div 32) of Philox4x32-10 on
+ * counter (i div 128, step, ks[r], 0) under key (seed_lo, seed_hi), one byte (0 or 1)
+ * each. numpy spends most of a small model's update in the per-call overhead of its
+ * ten vectorised rounds; here a block is a few dozen integer operations.
+ */
+static inline void philox_block(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                uint32_t k0, uint32_t k1, uint32_t out[4]) {
+    for (int round = 0; round < 10; round++) {
+        if (round) {
+            k0 += 0x9E3779B9u; /* uint32 wrap-around is the specified key schedule */
+            k1 += 0xBB67AE85u;
+        }
+        const uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+        const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+        c0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+        c1 = (uint32_t)p1;
+        c2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c3 = (uint32_t)p0;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+/* Byte v spread to eight bytes, bit j of v in byte j (a little-endian uint64). */
+static uint64_t spread_table[256];
+static pthread_once_t spread_once = PTHREAD_ONCE_INIT;
+
+static void fill_spread_table(void) {
+    for (uint64_t v = 0; v < 256; v++) {
+        uint64_t bytes = 0;
+        for (int j = 0; j < 8; j++) bytes |= ((v >> j) & 1u) << (8 * j);
+        spread_table[v] = bytes;
+    }
+}
+
+/* The 128 bits of one block, one byte each, 8 at a time through the table. */
+static void spread_block(const uint32_t words[4], uint8_t *restrict out) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (int w = 0; w < 4; w++)
+        for (int b = 0; b < 4; b++)
+            memcpy(out + 32 * w + 8 * b, &spread_table[(words[w] >> (8 * b)) & 0xFFu], 8);
+#else
+    for (int i = 0; i < 128; i++) out[i] = (words[i >> 5] >> (i & 31)) & 1u;
+#endif
+}
+
+int qs_rademacher_rows(uint32_t seed_lo, uint32_t seed_hi, uint32_t step,
+                       const uint32_t *restrict ks, int64_t rows, int64_t size,
+                       uint8_t *restrict out) {
+    pthread_once(&spread_once, fill_spread_table);
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = out + r * size;
+        for (int64_t start = 0; start < size; start += 128) {
+            uint32_t words[4];
+            philox_block((uint32_t)(start / 128), step, ks[r], 0, seed_lo, seed_hi, words);
+            if (size - start >= 128) {
+                spread_block(words, row + start);
+                continue;
+            }
+            for (int64_t i = 0; i < size - start; i++)
+                row[start + i] = (words[i >> 5] >> (i & 31)) & 1u;
+        }
     }
     return 0;
 }
