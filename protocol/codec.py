@@ -209,6 +209,9 @@ class _Blob:
         return "u16 n, n bytes", None, f"n <= {self.max_len}"
 
 
+_RANGE_HEAD: Final = struct.Struct("<BHH")  # a k set's mode, count and range start
+
+
 @dataclass(frozen=True)
 class _KSet:
     """Strictly ascending uint16 keys: a range (start, count) when contiguous, else a list."""
@@ -227,6 +230,12 @@ class _KSet:
             out += struct.pack(f"<BH{len(ks)}H", KSET_LIST, len(ks), *ks)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        if reader.pos + _RANGE_HEAD.size <= len(reader.data):
+            mode, count, start = _RANGE_HEAD.unpack_from(reader.data, reader.pos)
+            if mode == KSET_RANGE and self.fewest <= count <= self.most:  # the common case
+                reader.pos += _RANGE_HEAD.size
+                fields[self.name] = tuple(range(start, start + count))
+                return
         mode = reader.unpack("B")
         count = reader.unpack("H")
         if not self.fewest <= count <= self.most:
@@ -262,9 +271,8 @@ class _Seq:
         out += struct.pack(f"<{len(values)}{self.code}", *values)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
-        count = self.count(fields)
-        size = struct.calcsize(self.code)
-        fields[self.name] = struct.unpack(f"<{count}{self.code}", reader.take(size * count))
+        layout = _little_endian(f"{self.count(fields)}{self.code}")
+        fields[self.name] = layout.unpack_from(reader.data, reader._advance(layout.size))
 
     def describe(self) -> tuple[str, int | None, str]:
         return f"{_SCALARS[self.code]} x n", None, self.note
@@ -496,6 +504,69 @@ _LAYOUTS: Final[dict[type[WireModel], tuple[_Field, ...]]] = {
 _BY_CODE: Final[dict[int, type[WireModel]]] = {code: cls for cls, code in TYPE_CODES.items()}
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """Consecutive fixed-width fields (scalars and enums) read and written with one
+    struct call, as a message's runs of them are: the same bytes as field by field.
+    When the message ends inside the run, decoding goes field by field, so a short
+    message is refused with the same words, and for the same first fault, as before."""
+
+    items: tuple[_Scalar | _Enum, ...]
+
+    @functools.cached_property
+    def layout(self) -> struct.Struct:
+        return struct.Struct(
+            "<" + "".join(i.code if isinstance(i, _Scalar) else "B" for i in self.items)
+        )
+
+    @functools.cached_property
+    def choices(self) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+        """(name, the enum's choices or None) per field."""
+        return tuple((i.name, i.choices if isinstance(i, _Enum) else None) for i in self.items)
+
+    def encode(self, msg: WireModel, out: bytearray) -> None:
+        values = [
+            getattr(msg, name) if choices is None else choices.index(getattr(msg, name))
+            for name, choices in self.choices
+        ]
+        out += self.layout.pack(*values)
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
+        layout = self.layout
+        if reader.pos + layout.size > len(reader.data):
+            for item in self.items:
+                item.decode(reader, fields)  # raises "truncated" where the bytes end
+            return
+        values = layout.unpack_from(reader.data, reader.pos)
+        reader.pos += layout.size
+        for (name, choices), value in zip(self.choices, values, strict=True):
+            if choices is None:
+                fields[name] = value
+            elif value < len(choices):
+                fields[name] = choices[value]
+            else:
+                raise reader.invalid(f"{name} code {value} is not defined")
+
+
+def _packed(layout: tuple[_Field, ...]) -> tuple[_Field, ...]:
+    """``layout`` with each run of two or more fixed-width fields as one ``_Packed``."""
+    out: list[_Field] = []
+    run: list[_Scalar | _Enum] = []
+    for item in (*layout, None):
+        if isinstance(item, _Scalar | _Enum):
+            run.append(item)
+            continue
+        out.extend([_Packed(tuple(run))] if len(run) > 1 else run)
+        run = []
+        if item is not None:
+            out.append(item)
+    return tuple(out)
+
+
+# What encode and decode walk: the layouts with their fixed-width runs packed.
+_WIRE: Final = {cls: _packed(layout) for cls, layout in _LAYOUTS.items()}
+
+
 def encode(msg: DataMessage) -> bytes:
     """Encode a data-plane message to its binary form (header included).
 
@@ -511,7 +582,7 @@ def encode(msg: DataMessage) -> bytes:
     code = TYPE_CODES[type(msg)]
     out = bytearray(MAGIC)
     out += struct.pack("<BB", PROTOCOL_VERSION, code)
-    for item in _LAYOUTS[type(msg)]:
+    for item in _WIRE[type(msg)]:
         item.encode(msg, out)
     if len(out) > MAX_PAYLOAD:
         raise ProtocolError(
@@ -564,7 +635,7 @@ def decode(data: bytes) -> DataMessage:
         raise ProtocolError("unknown_type", f"type code 0x{code:02x} is not defined", msg_type=code)
     reader = _Reader(data, code)
     fields: dict[str, Any] = {}
-    for item in _LAYOUTS[cls]:
+    for item in _WIRE[cls]:
         item.decode(reader, fields)
     if reader.pos != len(data):
         raise ProtocolError(

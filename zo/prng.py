@@ -103,9 +103,7 @@ def rademacher_rows(seed: int, step: int, ks: Sequence[int], size: int) -> npt.N
     from qsched.zo import native  # lazily: the native module imports the engine's kernels
 
     if native.available():  # the same bits; numpy's ten rounds cost more per call than work
-        return native.rademacher_rows(
-            _seed_key(seed), step, np.asarray(ks, dtype=np.uint32), size
-        )
+        return native.rademacher_rows(_seed_key(seed), step, np.asarray(ks, dtype=np.uint32), size)
     return _rademacher_rows_numpy(seed, step, ks, size)
 
 
