@@ -171,19 +171,18 @@ class _Part:
     parts: int  # slices per key of the split it belongs to
     cost: float  # whole-batch keys
     sent: float
-    done: float | None = None
 
-    def answered(self, _future: object) -> None:
-        """The answer's done-callback: when it came."""
-        self.done = asyncio.get_running_loop().time()
-
-    def observe(self) -> None:
-        """Fold its time into the member's estimate of its kind (whole or sliced)."""
-        # The callback may not have run yet when the answer was already there: it is now.
-        done = self.done if self.done is not None else asyncio.get_running_loop().time()
-        seconds = max(done - self.sent, 1e-6)
-        member = self.member
-        observe_split(member.throughput, member.slice_throughput, self.parts, self.cost, seconds)
+    def answered(self, future: asyncio.Future[DataMessage]) -> None:
+        """The answer's done-callback: a result's time goes into the member's estimate
+        of its kind (whole or sliced) as it comes, not all at the fold's end."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        if isinstance(future.result(), EvalResult | EvalSliceResult):
+            seconds = max(asyncio.get_running_loop().time() - self.sent, 1e-6)
+            member = self.member
+            observe_split(
+                member.throughput, member.slice_throughput, self.parts, self.cost, seconds
+            )
 
 
 class _Refused(Exception):
@@ -423,15 +422,12 @@ class HostAggregator:
         """The members' answers as one answer to ``msg``."""
         if not parts:
             raise _Refused(_error(msg, "not_ready", "no member board"))
-        answers = []
-        for part in parts:
-            answer = await self._answer(part.member, part.request, part.future)
+        answers = await self._answers(msg, [(part.member, part.future) for part in parts])
+        for part, answer in zip(parts, answers, strict=False):  # one Error: refused at once
             if isinstance(answer, Error):
                 raise _Refused(answer.model_copy(update={"ref_type": _code(msg)}))
             if not isinstance(answer, EvalResult | EvalSliceResult):
                 raise _Refused(_error(msg, "internal", f"{part.member.board_id}: {answer.type}"))
-            part.observe()
-            answers.append(answer)
         return _merged(msg, answers)
 
     async def _hello_after(
@@ -473,9 +469,9 @@ class HostAggregator:
         """Every member's answer to a fanned-out message: one if all agree."""
         if isinstance(msg, LoadModel | SetWeights) and msg.offset + len(msg.chunk) < msg.total:
             return None  # not the last chunk: the transfer's waiters answer at its end
-        answers = [await self._answer(member, msg, future) for member, future in futures]
-        if not answers:
+        if not futures:
             raise _Refused(_error(msg, "not_ready", "no member board"))
+        answers = await self._answers(msg, futures)
         for answer in answers:
             if isinstance(answer, Error):
                 return answer
@@ -494,6 +490,40 @@ class HostAggregator:
     ) -> DataMessage:
         member, future = part
         return await self._answer(member, msg, future)
+
+    async def _answers(
+        self, msg: DataMessage, waits: Sequence[tuple[Member, asyncio.Future[DataMessage]]]
+    ) -> list[DataMessage]:
+        """The members' answers to ``msg`` in their order, once all are in, or the first
+        Error among them (alone) as soon as one comes. The fold wakes once, not once per
+        answer: answers come one by one as members finish, and on a host of many members
+        each wake-up costs its thread what a member's start costs.
+
+        Raises:
+            _Refused: a member went silent for ``reply_timeout_s`` (the first in order
+                that had not answered) or its link ended (the first such in order).
+        """
+        pending = [future for _, future in waits if not future.done()]
+        timed_out = False
+        answers: list[DataMessage] = []
+        if pending and not any(_refuses(f) for _, f in waits if f.done()):
+            try:
+                async with asyncio.timeout(self.reply_timeout_s):
+                    await _settled(pending)
+            except TimeoutError:
+                timed_out = True
+        for member, future in waits:
+            if not future.done():
+                if timed_out:
+                    raise _Refused(_error(msg, "busy", f"{member.board_id} did not answer"))
+                continue  # woken by an Error or a loss further on: found below
+            if future.cancelled() or future.exception() is not None:
+                raise _Refused(_error(msg, "not_ready", f"{member.board_id} is gone"))
+            answer = future.result()
+            if isinstance(answer, Error):
+                return [answer]  # the refusal is all a fold needs
+            answers.append(answer)
+        return answers  # all of them: nothing failed, so nothing was left waiting
 
     async def _answer(
         self, member: Member, msg: DataMessage, future: asyncio.Future[DataMessage]
@@ -550,6 +580,30 @@ def _decode_answer(data: bytes) -> DataMessage:
     """A member's message, decoded once per distinct bytes when it is an UpdateAck: the
     members of a process ack an update with equal bytes."""
     return decode_shared(data, TYPE_CODES[UpdateAck])
+
+
+def _settled(futures: Sequence[asyncio.Future[DataMessage]]) -> asyncio.Future[None]:
+    """Done when every one of ``futures`` is, or as soon as one holds an Error or failed
+    (a member refused or is gone: the fold need not wait for the others)."""
+    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(futures)
+
+    def on_done(future: asyncio.Future[DataMessage]) -> None:
+        nonlocal left
+        left -= 1
+        if not settled.done() and (left == 0 or _refuses(future)):
+            settled.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(on_done)
+    return settled
+
+
+def _refuses(answered: asyncio.Future[DataMessage]) -> bool:
+    """Whether a member's done waiter refuses the request: an Error, or a lost link."""
+    if answered.cancelled() or answered.exception() is not None:
+        return True
+    return isinstance(answered.result(), Error)
 
 
 async def _all_done(tasks: Sequence[asyncio.Task[None]]) -> None:

@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 
-from qsched.daemon.aggregate import HostAggregator, Member, await_members
+from qsched.daemon.aggregate import HostAggregator, Member, _Refused, await_members
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
 from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.protocol.links.base import LinkClosedError
 from qsched.protocol.links.inproc import InProcTransport
-from qsched.protocol.messages import Hello
+from qsched.protocol.messages import Error, Hello, Ping, UpdateAck
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -259,3 +261,54 @@ async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None
             await asyncio.sleep(0.01)
     sender.cancel()
     assert link.sent == [bytes([i]) for i in range(3)]
+
+
+def _waits(count: int) -> tuple[HostAggregator, list[tuple[Member, asyncio.Future[Any]]]]:
+    """An aggregator of ``count`` members and one open waiter of an answer each."""
+    members = [Member(None, _hello(f"m{i}")) for i in range(count)]
+    loop = asyncio.get_running_loop()
+    return HostAggregator("host", members, reply_timeout_s=0.3), [
+        (m, loop.create_future()) for m in members
+    ]
+
+
+def _ack(step: int) -> UpdateAck:
+    return UpdateAck(job_id=1, step=step, checksum=step)
+
+
+async def test_a_fold_takes_its_answers_in_order_once_all_are_in() -> None:
+    """Answers that arrive in any order come back in the members' order, and the fold
+    is not done while one is missing."""
+    aggregator, waits = _waits(3)
+    fold = asyncio.create_task(aggregator._answers(Ping(nonce=1), waits))
+    for i in (2, 0):
+        waits[i][1].set_result(_ack(i))
+    await asyncio.sleep(0.05)
+    assert not fold.done()
+    waits[1][1].set_result(_ack(1))
+    assert await fold == [_ack(0), _ack(1), _ack(2)]
+
+
+async def test_a_fold_ends_at_the_first_refusal_without_waiting_for_the_rest() -> None:
+    """A member's Error refuses the request at once, while members before it are still
+    computing; a member's lost link refuses it as gone, and silence as busy after the
+    host's reply timeout, naming the first silent member."""
+    aggregator, waits = _waits(3)
+    fold = asyncio.create_task(aggregator._answers(Ping(nonce=1), waits))
+    error = Error(code="numeric", ref_type=0, detail="nan")
+    waits[2][1].set_result(error)
+    assert await asyncio.wait_for(fold, 0.2) == [error]
+
+    aggregator, waits = _waits(3)
+    fold = asyncio.create_task(aggregator._answers(Ping(nonce=1), waits))
+    waits[1][1].set_exception(LinkClosedError("m1", "closed"))
+    with pytest.raises(_Refused) as gone:
+        await asyncio.wait_for(fold, 0.2)
+    assert gone.value.error.code == "not_ready" and "m1 is gone" in gone.value.error.detail
+
+    aggregator, waits = _waits(3)
+    waits[0][1].set_result(_ack(0))
+    waits[2][1].set_result(_ack(2))
+    with pytest.raises(_Refused) as silent:
+        await aggregator._answers(Ping(nonce=1), waits)
+    assert silent.value.error.code == "busy" and "m1 did not answer" in silent.value.error.detail
