@@ -570,3 +570,24 @@ def test_mqtt_missing_certificate_fails_at_construction(tmp_path: Path) -> None:
     cfg = MqttConfig(tls=TlsConfig(enabled=True, ca_file=tmp_path / "missing.pem"))
     with pytest.raises(FileNotFoundError):
         MqttEndpoint(cfg, TopicMap(fleet="t"), "b")
+
+
+async def test_mqtt_publish_is_written_at_once_on_the_loops_thread(
+    mqtt_broker: MosquittoBroker,
+) -> None:
+    """A packet queued on the event loop's thread goes to the socket before the call
+    returns (nothing is left for a writer a loop turn later); queued from another
+    thread it is left to aiomqtt's writer, which sends it."""
+    cfg, topics = _mqtt_cfg(mqtt_broker.port), TopicMap(fleet="t")
+    async with MqttTransport(cfg, topics) as transport, MqttEndpoint(cfg, topics, "b") as board:
+        await transport.wait_connected(5)
+        await board.wait_connected(5)
+        client = board.connection._client
+        assert client is not None
+        paho = client._client
+        paho.publish(topics.board_out("b"), b"now", qos=1)
+        assert not paho.want_write()
+        await asyncio.to_thread(paho.publish, topics.board_out("b"), b"later", qos=1)
+        async with asyncio.timeout(5):
+            while paho.want_write():
+                await asyncio.sleep(0.01)

@@ -142,7 +142,7 @@ def build_client(
         A client to enter with ``async with``.
     """
     version = aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311
-    return aiomqtt.Client(
+    client = aiomqtt.Client(
         cfg.host,
         cfg.port,
         username=cfg.username,
@@ -163,6 +163,54 @@ def build_client(
         # timeout. Sends pass their own deadline (send_timeout_s).
         timeout=cfg.connect_timeout_s,
     )
+    _write_at_once(client)
+    return client
+
+
+def _write_at_once(client: aiomqtt.Client) -> None:
+    """Have the client write a publish to its socket when it is queued, if that happens
+    on the event loop's thread.
+
+    aiomqtt answers paho's "a packet is queued" callback by scheduling a writer for the
+    socket from any thread (``call_soon_threadsafe``, then ``add_writer``), so a publish
+    reaches the socket two loop iterations later, behind whatever else is ready: on the
+    2-core development machine 0.2 ms from the call to the write, on the path of every
+    step's order and result. On the loop's thread the socket can be written at once, as
+    paho itself does without an external loop; what the socket does not take (it is
+    full) is left to aiomqtt's writer. The acknowledgement paho queues while it reads
+    (a received QoS 1 message's PUBACK) still goes the scheduled way: written at once
+    it would delay the message's own handling by a send. Connecting runs in an executor
+    thread, and goes the usual way too.
+    """
+    paho = client._client  # aiomqtt keeps its paho client here (2.x)
+    schedule_writer = paho.on_socket_register_write
+    assert schedule_writer is not None  # aiomqtt sets it when it builds the client
+    read = paho.loop_read
+    reading = False
+
+    def loop_read(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reading
+        reading = True
+        try:
+            return read(*args, **kwargs)
+        finally:
+            reading = False
+
+    def on_register_write(mqtt: Any, userdata: Any, sock: Any) -> None:
+        try:
+            asyncio.get_running_loop()  # only the loop's thread has one
+        except RuntimeError:
+            schedule_writer(mqtt, userdata, sock)
+            return
+        if reading:
+            schedule_writer(mqtt, userdata, sock)
+            return
+        mqtt.loop_write()  # unregisters itself when everything went out
+        if mqtt.want_write():
+            schedule_writer(mqtt, userdata, sock)
+
+    paho.loop_read = loop_read  # type: ignore[method-assign]  # aiomqtt's reader calls it so
+    paho.on_socket_register_write = on_register_write
 
 
 @dataclass(frozen=True)
@@ -320,7 +368,8 @@ class MqttConnection:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TimeoutError(f"publish to {topic} timed out")
-            await asyncio.wait_for(self._connected.wait(), remaining)
+            if not self._connected.is_set():  # wait_for costs three loop turns: not when up
+                await asyncio.wait_for(self._connected.wait(), remaining)
             client = self._client
             if client is None:
                 continue
