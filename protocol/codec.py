@@ -4,7 +4,9 @@ A message is a 4-byte header (magic ``QS``, version, type code) and the fields o
 its layout in order. Every field is fixed-width except length-prefixed strings and
 blobs and the sample-key set; a C decoder walks it with one cursor into a fixed
 buffer of ``MAX_PAYLOAD`` bytes. The layouts below are the single source of the
-byte tables in ``protocol/SPEC.md`` section 6 (``layout_tables``).
+byte tables in ``protocol/SPEC.md`` section 6 (``layout_tables``). Encoding and decoding
+walk them with each run of fixed-width fields packed into one struct (``_WIRE``): the
+same bytes, read in fewer Python calls.
 """
 
 from __future__ import annotations
@@ -548,9 +550,17 @@ class _Packed:
                 raise reader.invalid(f"{name} code {value} is not defined")
 
 
-def _packed(layout: tuple[_Field, ...]) -> tuple[_Field, ...]:
+class _Step(Protocol):
+    """What encoding and decoding walk: a field, or a run of fields as one."""
+
+    def encode(self, msg: WireModel, out: bytearray) -> None: ...
+
+    def decode(self, reader: _Reader, fields: dict[str, Any]) -> None: ...
+
+
+def _packed(layout: tuple[_Field, ...]) -> tuple[_Step, ...]:
     """``layout`` with each run of two or more fixed-width fields as one ``_Packed``."""
-    out: list[_Field] = []
+    out: list[_Step] = []
     run: list[_Scalar | _Enum] = []
     for item in (*layout, None):
         if isinstance(item, _Scalar | _Enum):
