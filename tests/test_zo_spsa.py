@@ -61,3 +61,33 @@ def test_spsa_forward_passes() -> None:
     """2q passes two-sided, q + 1 one-sided."""
     assert forward_passes(4) == 8
     assert forward_passes(4, "one_sided") == 5
+
+
+def test_spsa_rounds_each_coefficient_as_numpy_float32_does() -> None:
+    """Every coefficient is its float64 value rounded to float32 to nearest (as
+    ``np.float32``), signed zeros kept and an overflow becoming infinity, on many keys."""
+    rng = np.random.default_rng(7)
+    scales = 10.0 ** rng.integers(-9, 9, 64)
+    plus = {k: float(v) for k, v in enumerate(rng.normal(size=64) * scales)}
+    minus = {k: float(v) for k, v in enumerate(rng.normal(size=64))}
+    plus[3], minus[3] = 0.0, 0.0
+    plus[5], minus[5] = 1e308, -1e308
+    with np.errstate(over="ignore"):
+        want = [np.float32(-0.3 * (plus[k] - minus[k]) / (2 * 1e-3 * 64)) for k in range(64)]
+    pairs = coefficients(LossPairs(plus=plus, minus=minus), lr=0.3, eps=1e-3, q=64)
+    assert [k for k, _ in pairs] == list(range(64))
+    got = np.array([c for _, c in pairs], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), np.array(want, dtype=np.float32).view(np.uint32))
+    assert np.isinf(got[5]) and np.signbit(got[3])
+
+
+def test_spsa_names_the_first_fault_in_key_order() -> None:
+    """With several faults the error names the first key that has one (its L+ before
+    its L-), as a loop over the keys would."""
+    nan = float("nan")
+    losses = LossPairs(plus={0: 1.0, 1: 1.0, 2: nan, 3: 1.0}, minus={0: 1.0, 1: nan, 2: 1.0})
+    with pytest.raises(LossError, match="L- of perturbation 1") as info:
+        coefficients(losses, 1.0, 1.0, 4)
+    assert info.value.k == 1
+    with pytest.raises(LossError, match="L\\+ of perturbation 2"):
+        projected_gradients(LossPairs(plus={2: nan, 7: 1.0}, minus={2: nan, 7: nan}), 1.0)

@@ -14,12 +14,11 @@ gradient, so the same formulas hold in weight-step units.
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
-
-import numpy as np
 
 from qsched.zo.errors import LossError
 
@@ -97,7 +96,16 @@ def _differences(
         raise ValueError(f"eps must be positive, got {eps}")
     diffs: dict[int, float] = {}
     if estimator == "two_sided":
-        for k in losses.ks:
+        ks = losses.ks
+        if len(losses.minus) == len(ks) and all(k in losses.minus for k in ks):
+            pluses = [float(losses.plus[k]) for k in ks]
+            minuses = [float(losses.minus[k]) for k in ks]
+            if all(map(math.isfinite, pluses)) and all(map(math.isfinite, minuses)):
+                # The common case in one pass; anything wrong is found by the loop below,
+                # which names the first fault in key order.
+                pairs = zip(ks, pluses, minuses, strict=True)
+                return {k: p - m for k, p, m in pairs}, 2.0 * float(eps)
+        for k in ks:
             if k not in losses.minus:
                 raise LossError(f"perturbation {k} has no minus loss", k)
             plus = _finite(losses.plus[k], f"L+ of perturbation {k}", k)
@@ -160,7 +168,11 @@ def coefficients(
     if len(diffs) != q:
         raise LossError(f"expected losses for {q} perturbations, got {len(diffs)}")
     scale = denominator * q
-    return [(k, float(np.float32((-float(lr) * d) / scale))) for k, d in sorted(diffs.items())]
+    ks = sorted(diffs)
+    # array("f") rounds each float64 to float32 as np.float32 does (to nearest even); an
+    # overflow becomes inf there too.
+    rounded = array.array("f", [(-float(lr) * diffs[k]) / scale for k in ks])
+    return list(zip(ks, rounded, strict=True))
 
 
 def forward_passes(q: int, estimator: Estimator = "two_sided") -> int:
