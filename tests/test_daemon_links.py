@@ -12,7 +12,7 @@ import tty
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from pydantic import SecretStr
@@ -591,3 +591,40 @@ async def test_mqtt_publish_is_written_at_once_on_the_loops_thread(
         async with asyncio.timeout(5):
             while paho.want_write():
                 await asyncio.sleep(0.01)
+
+
+async def test_mqtt_messages_reach_handlers_in_order_until_the_connection_ends() -> None:
+    """The connection reads the client's queue itself: every message queued before the
+    connection ended is handled, in order, and then the session ends with the error
+    aiomqtt's iterator raised; a reader waiting on an empty queue wakes when it ends."""
+    import aiomqtt
+
+    class Client:  # the two things a session reads from aiomqtt's client
+        def __init__(self) -> None:
+            self._queue: asyncio.Queue[Any] = asyncio.Queue()
+            self._disconnected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    seen: list[bytes] = []
+
+    async def handler(message: aiomqtt.Message) -> None:
+        seen.append(message.payload)  # type: ignore[arg-type]
+
+    connection = MqttConnection(_mqtt_cfg(1), "t")
+    connection.subscribe("a/#", 1, handler)
+    client = Client()
+    for i in range(3):
+        client._queue.put_nowait(aiomqtt.Message(f"a/{i}", bytes([i]), 1, False, i, None))
+    client._disconnected.set_exception(aiomqtt.MqttError("lost"))
+    with pytest.raises(aiomqtt.MqttError, match="Disconnected"):
+        await connection._messages(client)  # type: ignore[arg-type]
+    assert seen == [b"\x00", b"\x01", b"\x02"]
+
+    client = Client()
+    session = asyncio.create_task(connection._messages(client))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    client._queue.put_nowait(aiomqtt.Message("a/x", b"x", 1, False, 9, None))
+    await asyncio.sleep(0.01)
+    client._disconnected.set_result(None)
+    with pytest.raises(aiomqtt.MqttError):
+        await asyncio.wait_for(session, 2)
+    assert seen[-1] == b"x"
