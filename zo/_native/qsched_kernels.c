@@ -726,7 +726,10 @@ int qs_accumulate_signed(float *restrict delta, const uint8_t *restrict negative
  * row r, element i is bit (i mod 32) of word ((i mod 128) div 32) of Philox4x32-10 on
  * counter (i div 128, step, ks[r], 0) under key (seed_lo, seed_hi), one byte (0 or 1)
  * each. numpy spends most of a small model's update in the per-call overhead of its
- * ten vectorised rounds; here a block is a few dozen integer operations.
+ * ten vectorised rounds; here a block is a few dozen integer operations. The board's
+ * firmware has its own Philox (firmware/core/prng.c): this library is built from this
+ * one file and the firmware from its own tree, and neither may depend on the other;
+ * both are checked against the numpy reference and its known-answer vectors.
  */
 static inline void philox_block(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                 uint32_t k0, uint32_t k1, uint32_t out[4]) {
