@@ -584,6 +584,9 @@ async def test_mqtt_publish_is_written_at_once_on_the_loops_thread(
         await board.wait_connected(5)
         client = board.connection._client
         assert client is not None
+        # The aiomqtt in use keeps what the fast paths read (MqttConnection._messages too).
+        assert isinstance(client._queue, asyncio.Queue)
+        assert isinstance(client._disconnected, asyncio.Future)
         paho = client._client
         paho.publish(topics.board_out("b"), b"now", qos=1)
         assert not paho.want_write()
@@ -628,3 +631,28 @@ async def test_mqtt_messages_reach_handlers_in_order_until_the_connection_ends()
     with pytest.raises(aiomqtt.MqttError):
         await asyncio.wait_for(session, 2)
     assert seen[-1] == b"x"
+
+
+async def test_mqtt_messages_of_a_client_without_the_known_queue_use_its_iterator() -> None:
+    """An aiomqtt whose client keeps no ``_queue``/``_disconnected`` (another version) is
+    read through its public message iterator, in order, until it ends."""
+    import aiomqtt
+
+    class Client:
+        async def _iterate(self) -> AsyncIterator[aiomqtt.Message]:
+            for i in range(3):
+                yield aiomqtt.Message(f"a/{i}", bytes([i]), 1, False, i, None)
+
+        @property
+        def messages(self) -> AsyncIterator[aiomqtt.Message]:
+            return self._iterate()
+
+    seen: list[bytes] = []
+
+    async def handler(message: aiomqtt.Message) -> None:
+        seen.append(message.payload)  # type: ignore[arg-type]
+
+    connection = MqttConnection(_mqtt_cfg(1), "t")
+    connection.subscribe("a/#", 1, handler)
+    await connection._messages(Client())  # type: ignore[arg-type]
+    assert seen == [b"\x00", b"\x01", b"\x02"]

@@ -183,9 +183,10 @@ def _write_at_once(client: aiomqtt.Client) -> None:
     every message by a send (60-70 us of kernel time on the development machine).
     Connecting runs in an executor thread, and goes the usual way.
     """
-    paho = client._client  # aiomqtt keeps its paho client here (2.x)
-    schedule_writer = paho.on_socket_register_write
-    assert schedule_writer is not None  # aiomqtt sets it when it builds the client
+    paho: Any = getattr(client, "_client", None)  # aiomqtt 2.x keeps its paho client here
+    schedule_writer = getattr(paho, "on_socket_register_write", None)
+    if schedule_writer is None:  # another aiomqtt: its own way, slower but correct
+        return
     read = paho.loop_read
     reading = False
 
@@ -213,7 +214,7 @@ def _write_at_once(client: aiomqtt.Client) -> None:
         else:
             write(mqtt, userdata, sock)
 
-    paho.loop_read = loop_read  # type: ignore[method-assign]  # aiomqtt's reader calls it so
+    paho.loop_read = loop_read  # aiomqtt's reader calls it through the instance
     paho.on_socket_register_write = on_register_write
 
 
@@ -346,8 +347,12 @@ class MqttConnection:
         end in ``_disconnected``): the iterator made a task and an ``asyncio.wait`` for
         every message, two loop turns between a message's arrival and its handler.
         """
-        queue: asyncio.Queue[Any] = client._queue
-        disconnected: asyncio.Future[None] = client._disconnected
+        queue = getattr(client, "_queue", None)
+        disconnected = getattr(client, "_disconnected", None)
+        if not isinstance(queue, asyncio.Queue) or not isinstance(disconnected, asyncio.Future):
+            async for message in client.messages:  # another aiomqtt: its public iterator
+                await self._dispatch(message)
+            return
         wake = functools.partial(_wake_reader, queue)
         disconnected.add_done_callback(wake)  # a reader waiting on an empty queue
         try:
