@@ -436,7 +436,7 @@ class HostAggregator:
         """After a Reset: the host's Hello once every member said its own."""
         for member, future in futures:
             with contextlib.suppress(_Refused):
-                await self._answer(member, msg, future)
+                await self._answers(msg, [(member, future)])
         return self.hello()
 
     # ------------------------------------------------------------------ folding
@@ -488,8 +488,8 @@ class HostAggregator:
     async def _relay(
         self, msg: DataMessage, part: tuple[Member, asyncio.Future[DataMessage]]
     ) -> DataMessage:
-        member, future = part
-        return await self._answer(member, msg, future)
+        (answer,) = await self._answers(msg, [part])
+        return answer
 
     async def _answers(
         self, msg: DataMessage, waits: Sequence[tuple[Member, asyncio.Future[DataMessage]]]
@@ -524,20 +524,6 @@ class HostAggregator:
                 return [answer]  # the refusal is all a fold needs
             answers.append(answer)
         return answers  # all of them: nothing failed, so nothing was left waiting
-
-    async def _answer(
-        self, member: Member, msg: DataMessage, future: asyncio.Future[DataMessage]
-    ) -> DataMessage:
-        """A member's answer; its silence or loss is a refusal of ``msg``."""
-        try:
-            if future.done():  # most are, when a fold gets to them: no timer to arm
-                return future.result()
-            async with asyncio.timeout(self.reply_timeout_s):
-                return await future
-        except TimeoutError as exc:
-            raise _Refused(_error(msg, "busy", f"{member.board_id} did not answer")) from exc
-        except LinkError as exc:
-            raise _Refused(_error(msg, "not_ready", f"{member.board_id} is gone")) from exc
 
     async def _up(self, msg: DataMessage) -> None:
         if self._send is not None:
