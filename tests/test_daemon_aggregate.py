@@ -16,10 +16,11 @@ from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
+from qsched.protocol.codec import decode
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import LinkClosedError
 from qsched.protocol.links.inproc import InProcTransport
-from qsched.protocol.messages import Error, Hello, Ping, UpdateAck
+from qsched.protocol.messages import Error, Heartbeat, Hello, Ping, UpdateAck
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -261,6 +262,37 @@ async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None
             await asyncio.sleep(0.01)
     sender.cancel()
     assert link.sent == [bytes([i]) for i in range(3)]
+
+
+async def test_the_first_members_heartbeats_go_up_as_the_hosts() -> None:
+    """Members on in-process links hand their messages over as they send them; the
+    first member's unsolicited heartbeats still go up as the host's, the others' not
+    (the second member beats twenty times as often: its beats would swamp the count)."""
+    agents = [BoardAgent(f"hb-{i}", latency=LATENCY) for i in range(2)]
+    intervals = [0.2, 0.01]
+    async with InProcTransport() as local, InProcTransport() as daemon_side:
+        ends = [local.attach(a.board_id) for a in agents]
+        served = [
+            asyncio.create_task(serve_link(a, e, heartbeat_interval=every))
+            for a, e, every in zip(agents, ends, intervals, strict=True)
+        ]
+        links = [(await anext(local.events())).link for _ in agents]  # type: ignore[union-attr]
+        aggregator = HostAggregator("host", await await_members(links, timeout=5))
+        upstream = daemon_side.attach("host")
+        daemon_end = (await anext(daemon_side.events())).link  # type: ignore[union-attr]
+        serving = asyncio.create_task(aggregator.serve(upstream))
+        beats = 0
+
+        async def count() -> None:
+            nonlocal beats
+            async for data in daemon_end.incoming():
+                beats += isinstance(decode(data), Heartbeat)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(count(), 0.7)
+        for task in [serving, *served]:
+            task.cancel()
+        assert 1 <= beats <= 6
 
 
 def _waits(count: int) -> tuple[HostAggregator, list[tuple[Member, asyncio.Future[Any]]]]:

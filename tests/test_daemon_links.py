@@ -82,6 +82,30 @@ async def test_inproc_messages_both_ways_and_detach() -> None:
         assert [m async for m in board.incoming()] == []
 
 
+async def test_inproc_receiver_takes_messages_as_they_are_sent() -> None:
+    """An end given a receiver gets what was queued before, in order, then every message
+    in the sender's own call (send and send_nowait); its incoming only ends, when the
+    link closes."""
+    async with InProcTransport() as transport:
+        board = transport.attach("vb-0")
+        daemon = (await _next_event(transport.events())).link
+        await board.send(b"a")
+        assert board.send_nowait(b"b")
+        got: list[bytes] = []
+        daemon.receive_with(got.append)
+        assert got == [b"a", b"b"]
+        await board.send(b"c")
+        assert got == [b"a", b"b", b"c"]  # no turn of the loop in between
+        assert board.send_nowait(b"d") and got[-1] == b"d"
+        await daemon.send(b"down")  # the other way is unchanged: queued
+        assert await _take(board, 1) == [b"down"]
+        await board.close()
+        assert [m async for m in daemon.incoming()] == []
+        with pytest.raises(LinkClosedError):
+            await board.send(b"late")
+        assert got == [b"a", b"b", b"c", b"d"]
+
+
 async def test_inproc_duplicate_id_refused_and_reattach() -> None:
     """A second live board with the same id is refused; after it is gone it can return."""
     async with InProcTransport() as transport:

@@ -77,4 +77,33 @@ def test_board_processes_wait_to_the_microsecond():
     said, selector = run_precise(sleep_and_say(), descriptors=4)
     assert said == "done"
     if factory is not None:
-        assert selector == "SelectSelector"
+        assert selector == "_PunctualSelector"
+
+
+def test_a_timed_wait_ends_at_its_timeout_or_when_a_descriptor_is_ready() -> None:
+    """The board processes' selector never returns before a wait's timeout when nothing
+    is ready (it polls through the last stretch instead of sleeping through it), and a
+    descriptor that becomes ready ends the wait at once."""
+    import selectors
+    import socket
+    import time
+
+    from qsched.firmware.virtual.clock import PUNCTUAL_S, _PunctualSelector
+
+    selector = _PunctualSelector()
+    ours, theirs = socket.socketpair()
+    try:
+        selector.register(ours, selectors.EVENT_READ)
+        for timeout in (PUNCTUAL_S / 2, 3 * PUNCTUAL_S, 0.02):
+            start = time.monotonic()
+            assert selector.select(timeout) == []
+            assert time.monotonic() - start >= timeout
+        theirs.send(b"x")
+        start = time.monotonic()
+        ready = selector.select(5.0)
+        assert [key.fileobj for key, _ in ready] == [ours]
+        assert time.monotonic() - start < 2.5
+    finally:
+        selector.close()
+        ours.close()
+        theirs.close()

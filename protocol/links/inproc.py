@@ -3,6 +3,10 @@
 For experiments, the demo and unit tests: virtual boards run in the daemon's event loop
 and ``InProcTransport.attach`` plays the part of plugging a board in.
 
+An end may take what the other end sends as it is sent (``receive_with``) instead of
+through its queue: a host of many in-process boards (``HostAggregator``) then handles
+each answer without a reader task's wake-up.
+
     async with InProcTransport() as transport:
         endpoint = transport.attach("vb-0")       # the board's end
         event = await anext(transport.events())   # BoardAppeared("vb-0", <daemon's end>)
@@ -11,7 +15,7 @@ and ``InProcTransport.attach`` plays the part of plugging a board in.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Self
 
@@ -67,6 +71,8 @@ class InProcLink:
         self._pair = pair
         self._inbox = inbox
         self._outbox = outbox
+        self.peer: InProcLink | None = None  # the other end, once both exist
+        self._receiver: Callable[[bytes], None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -84,6 +90,9 @@ class InProcLink:
         """
         if self._pair.closed:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
+        if self.peer is not None and self.peer._receiver is not None:
+            self.peer._receiver(bytes(payload))
+            return
         await self._outbox.put(bytes(payload))
 
     def send_nowait(self, payload: bytes) -> bool:
@@ -97,14 +106,31 @@ class InProcLink:
         """
         if self._pair.closed:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
+        if self.peer is not None and self.peer._receiver is not None:
+            self.peer._receiver(bytes(payload))
+            return True
         try:
             self._outbox.put_nowait(bytes(payload))
         except asyncio.QueueFull:
             return False
         return True
 
+    def receive_with(self, receiver: Callable[[bytes], None]) -> None:
+        """Hand every message the other end sends to ``receiver``, in the sender's call,
+        instead of queueing it for ``incoming`` (which then only ends when the link
+        closes). Messages queued already go to ``receiver`` first, in order.
+        ``receiver`` must not raise: an exception would reach the sender."""
+        if self._pair.closed:
+            return  # nothing more comes; incoming ends
+        while not self._inbox.empty():  # open: the queue holds messages only
+            item = self._inbox.get_nowait()
+            assert isinstance(item, bytes)
+            receiver(item)
+        self._receiver = receiver
+
     async def incoming(self) -> AsyncIterator[bytes]:
-        """Messages from the other end until the link closes."""
+        """Messages from the other end until the link closes (with ``receive_with``:
+        none, only the end)."""
         async for item in iterate_queue(self._inbox):
             yield item
 
@@ -145,8 +171,10 @@ class InProcTransport:
         pair = _Pair(board_id, self._queue_size, self._events)
         self._pairs[board_id] = pair
         daemon_end = InProcLink(pair, pair.to_daemon, pair.to_board)
+        board_end = InProcLink(pair, pair.to_board, pair.to_daemon)
+        daemon_end.peer, board_end.peer = board_end, daemon_end
         self._events.put_nowait(BoardAppeared(board_id, daemon_end, NAME))
-        return InProcLink(pair, pair.to_board, pair.to_daemon)
+        return board_end
 
     def detach(self, board_id: str, reason: str = "detached") -> None:
         """Unplug a board: both ends close and ``BoardGone(reason)`` is reported.
