@@ -67,7 +67,7 @@ from qsched.protocol.messages import (
     UpdateAck,
     ValidateRequest,
 )
-from qsched.zo.intloss import sliced_batch_loss
+from qsched.zo.intloss import sliced_batch_losses
 
 __all__ = ["MEMBER_REPLY_TIMEOUT_S", "HostAggregator", "Member", "await_members"]
 
@@ -686,18 +686,18 @@ def _folded_slices(msg: EvalRequest, answers: list[EvalSliceResult]) -> EvalResu
         if a.sum_zero is not None:
             zero[(a.slice_start, a.slice_count)] = a.sum_zero
 
-    def loss(sums: list[int]) -> float:
-        return float(sliced_batch_loss(sums, msg.batch_size))
-
+    batch = msg.batch_size
     return EvalResult(
         job_id=msg.job_id,
         step=msg.step,
         compute_us=max(a.compute_us for a in answers),
         estimator=msg.estimator,
         ks=msg.ks,
-        loss_plus=tuple(loss(plus[k]) for k in msg.ks),
-        loss_minus=tuple(loss(minus[k]) for k in msg.ks) if two_sided else (),
-        loss_zero=None if two_sided else loss(list(zero.values())),
+        loss_plus=tuple(sliced_batch_losses([plus[k] for k in msg.ks], batch)),
+        loss_minus=tuple(sliced_batch_losses([minus[k] for k in msg.ks], batch))
+        if two_sided
+        else (),
+        loss_zero=None if two_sided else sliced_batch_losses([list(zero.values())], batch)[0],
     )
 
 

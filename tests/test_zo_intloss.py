@@ -115,3 +115,27 @@ def test_intloss_vectors_replay() -> None:
             assert int(got[0]) == int(fields[4])
             checked += 1
     assert checked >= 50
+
+
+def test_sliced_batch_losses_round_as_float32_of_the_floored_mean() -> None:
+    """The losses folded from slice sums are float32(floor(sum / B) / 65536), several
+    keys at once with the bits of one at a time: on random sums, on values whose
+    quotient by 65536 needs more than float32's 24 bits (ties round to even), and at
+    zero."""
+    rng = np.random.default_rng(5)
+    cases: list[tuple[list[int], int]] = [([0], 1), ([0, 0, 0], 3)]
+    for _ in range(2000):
+        parts = int(rng.integers(1, 5))
+        top = 1 << int(rng.choice([8, 24, 31, 40, 52]))
+        cases.append(([int(v) for v in rng.integers(0, top, parts)], int(rng.integers(1, 9))))
+    # 2^25 + 1 and 2^25 + 3 over 65536 lie halfway between float32 neighbours.
+    cases += [([(1 << 25) + 1], 1), ([(1 << 25) + 3], 1), ([(1 << 41) + 1], 1)]
+    for batch in range(1, 9):
+        chunk = [sums for sums, b in cases if b == batch]
+        got = intloss.sliced_batch_losses(chunk, batch)
+        want = [np.float32((sum(sums) // batch) / 65536.0) for sums in chunk]
+        assert [np.float32(v).tobytes() for v in got] == [w.tobytes() for w in want]
+        assert all(float(np.float32(v)) == v for v in got)  # already float32 values
+    assert intloss.sliced_batch_loss([6, 2], 4) == np.float32(2 / 65536)
+    with pytest.raises(Exception, match="empty batch"):
+        intloss.sliced_batch_losses([[1]], 0)

@@ -22,7 +22,8 @@ same only among processes of one machine.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import numpy as np
@@ -45,6 +46,7 @@ __all__ = [
     "q16_to_float",
     "scale_q24",
     "sliced_batch_loss",
+    "sliced_batch_losses",
 ]
 
 TABLE_BITS: Final = 24  # Q: E[0] = 2**24
@@ -237,9 +239,18 @@ def batch_loss_q16(per_sample: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
 def sliced_batch_loss(slice_sums: Sequence[int], batch_size: int) -> np.float32:
     """The batch loss, as on the wire, from the Q16 loss sums of slices covering the
     batch once (SPEC 6.10): float32(floor(sum / B) / 65536), the whole batch's bits."""
+    return np.float32(sliced_batch_losses([slice_sums], batch_size)[0])
+
+
+def sliced_batch_losses(slice_sums: Iterable[Sequence[int]], batch_size: int) -> list[float]:
+    """``sliced_batch_loss`` of several keys (one sequence of slice sums each), as Python
+    floats: the float32 rounding of all of them in one ``array`` conversion, the same
+    round-to-nearest-even as numpy's (a host folds 64 keys per step on its way up)."""
     if batch_size < 1:
         raise IntLossError("empty batch")
-    return q16_to_float(sum(int(v) for v in slice_sums) // batch_size)
+    return array(
+        "f", [(sum(map(int, sums)) // batch_size) / 65536.0 for sums in slice_sums]
+    ).tolist()
 
 
 def q16_to_float(value: int | np.integer) -> np.float32:
