@@ -173,13 +173,14 @@ class _Part:
     cost: float  # whole-batch keys
     sent: float
 
-    def answered(self, future: asyncio.Future[DataMessage]) -> None:
-        """The answer's done-callback: a result's time goes into the member's estimate
-        of its kind (whole or sliced) as it comes, not all at the fold's end."""
-        if future.cancelled() or future.exception() is not None:
+    def observe(self, arrived: float | None) -> None:
+        """Fold this part's time into the member's estimate of its kind (whole or
+        sliced), if its answer was a result (``arrived``: when, on the loop's clock)."""
+        future = self.future
+        if arrived is None or not future.done() or future.cancelled() or future.exception():
             return
         if isinstance(future.result(), EvalResult | EvalSliceResult):
-            seconds = max(asyncio.get_running_loop().time() - self.sent, 1e-6)
+            seconds = max(arrived - self.sent, 1e-6)
             member = self.member
             observe_split(
                 member.throughput, member.slice_throughput, self.parts, self.cost, seconds
@@ -313,7 +314,11 @@ class HostAggregator:
             self._fold(self._fold_same(msg, futures))
         elif isinstance(msg, EvalRequest | EvalSliceRequest):
             parts = await self._share_eval(msg)
-            self._fold(self._fold_eval(msg, parts))
+            arrived: dict[int, float] = {}
+            # The members' rates take the answers' times after the answer went up.
+            self._fold(
+                self._fold_eval(msg, parts, arrived), then=lambda _: _observe(parts, arrived)
+            )
         elif isinstance(msg, ValidateRequest | Ping):
             member = self._first() if isinstance(msg, Ping) else self._fastest()
             if member is not None:
@@ -384,13 +389,11 @@ class HostAggregator:
             shares = plan_shares(msg, members, self._int8)
         self.sliced += bool(shares) and shares[0].parts > 1
         out = []
-        loop = asyncio.get_running_loop()
+        now = asyncio.get_running_loop().time()
         for share in shares:
             future = share.member.expect(request_key(share.request))
             share.member.post(share.data)
-            part = _Part(share.member, share.request, future, share.parts, share.cost, loop.time())
-            future.add_done_callback(part.answered)
-            out.append(part)
+            out.append(_Part(share.member, share.request, future, share.parts, share.cost, now))
         return out
 
     def _prepare_next(self, update: ApplyUpdate) -> Callable[[DataMessage], None]:
@@ -418,12 +421,17 @@ class HostAggregator:
         return prepare
 
     async def _fold_eval(
-        self, msg: EvalRequest | EvalSliceRequest, parts: list[_Part]
+        self,
+        msg: EvalRequest | EvalSliceRequest,
+        parts: list[_Part],
+        arrived: dict[int, float] | None = None,
     ) -> DataMessage:
-        """The members' answers as one answer to ``msg``."""
+        """The members' answers as one answer to ``msg`` (``arrived``: filled with when
+        each answer came, by the id of its waiter)."""
         if not parts:
             raise _Refused(_error(msg, "not_ready", "no member board"))
-        answers = await self._answers(msg, [(part.member, part.future) for part in parts])
+        waits = [(part.member, part.future) for part in parts]
+        answers = await self._answers(msg, waits, arrived)
         for part, answer in zip(parts, answers, strict=False):  # one Error: refused at once
             if isinstance(answer, Error):
                 raise _Refused(answer.model_copy(update={"ref_type": _code(msg)}))
@@ -493,24 +501,33 @@ class HostAggregator:
         return answer
 
     async def _answers(
-        self, msg: DataMessage, waits: Sequence[tuple[Member, asyncio.Future[DataMessage]]]
+        self,
+        msg: DataMessage,
+        waits: Sequence[tuple[Member, asyncio.Future[DataMessage]]],
+        arrived: dict[int, float] | None = None,
     ) -> list[DataMessage]:
         """The members' answers to ``msg`` in their order, once all are in, or the first
         Error among them (alone) as soon as one comes. The fold wakes once, not once per
         answer: answers come one by one as members finish, and on a host of many members
         each wake-up costs its thread what a member's start costs.
 
+        ``arrived`` (when given) gets the loop time each answer came, by the id of its
+        waiter; an answer there before the call counts as come at the call.
+
         Raises:
             _Refused: a member went silent for ``reply_timeout_s`` (the first in order
                 that had not answered) or its link ended (the first such in order).
         """
         pending = [future for _, future in waits if not future.done()]
+        if arrived is not None:
+            now = asyncio.get_running_loop().time()
+            arrived.update((id(future), now) for _, future in waits if future.done())
         timed_out = False
         answers: list[DataMessage] = []
         if pending and not any(_refuses(f) for _, f in waits if f.done()):
             try:
                 async with asyncio.timeout(self.reply_timeout_s):
-                    await _settled(pending)
+                    await _settled(pending, arrived)
             except TimeoutError:
                 timed_out = True
         for member, future in waits:
@@ -590,14 +607,21 @@ def _decode_answer(data: bytes) -> DataMessage:
     return decode_shared(data, TYPE_CODES[UpdateAck])
 
 
-def _settled(futures: Sequence[asyncio.Future[DataMessage]]) -> asyncio.Future[None]:
+def _settled(
+    futures: Sequence[asyncio.Future[DataMessage]], arrived: dict[int, float] | None = None
+) -> asyncio.Future[None]:
     """Done when every one of ``futures`` is, or as soon as one holds an Error or failed
-    (a member refused or is gone: the fold need not wait for the others)."""
-    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    (a member refused or is gone: the fold need not wait for the others). ``arrived``
+    (when given) gets the loop time each future was done, by its id: one callback per
+    answer does both, as a host of many members pays each one a loop turn's handle."""
+    loop = asyncio.get_running_loop()
+    settled: asyncio.Future[None] = loop.create_future()
     left = len(futures)
 
     def on_done(future: asyncio.Future[DataMessage]) -> None:
         nonlocal left
+        if arrived is not None:
+            arrived[id(future)] = loop.time()
         left -= 1
         if not settled.done() and (left == 0 or _refuses(future)):
             settled.set_result(None)
@@ -605,6 +629,12 @@ def _settled(futures: Sequence[asyncio.Future[DataMessage]]) -> asyncio.Future[N
     for future in futures:
         future.add_done_callback(on_done)
     return settled
+
+
+def _observe(parts: Sequence[_Part], arrived: dict[int, float]) -> None:
+    """Each part's time into its member's rate, from when its answer ``arrived``."""
+    for part in parts:
+        part.observe(arrived.get(id(part.future)))
 
 
 def _refuses(answered: asyncio.Future[DataMessage]) -> bool:

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from qsched.daemon.aggregate import HostAggregator, Member, _Refused, await_members
+from qsched.daemon.aggregate import (
+    HostAggregator,
+    Member,
+    _observe,
+    _Part,
+    _Refused,
+    await_members,
+)
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
@@ -20,7 +27,7 @@ from qsched.protocol.codec import decode
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import LinkClosedError
 from qsched.protocol.links.inproc import InProcTransport
-from qsched.protocol.messages import Error, Heartbeat, Hello, Ping, UpdateAck
+from qsched.protocol.messages import Error, EvalResult, Heartbeat, Hello, Ping, UpdateAck
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -319,6 +326,41 @@ async def test_a_fold_takes_its_answers_in_order_once_all_are_in() -> None:
     assert not fold.done()
     waits[1][1].set_result(_ack(1))
     assert await fold == [_ack(0), _ack(1), _ack(2)]
+
+
+async def test_a_fold_times_each_members_answer_for_its_rate() -> None:
+    """Each member's rate takes the time its own result came, observed once the fold
+    is done: a member that answered later has a lower rate; an Error is not a result
+    and observes nothing."""
+    aggregator, waits = _waits(3)
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    parts = [
+        _Part(member, Ping(nonce=1), future, parts=1, cost=1.0, sent=sent)  # type: ignore[arg-type]
+        for member, future in waits
+    ]
+    arrived: dict[int, float] = {}
+    fold = asyncio.create_task(aggregator._answers(Ping(nonce=1), waits, arrived))
+    await asyncio.sleep(0)
+    for i, (_, future) in enumerate(waits):
+        await asyncio.sleep(0.05)
+        result = EvalResult(
+            job_id=1,
+            step=0,
+            compute_us=1,
+            estimator="two_sided",
+            ks=(i,),
+            loss_plus=(1.0,),
+            loss_minus=(1.0,),
+        )
+        future.set_result(result if i < 2 else Error(code="numeric", ref_type=0, detail="x"))
+    await fold
+    assert all(m.throughput.observations == 0 for m, _ in waits)  # not before the fold ends
+    _observe(parts, arrived)
+    first, second, third = (m.throughput for m, _ in waits)
+    assert first.observations == second.observations == 1 and third.observations == 0
+    assert first.rate > second.rate
+    assert 1 / first.rate >= 0.05 and 1 / second.rate >= 0.1
 
 
 async def test_a_fold_ends_at_the_first_refusal_without_waiting_for_the_rest() -> None:
