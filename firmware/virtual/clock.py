@@ -50,15 +50,13 @@ class _PunctualSelector(selectors.SelectSelector):
         if timeout is None or timeout <= 0:
             return super().select(timeout)
         deadline = time.monotonic() + timeout
-        if timeout > PUNCTUAL_S:
-            ready = super().select(timeout - PUNCTUAL_S)
+        while True:  # a wait that ends early for any reason sleeps again, not polls
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            ready = super().select(left - PUNCTUAL_S if left > PUNCTUAL_S else 0)
             if ready:
                 return ready
-        while time.monotonic() < deadline:
-            ready = super().select(0)
-            if ready:
-                return ready
-        return []
 
 
 def precise_loop_factory(descriptors: int) -> Callable[[], asyncio.AbstractEventLoop] | None:
