@@ -103,6 +103,12 @@ class Member:
     # serial link's stop-and-wait holds up this member only, never the others.
     outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
     sending: bool = False  # the sender task holds a message the link has not taken yet
+    # A fold's done-callback per waiter, called in the call that settles the waiter
+    # (``resolve``, ``fail``) instead of a loop turn later: a host of many members would
+    # pay each answer a turn of its one thread (see ``_settled``).
+    watchers: dict[asyncio.Future[DataMessage], Callable[[asyncio.Future[DataMessage]], None]] = (
+        field(default_factory=dict)
+    )
 
     @property
     def board_id(self) -> str:
@@ -149,7 +155,7 @@ class Member:
         for key in keys:
             future = self.waiters.pop(key, None)
             if future is not None and not future.done():
-                future.set_result(msg)
+                self._settle(future, msg)
                 resolved = True
         return resolved
 
@@ -158,8 +164,22 @@ class Member:
         self.alive = False
         for future in self.waiters.values():
             if not future.done():
-                future.set_exception(LinkClosedError(self.board_id, "closed", reason))
+                self._settle(future, LinkClosedError(self.board_id, "closed", reason))
         self.waiters.clear()
+
+    def _settle(
+        self, future: asyncio.Future[DataMessage], outcome: DataMessage | Exception
+    ) -> None:
+        """Settle a waiter; its fold's watcher runs now, in place of its done-callback."""
+        watcher = self.watchers.pop(future, None)
+        if watcher is not None:
+            future.remove_done_callback(watcher)
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        if watcher is not None:
+            watcher(future)
 
 
 @dataclass
@@ -518,7 +538,7 @@ class HostAggregator:
             _Refused: a member went silent for ``reply_timeout_s`` (the first in order
                 that had not answered) or its link ended (the first such in order).
         """
-        pending = [future for _, future in waits if not future.done()]
+        pending = [(member, future) for member, future in waits if not future.done()]
         if arrived is not None:
             now = asyncio.get_running_loop().time()
             arrived.update((id(future), now) for _, future in waits if future.done())
@@ -530,6 +550,9 @@ class HostAggregator:
                     await _settled(pending, arrived)
             except TimeoutError:
                 timed_out = True
+            finally:
+                for member, future in pending:  # a late answer: its done-callback alone
+                    member.watchers.pop(future, None)
         for member, future in waits:
             if not future.done():
                 if timed_out:
@@ -608,15 +631,21 @@ def _decode_answer(data: bytes) -> DataMessage:
 
 
 def _settled(
-    futures: Sequence[asyncio.Future[DataMessage]], arrived: dict[int, float] | None = None
+    waits: Sequence[tuple[Member, asyncio.Future[DataMessage]]],
+    arrived: dict[int, float] | None = None,
 ) -> asyncio.Future[None]:
-    """Done when every one of ``futures`` is, or as soon as one holds an Error or failed
+    """Done when every one of the waiters is, or as soon as one holds an Error or failed
     (a member refused or is gone: the fold need not wait for the others). ``arrived``
-    (when given) gets the loop time each future was done, by its id: one callback per
-    answer does both, as a host of many members pays each one a loop turn's handle."""
+    (when given) gets the loop time each future was done, by its id.
+
+    One callback per answer does both. It is each waiter's done-callback and its
+    member's watcher: the member runs it in the call that hands the answer over (a
+    member's answer on a host of many members would otherwise cost a loop turn of the
+    host's one thread, on the way from the first member's answer to the last's), and
+    takes the done-callback off; a waiter settled some other way gets the callback."""
     loop = asyncio.get_running_loop()
     settled: asyncio.Future[None] = loop.create_future()
-    left = len(futures)
+    left = len(waits)
 
     def on_done(future: asyncio.Future[DataMessage]) -> None:
         nonlocal left
@@ -626,8 +655,9 @@ def _settled(
         if not settled.done() and (left == 0 or _refuses(future)):
             settled.set_result(None)
 
-    for future in futures:
+    for member, future in waits:
         future.add_done_callback(on_done)
+        member.watchers[future] = on_done
     return settled
 
 

@@ -59,6 +59,7 @@ from qsched.protocol.messages import (
     ValidateRequest,
     ValidateResult,
     WireModel,
+    validated,
 )
 
 __all__ = [
@@ -80,13 +81,17 @@ _SCALARS: Final = {"B": "u8", "H": "u16", "I": "u32", "Q": "u64", "f": "f32", "d
 
 
 @functools.cache
+@functools.lru_cache(maxsize=256)
 def _little_endian(code: str) -> struct.Struct:
-    """The compiled little-endian layout of one struct code (decoding is per field)."""
+    """The compiled little-endian layout of one struct code (decoding is per field); kept,
+    since a message's float and sum sequences come in a few lengths over and over."""
     return struct.Struct("<" + code)
 
 
 class _Reader:
     """A bounds-checked cursor; running off the end is a ``truncated`` ProtocolError."""
+
+    __slots__ = ("data", "msg_type", "pos")
 
     def __init__(self, data: bytes, msg_type: int) -> None:
         self.data = data
@@ -270,7 +275,7 @@ class _Seq:
 
     def encode(self, msg: WireModel, out: bytearray) -> None:
         values = getattr(msg, self.name)
-        out += struct.pack(f"<{len(values)}{self.code}", *values)
+        out += _little_endian(f"{len(values)}{self.code}").pack(*values)
 
     def decode(self, reader: _Reader, fields: dict[str, Any]) -> None:
         layout = _little_endian(f"{self.count(fields)}{self.code}")
@@ -526,6 +531,17 @@ class _Packed:
         """(name, the enum's choices or None) per field."""
         return tuple((i.name, i.choices if isinstance(i, _Enum) else None) for i in self.items)
 
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.items)
+
+    @functools.cached_property
+    def enums(self) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
+        """(position, name, choices) of each enum of the run."""
+        return tuple(
+            (n, i.name, i.choices) for n, i in enumerate(self.items) if isinstance(i, _Enum)
+        )
+
     def encode(self, msg: WireModel, out: bytearray) -> None:
         values = [
             getattr(msg, name) if choices is None else choices.index(getattr(msg, name))
@@ -541,13 +557,12 @@ class _Packed:
             return
         values = layout.unpack_from(reader.data, reader.pos)
         reader.pos += layout.size
-        for (name, choices), value in zip(self.choices, values, strict=True):
-            if choices is None:
-                fields[name] = value
-            elif value < len(choices):
-                fields[name] = choices[value]
-            else:
+        fields.update(zip(self.names, values, strict=True))
+        for position, name, choices in self.enums:  # an enum's code becomes its name
+            value = values[position]
+            if value >= len(choices):
                 raise reader.invalid(f"{name} code {value} is not defined")
+            fields[name] = choices[value]
 
 
 class _Step(Protocol):
@@ -575,6 +590,9 @@ def _packed(layout: tuple[_Field, ...]) -> tuple[_Step, ...]:
 
 # What encode and decode walk: the layouts with their fixed-width runs packed.
 _WIRE: Final = {cls: _packed(layout) for cls, layout in _LAYOUTS.items()}
+_HEADERS: Final = {
+    cls: MAGIC + struct.pack("<BB", PROTOCOL_VERSION, code) for cls, code in TYPE_CODES.items()
+}
 
 
 def encode(msg: DataMessage) -> bytes:
@@ -589,10 +607,10 @@ def encode(msg: DataMessage) -> bytes:
     Raises:
         ProtocolError: kind ``oversized`` when the encoding exceeds MAX_PAYLOAD.
     """
-    code = TYPE_CODES[type(msg)]
-    out = bytearray(MAGIC)
-    out += struct.pack("<BB", PROTOCOL_VERSION, code)
-    for item in _WIRE[type(msg)]:
+    cls = type(msg)
+    code = TYPE_CODES[cls]
+    out = bytearray(_HEADERS[cls])
+    for item in _WIRE[cls]:
         item.encode(msg, out)
     if len(out) > MAX_PAYLOAD:
         raise ProtocolError(
@@ -612,7 +630,7 @@ def peek_header(data: bytes) -> tuple[int, int]:
     """
     if len(data) < HEADER_SIZE:
         raise ProtocolError("truncated", f"{len(data)} bytes, a header needs {HEADER_SIZE}")
-    if data[:2] != MAGIC:
+    if not data.startswith(MAGIC):
         raise ProtocolError("bad_magic", f"header starts with {bytes(data[:2]).hex()}, not 5153")
     return data[2], data[3]
 
@@ -653,7 +671,7 @@ def decode(data: bytes) -> DataMessage:
         )
     try:
         # TYPE_CODES, hence _BY_CODE, holds exactly the DataMessage classes.
-        return cast(DataMessage, cls.model_validate(fields))
+        return cast(DataMessage, validated(cls, fields))
     except ValidationError as exc:
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ProtocolError("invalid_field", detail, msg_type=code) from exc

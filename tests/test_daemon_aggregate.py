@@ -17,17 +17,26 @@ from qsched.daemon.aggregate import (
     _observe,
     _Part,
     _Refused,
+    _settled,
     await_members,
 )
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
-from qsched.daemon.fleet import Fleet
+from qsched.daemon.fleet import Fleet, request_key
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
 from qsched.protocol.codec import decode
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import LinkClosedError
 from qsched.protocol.links.inproc import InProcTransport
-from qsched.protocol.messages import Error, EvalResult, Heartbeat, Hello, Ping, UpdateAck
+from qsched.protocol.messages import (
+    ApplyUpdate,
+    Error,
+    EvalResult,
+    Heartbeat,
+    Hello,
+    Ping,
+    UpdateAck,
+)
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -361,6 +370,38 @@ async def test_a_fold_times_each_members_answer_for_its_rate() -> None:
     assert first.observations == second.observations == 1 and third.observations == 0
     assert first.rate > second.rate
     assert 1 / first.rate >= 0.05 and 1 / second.rate >= 0.1
+
+
+async def test_a_members_answer_counts_in_its_fold_without_a_loop_turn() -> None:
+    """An answer handed to its member settles the fold's wait in the same call (no
+    done-callback a loop turn later), as does a lost link; a waiter settled some other
+    way still counts, through its done-callback; a late answer after the wait leaves no
+    watcher behind."""
+    members = [Member(None, _hello(f"m{i}")) for i in range(2)]
+    update = ApplyUpdate(job_id=1, step=3, ks=(0,), coefficients=(0.5,))
+    waits = [(m, m.expect(request_key(update))) for m in members]
+    settled = _settled(waits)
+    assert members[0].resolve(_ack(3)) and not settled.done()
+    assert members[1].resolve(_ack(3)) and settled.done()  # no await in between
+    assert all(not m.watchers for m in members)
+
+    waits = [(m, m.expect(request_key(update))) for m in members]
+    settled = _settled(waits)
+    members[1].fail("link closed")
+    assert settled.done()  # a gone member refuses at once
+
+    loop = asyncio.get_running_loop()
+    waits = [(members[0], loop.create_future())]
+    settled = _settled(waits)
+    waits[0][1].set_result(_ack(3))
+    assert not settled.done()
+    await asyncio.sleep(0)
+    assert settled.done()
+
+    aggregator, waits = _waits(1)
+    with pytest.raises(_Refused):  # silent past the reply timeout
+        await aggregator._answers(Ping(nonce=1), waits)
+    assert not waits[0][0].watchers
 
 
 async def test_a_fold_ends_at_the_first_refusal_without_waiting_for_the_rest() -> None:

@@ -85,6 +85,7 @@ from qsched.protocol.messages import (
     UpdateAck,
     ValidateRequest,
     ValidateResult,
+    validated,
 )
 from qsched.zo import blob as blob_format
 from qsched.zo.datasets import Dataset, DatasetError, dataset_names, load_dataset
@@ -931,15 +932,18 @@ class BoardAgent:
         if not all(math.isfinite(v) for v in values):
             raise _Refusal("numeric", "a loss is not finite", job_id=msg.job_id, step=msg.step)
         two_sided = msg.estimator == "two_sided"
-        result = EvalResult(
-            job_id=msg.job_id,
-            step=msg.step,
-            compute_us=compute_us,
-            estimator=msg.estimator,
-            ks=msg.ks,
-            loss_plus=tuple(losses.plus[k] for k in msg.ks),
-            loss_minus=tuple(losses.minus[k] for k in msg.ks) if two_sided else (),
-            loss_zero=None if two_sided else losses.base,
+        result = validated(
+            EvalResult,
+            {
+                "job_id": msg.job_id,
+                "step": msg.step,
+                "compute_us": compute_us,
+                "estimator": msg.estimator,
+                "ks": msg.ks,
+                "loss_plus": tuple(losses.plus[k] for k in msg.ks),
+                "loss_minus": tuple(losses.minus[k] for k in msg.ks) if two_sided else (),
+                "loss_zero": None if two_sided else losses.base,
+            },
         )
         return [self.faults.lie(result)]
 
@@ -954,17 +958,20 @@ class BoardAgent:
         )
         compute_us = await self._spend_eval(msg, msg.slice_count, computed)
         two_sided = msg.estimator == "two_sided"
-        result = EvalSliceResult(
-            job_id=msg.job_id,
-            step=msg.step,
-            compute_us=compute_us,
-            estimator=msg.estimator,
-            slice_start=msg.slice_start,
-            slice_count=msg.slice_count,
-            ks=msg.ks,
-            sum_plus=tuple(sums.plus[k] for k in msg.ks),
-            sum_minus=tuple(sums.minus[k] for k in msg.ks) if two_sided else (),
-            sum_zero=None if two_sided else sums.base,
+        result = validated(
+            EvalSliceResult,
+            {
+                "job_id": msg.job_id,
+                "step": msg.step,
+                "compute_us": compute_us,
+                "estimator": msg.estimator,
+                "slice_start": msg.slice_start,
+                "slice_count": msg.slice_count,
+                "ks": msg.ks,
+                "sum_plus": tuple(sums.plus[k] for k in msg.ks),
+                "sum_minus": tuple(sums.minus[k] for k in msg.ks) if two_sided else (),
+                "sum_zero": None if two_sided else sums.base,
+            },
         )
         return [self.faults.lie(result)]
 
