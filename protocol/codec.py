@@ -81,10 +81,8 @@ _SCALARS: Final = {"B": "u8", "H": "u16", "I": "u32", "Q": "u64", "f": "f32", "d
 
 
 @functools.cache
-@functools.lru_cache(maxsize=256)
 def _little_endian(code: str) -> struct.Struct:
-    """The compiled little-endian layout of one struct code (decoding is per field); kept,
-    since a message's float and sum sequences come in a few lengths over and over."""
+    """The compiled little-endian layout of one struct code (decoding is per field)."""
     return struct.Struct("<" + code)
 
 
@@ -533,6 +531,7 @@ class _Packed:
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
+        """The fields' names, in order."""
         return tuple(i.name for i in self.items)
 
     @functools.cached_property
