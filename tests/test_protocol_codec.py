@@ -343,6 +343,44 @@ def test_codec_rounds_floats_to_float32() -> None:
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        0.1,
+        -0.0,
+        1e-46,  # below the smallest subnormal: rounds to zero
+        7e-46,  # rounds up to the smallest subnormal
+        3.4028234663852886e38,  # float32's largest
+        3.4028235677973362e38,  # just under half an ulp above it: rounds down to it
+        3.4028235677973366e38,  # half an ulp above it: overflows
+        1e39,
+        float("inf"),
+        float("nan"),
+    ],
+)
+def test_a_float32_field_rounds_as_a_float32_sequence_does(value: float) -> None:
+    """A scalar float32 field (packed) and a sequence of them (``array``) round alike
+    and refuse the same values: one rule, two fast paths."""
+
+    def rounded(build: Any) -> Any:
+        try:
+            return build()
+        except ValueError:
+            return "refused"
+
+    scalar = rounded(
+        lambda: (
+            EvalRequest(
+                job_id=1, step=1, batch_size=1, eps=value, estimator="two_sided", ks=(0,)
+            ).eps
+        )
+    )
+    sequence = rounded(
+        lambda: ApplyUpdate(job_id=1, step=1, ks=(0,), coefficients=(value,)).coefficients[0]
+    )
+    assert repr(scalar) == repr(sequence)
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         {"ks": (3, 2)},
