@@ -309,28 +309,29 @@ class HostAggregator:
     async def _downlink(self, upstream: Any) -> None:
         async for data in upstream.incoming():
             try:
-                msg = decode(data)
+                msg = _decode_order(data)
             except ProtocolError as exc:
                 code = _PROTOCOL_CODES.get(exc.kind, "malformed")
                 await self._up(Error(code=code, ref_type=exc.msg_type or 0, detail=exc.kind))
                 continue
-            await self._dispatch(msg)
+            await self._dispatch(msg, bytes(data))
             if not self.alive():
                 return
 
-    async def _dispatch(self, msg: DataMessage) -> None:
+    async def _dispatch(self, msg: DataMessage, data: bytes | None = None) -> None:
         """Send ``msg`` on to the members now (so every member sees the daemon's order),
-        and fold their answers in the background."""
+        and fold their answers in the background; ``data``: its bytes as received, which
+        a message the members all get is sent on as (not encoded again)."""
         if isinstance(msg, JobConfig):
             self._int8 = msg.numerics == "int8"
         if isinstance(msg, _RESTARTS):
             self._prepared = None  # no step to plan ahead
             self._last_shared = None
         if isinstance(msg, ApplyUpdate):
-            futures = self._to(self.alive(), msg)
+            futures = self._to(self.alive(), msg, data)
             self._fold(self._fold_same(msg, futures), then=self._prepare_next(msg))
         elif isinstance(msg, _FANNED_OUT):
-            futures = self._to(self.alive(), msg)
+            futures = self._to(self.alive(), msg, data)
             self._fold(self._fold_same(msg, futures))
         elif isinstance(msg, EvalRequest | EvalSliceRequest):
             parts = await self._share_eval(msg)
@@ -356,12 +357,13 @@ class HostAggregator:
             await self._up(Error(code="unknown_type", ref_type=_code(msg), detail=msg.type))
 
     def _to(
-        self, members: Sequence[Member], msg: DataMessage
+        self, members: Sequence[Member], msg: DataMessage, data: bytes | None = None
     ) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
         """Send ``msg`` to ``members``, each answer's waiter registered first (encoded
-        once: a fan-out to many members is the same bytes)."""
+        once, unless its bytes are given: a fan-out to many members is the same bytes)."""
         key = request_key(msg)
-        data = encode(msg)
+        if data is None:
+            data = encode(msg)
         out = []
         for member in members:
             out.append((member, member.expect(key)))
@@ -622,6 +624,13 @@ class HostAggregator:
             if connects() != seen:
                 seen = connects()
                 await self._up(self.hello())
+
+
+def _decode_order(data: bytes) -> DataMessage:
+    """A message from the daemon, decoded once per distinct bytes when it is an
+    ApplyUpdate: the host's in-process members, which decode an update the same way
+    (``decode_shared``), then find it decoded when the host sends them these bytes."""
+    return decode_shared(data, TYPE_CODES[ApplyUpdate])
 
 
 def _decode_answer(data: bytes) -> DataMessage:

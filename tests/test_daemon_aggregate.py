@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from qsched.daemon.aggregate import (
     HostAggregator,
     Member,
+    _decode_order,
     _observe,
     _Part,
     _Refused,
@@ -24,11 +26,12 @@ from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet, request_key
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
-from qsched.protocol.codec import decode
+from qsched.protocol.codec import decode, decode_shared, encode
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.protocol.links.base import LinkClosedError
 from qsched.protocol.links.inproc import InProcTransport
 from qsched.protocol.messages import (
+    TYPE_CODES,
     ApplyUpdate,
     Error,
     EvalResult,
@@ -251,6 +254,29 @@ async def test_messages_to_an_in_process_member_keep_their_order() -> None:
         await board_end.close()
         member.post(b"late")
         assert not member.alive
+
+
+async def test_an_update_goes_to_the_members_as_the_bytes_that_came() -> None:
+    """A fanned-out update is sent on as received, not encoded again: the members get
+    the daemon's bytes even where the codec would write them otherwise (its keys as a
+    list, not a range), and the host's decode is the one its members' shared decode
+    finds."""
+    update = ApplyUpdate(job_id=1, step=3, ks=(4, 5), coefficients=(0.5, -0.25))
+    canonical = encode(update)
+    assert canonical[12] == 0  # the keys as a range (mode 0)
+    as_list = canonical[:12] + struct.pack("<BHHH", 1, 2, 4, 5) + canonical[17:]
+    assert decode(as_list) == update and as_list != canonical
+    async with InProcTransport() as transport:
+        board_end = transport.attach("m")
+        event = await anext(transport.events())
+        member = Member(event.link, _hello("m"))  # type: ignore[union-attr]
+        aggregator = HostAggregator("host", [member])
+        msg = _decode_order(as_list)
+        await aggregator._dispatch(msg, as_list)
+        received = await anext(aiter(board_end.incoming()))
+        assert received == as_list
+        assert decode_shared(received, TYPE_CODES[ApplyUpdate]) is msg
+        await board_end.close()
 
 
 async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None:
