@@ -68,6 +68,7 @@ __all__ = [
     "decode",
     "decode_shared",
     "encode",
+    "encode_shared",
     "layout_tables",
     "peek_header",
 ]
@@ -676,6 +677,12 @@ def decode(data: bytes) -> DataMessage:
         raise ProtocolError("invalid_field", detail, msg_type=code) from exc
 
 
+# What decode_shared and encode_shared keep: the latest distinct bytes and their message,
+# oldest first.
+_SHARED: Final[dict[bytes, DataMessage]] = {}
+_SHARED_KEPT: Final = 16
+
+
 def decode_shared(data: bytes, code: int) -> DataMessage:
     """``decode``, once per process for equal bytes of type ``code``; other messages are
     decoded as usual. For what many receivers in one process get as the same bytes (an
@@ -686,13 +693,33 @@ def decode_shared(data: bytes, code: int) -> DataMessage:
         ProtocolError: as ``decode``.
     """
     if len(data) > HEADER_SIZE and data[3] == code:
-        return _decode_memo(bytes(data))
+        key = bytes(data)
+        msg = _SHARED.get(key)
+        if msg is None:
+            msg = decode(key)
+            _keep(key, msg)
+        return msg
     return decode(data)
 
 
-@functools.lru_cache(maxsize=16)
-def _decode_memo(data: bytes) -> DataMessage:
-    return decode(data)
+def encode_shared(msg: DataMessage) -> bytes:
+    """``encode``, and ``msg`` is what ``decode_shared`` gives for these bytes from now on
+    (a model equals its own decode): for a message made in this process and read again
+    in it, such as the update a fleet topic's ``StepOrder`` carries.
+
+    Raises:
+        ProtocolError: as ``encode``.
+    """
+    data = encode(msg)
+    _keep(data, msg)
+    return data
+
+
+def _keep(data: bytes, msg: DataMessage) -> None:
+    _SHARED.pop(data, None)
+    _SHARED[data] = msg
+    while len(_SHARED) > _SHARED_KEPT:
+        del _SHARED[next(iter(_SHARED))]
 
 
 @dataclass

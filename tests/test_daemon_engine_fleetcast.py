@@ -18,6 +18,7 @@ from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.lab.broker import MosquittoBroker
+from qsched.protocol import codec
 from qsched.protocol.batch import unpack_batch
 from qsched.protocol.codec import decode, encode, peek_header
 from qsched.protocol.jobspec import JobSpec, PolicySpec
@@ -66,6 +67,19 @@ def test_step_order_gives_each_named_board_its_messages() -> None:
     assert messages_of(payload, "c") == []
     assert messages_of(b"QS" + bytes([PROTOCOL_VERSION]) + b"\x4a\x00", "a") == []  # truncated
     assert messages_of(encode(Ping(nonce=1)), "a") == []  # not an order
+
+
+def test_a_step_orders_update_is_read_again_without_a_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The update a board's messages carry was made in this process: a shared decode of
+    its bytes (a board's, a host aggregator's) finds it without decoding again."""
+    order = ORDER.model_copy(update={"step": 11})  # bytes no other test made
+    update_bytes = messages_of(encode(order), "b")[0]
+    decodes: list[bytes] = []
+    monkeypatch.setattr(codec, "decode", lambda data: decodes.append(data) or decode(data))
+    shared = codec.decode_shared(update_bytes, TYPE_CODES[ApplyUpdate])
+    assert shared == order.update() and decodes == []
 
 
 def test_step_order_gives_a_slice_shard_its_slice_request() -> None:

@@ -42,7 +42,7 @@ from qsched.protocol import (
     job_id_of,
     peek_header,
 )
-from qsched.protocol.codec import decode_shared, layout_tables
+from qsched.protocol.codec import decode_shared, encode_shared, layout_tables
 from qsched.protocol.errors import ERROR_KINDS
 from qsched.protocol.jobspec import JobSpec
 from qsched.protocol.messages import BOARD_ERROR_CODES, TYPE_CODES, Shard, StepOrder
@@ -562,6 +562,20 @@ def test_decode_shared_gives_equal_bytes_of_its_type_one_object() -> None:
     for _ in range(2):
         with pytest.raises(ProtocolError, match="truncated"):
             decode_shared(ack[:-1], code)
+
+
+def test_a_message_encoded_shared_is_what_its_bytes_decode_to_shared() -> None:
+    """``encode_shared`` gives ``encode``'s bytes, and ``decode_shared`` of them gives the
+    message itself; only the latest few are kept."""
+    update = ApplyUpdate(job_id=4, step=10, ks=(1, 2, 5), coefficients=(0.5, -1.0, 2.0))
+    code = TYPE_CODES[ApplyUpdate]
+    data = encode_shared(update)
+    assert data == encode(update)
+    assert decode_shared(bytes(bytearray(data)), code) is update
+    for step in range(11, 11 + 64):  # more than are kept: the first is decoded afresh
+        encode_shared(update.model_copy(update={"step": step}))
+    again = decode_shared(data, code)
+    assert again == update and again is not update
 
 
 def _walk(cls: Any, raw: bytes, layout: tuple[Any, ...]) -> tuple[str, Any]:

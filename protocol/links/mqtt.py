@@ -50,7 +50,7 @@ from qsched.protocol.batch import (
     record_size,
     unpack_batch,
 )
-from qsched.protocol.codec import decode, encode
+from qsched.protocol.codec import decode, encode, encode_shared
 from qsched.protocol.control import BoardPresence, DaemonPresence
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import (
@@ -718,7 +718,9 @@ def _step_order(payload: bytes) -> tuple[StepOrder, bytes] | None:
     if not isinstance(order, StepOrder):
         _log.warning("a message other than a step order on the fleet topic dropped")
         return None
-    return order, encode(order.update())
+    # The update is read again in this process (by its boards, or a host's aggregator):
+    # shared, it is decoded there from what was made here.
+    return order, encode_shared(order.update())
 
 
 def step_order_messages(payload: bytes, board_id: str) -> list[bytes]:
