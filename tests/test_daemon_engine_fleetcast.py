@@ -60,7 +60,9 @@ def test_step_order_gives_each_named_board_its_messages() -> None:
     alone; one not named, or a payload that is not a StepOrder, gives nothing."""
     payload = encode(ORDER)
     update, request = (decode(m) for m in messages_of(payload, "a"))
-    assert update == ApplyUpdate(job_id=7, step=3, ks=(0, 1, 2), coefficients=(0.5, -1.0, 0.25))
+    expected = ApplyUpdate(job_id=7, step=3, ks=(0, 1, 2), coefficients=(0.5, -1.0, 0.25))
+    assert update == expected == ORDER.update()  # the order's own, checked once
+    assert encode(ORDER.update()) == encode(expected)
     assert request.type == "eval_request" and request.step == 4 and request.ks == (0, 1)
     assert (request.batch_size, request.eps, request.estimator) == (4, ORDER.eps, "two_sided")
     assert [decode(m) for m in messages_of(payload, "b")] == [update]
