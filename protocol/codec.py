@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, cast, get_args
@@ -678,9 +679,10 @@ def decode(data: bytes) -> DataMessage:
 
 
 # What decode_shared and encode_shared keep: the latest distinct bytes and their message,
-# oldest first.
+# oldest first; changed under the lock (a process may decode on more than one thread).
 _SHARED: Final[dict[bytes, DataMessage]] = {}
 _SHARED_KEPT: Final = 16
+_SHARED_LOCK: Final = threading.Lock()
 
 
 def decode_shared(data: bytes, code: int) -> DataMessage:
@@ -716,10 +718,11 @@ def encode_shared(msg: DataMessage) -> bytes:
 
 
 def _keep(data: bytes, msg: DataMessage) -> None:
-    _SHARED.pop(data, None)
-    _SHARED[data] = msg
-    while len(_SHARED) > _SHARED_KEPT:
-        del _SHARED[next(iter(_SHARED))]
+    with _SHARED_LOCK:
+        _SHARED.pop(data, None)
+        _SHARED[data] = msg
+        while len(_SHARED) > _SHARED_KEPT:
+            del _SHARED[next(iter(_SHARED))]
 
 
 @dataclass
