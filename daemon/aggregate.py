@@ -346,10 +346,7 @@ class HostAggregator:
                 futures = self._to([member], msg)
                 self._fold(self._relay(msg, futures[0]))
         elif isinstance(msg, Reset):
-            futures = [(m, m.expect(_HELLO)) for m in self.alive()]
-            data = encode(msg)
-            for member, _ in futures:
-                member.post(data)
+            futures = self._to(self.alive(), msg, data, key=_HELLO)
             self._fold(self._hello_after(msg, futures))
         elif isinstance(msg, Error):
             _log.warning("daemon reported an error", host=self.name, detail=msg.detail)
@@ -357,11 +354,17 @@ class HostAggregator:
             await self._up(Error(code="unknown_type", ref_type=_code(msg), detail=msg.type))
 
     def _to(
-        self, members: Sequence[Member], msg: DataMessage, data: bytes | None = None
+        self,
+        members: Sequence[Member],
+        msg: DataMessage,
+        data: bytes | None = None,
+        key: Hashable | None = None,
     ) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
-        """Send ``msg`` to ``members``, each answer's waiter registered first (encoded
-        once, unless its bytes are given: a fan-out to many members is the same bytes)."""
-        key = request_key(msg)
+        """Send ``msg`` to ``members``, each answer's waiter (under ``key``, by default
+        the request's) registered first; encoded once, unless its bytes are given: a
+        fan-out to many members is the same bytes."""
+        if key is None:
+            key = request_key(msg)
         if data is None:
             data = encode(msg)
         out = []

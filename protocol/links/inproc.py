@@ -90,10 +90,8 @@ class InProcLink:
         """
         if self._pair.closed:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
-        if self.peer is not None and self.peer._receiver is not None:
-            self.peer._receiver(bytes(payload))
-            return
-        await self._outbox.put(bytes(payload))
+        if not self._handed_over(payload):
+            await self._outbox.put(bytes(payload))
 
     def send_nowait(self, payload: bytes) -> bool:
         """Queue one message for the other end if its queue has room, without waiting.
@@ -106,13 +104,20 @@ class InProcLink:
         """
         if self._pair.closed:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
-        if self.peer is not None and self.peer._receiver is not None:
-            self.peer._receiver(bytes(payload))
+        if self._handed_over(payload):
             return True
         try:
             self._outbox.put_nowait(bytes(payload))
         except asyncio.QueueFull:
             return False
+        return True
+
+    def _handed_over(self, payload: bytes) -> bool:
+        """Give ``payload`` to the other end's receiver, if it took one (``receive_with``)."""
+        receiver = None if self.peer is None else self.peer._receiver
+        if receiver is None:
+            return False
+        receiver(bytes(payload))
         return True
 
     def receive_with(self, receiver: Callable[[bytes], None]) -> None:
