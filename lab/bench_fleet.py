@@ -47,6 +47,7 @@ from typing import Any, Final, Self
 import structlog
 
 from qsched.lab.demo import board_processes, sigterm_as_interrupt, stop_processes, wait_for_boards
+from qsched.lab.host_speed import board_message_us
 from qsched.protocol.links.base import BoardAppeared, LinkEvent
 
 __all__ = [
@@ -159,6 +160,7 @@ class BenchRow:
     timeline_ms: dict[str, float] = field(default_factory=dict)  # StepTimeline medians
     messages_per_step: float = 0.0
     broker_publishes_per_s: float | None = None
+    board_message_us: float | None = None  # this machine's yardstick, taken before the row
 
     @property
     def overhead_s(self) -> float:
@@ -553,6 +555,7 @@ async def bench_one(
     from qsched.zo.workload import Workload
     from qsched.zo.zoo import model_summary
 
+    yardstick = board_message_us()  # before any of this row's processes run
     computed_macs = model_summary(Workload.from_spec(_spec(config, 1)).model)[1]
     ideal = _ideal_step_s(config, boards, computed_macs)
     measured = min(
@@ -616,6 +619,7 @@ async def bench_one(
         timeline_ms=counter.timeline.medians_ms(counter.steps),
         messages_per_step=counter.messages / measured,
         broker_publishes_per_s=None if meter is None else meter.rate(start, end),
+        board_message_us=yardstick,
     )
 
 
@@ -812,13 +816,14 @@ def format_row(row: BenchRow, facts: ModelFacts) -> str:
     efficiency = "" if row.efficiency is None else f"{row.efficiency:.3f}"
     rate = row.broker_publishes_per_s
     broker = "" if rate is None else f"{rate:,.0f}"
+    yardstick = "" if row.board_message_us is None else f"{row.board_message_us:.1f}"
     return (
         f"{row.link:<7}{row.boards:>6}{row.steps:>6}"
         f"{row.step_s * 1e3:>9.1f}{row.ideal_step_s * 1e3:>9.1f}"
         f"{row.overhead_s * 1e3:>10.1f}{row.forward_passes_per_s:>10.1f}{efficiency:>8}"
         f"{row.daemon_cpu_s_per_step * 1e3:>8.1f}{row.others_cpu_s_per_step * 1e3:>8.1f}"
         f"{row.messages_per_step:>7.0f}{broker:>10}"
-        f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}"
+        f"{row.payload_bytes_per_step:>12,.0f}{gradient * 4:>15,}{yardstick:>8}"
     )
 
 
@@ -826,7 +831,7 @@ _COLUMNS: Final = (
     f"{'link':<7}{'boards':>6}{'steps':>6}{'step ms':>9}{'ideal':>9}"
     f"{'overhead':>10}{'fwd/s':>10}{'eff.':>8}{'cpu ms':>8}{'rest ms':>8}{'msgs':>7}"
     f"{'broker/s':>10}"
-    f"{'payload B':>12}{'grad fp32 B':>15}"
+    f"{'payload B':>12}{'grad fp32 B':>15}{'ref us':>8}"
 )
 
 
@@ -848,6 +853,9 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         "acks per step that the daemon sends and receives",
         f"grad B: shipping fp32 gradients instead, 2 x boards x {facts.modelled_params:,} "
         "parameters x 4",
+        "ref us: this machine's time for one board's messages of a step (a request decoded, "
+        "a result built, encoded and decoded), taken before the row; at large fleets the "
+        "overhead grows with it, so compare rows of different machines or hours by it",
     ]
     for row in rows:
         if row.timeline_ms:

@@ -124,6 +124,7 @@ def test_bench_fleet_tiny_run_prints_and_counts(
             assert row["messages_per_step"] == 4 * boards
         assert row["daemon_cpu_s_per_step"] > 0
         assert row["others_cpu_s_per_step"] >= 0
+        assert row["board_message_us"] > 0  # the machine's yardstick, taken per row
         marks = row["timeline_ms"]  # medians after the update went out, in order
         assert 0 < marks["first ack"] <= marks["last ack"] < marks["next step"]
         assert marks["first result"] <= marks["last result"] < marks["next step"]
@@ -145,6 +146,10 @@ def test_bench_fleet_tiny_run_prints_and_counts(
     assert "the host CPU is not the bottleneck" in printed
     assert sum(1 for line in lines if line.startswith(("mqtt ", "serial "))) == 4
     assert "grad B: shipping fp32 gradients instead" in printed
+    assert "ref us: this machine's time for one board's messages" in printed
+    for row in rows:  # the yardstick column ends each row's line
+        line = next(x for x in lines if x.split()[:2] == [row["link"], str(row["boards"])])
+        assert line.split()[-1] == f"{row['board_message_us']:.1f}"
     assert "floor:" not in printed  # no 8-board MQTT row, so no verdict
 
 
