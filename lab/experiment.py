@@ -69,7 +69,8 @@ NUMERICS: Final[dict[str, tuple[str, str]]] = {
     "int8": ("int8", "fp16"),
     "int8-acc8": ("int8", "int8"),
 }
-GRIDS: Final = ("paper", "all-policies", "custom")
+# "baseline": no ZO run, only the first-order baseline (and --policies, if any).
+GRIDS: Final = ("paper", "all-policies", "custom", "baseline")
 _EXTRA_POLICIES: Final = ("linear", "power", "variance")
 _FLOOR_PP: Final = 1.0  # QScheduler within this many points of the best fixed q ...
 _FLOOR_PASSES: Final = 0.60  # ... with at most this share of its forward passes
@@ -124,27 +125,29 @@ def build_grid(
 
     Args:
         grid: ``paper`` (fixed q in {1,...,32} and QScheduler q0=1, Qmax=32),
-            ``all-policies`` (paper plus linear, power, variance) or ``custom``.
-        policies: tokens added to the grid (all of it for ``custom``): ``fixed:Q``,
-            a policy name, or ``name:{json config}``.
+            ``all-policies`` (paper plus linear, power, variance), ``custom`` or
+            ``baseline`` (none: the first-order baseline alone).
+        policies: tokens added to the grid (all of it for ``custom`` and
+            ``baseline``): ``fixed:Q``, a policy name, or ``name:{json config}``.
         numerics: keys of :data:`NUMERICS`.
 
     Returns:
-        The entries, numerics-major.
+        The entries, numerics-major (none for an empty ``baseline`` grid).
 
     Raises:
-        ExperimentError: unknown grid, numerics or an empty grid.
+        ExperimentError: unknown grid, numerics or an empty ``custom`` grid.
     """
     if grid not in GRIDS:
         raise ExperimentError(f"unknown grid {grid!r}; choose one of {', '.join(GRIDS)}")
-    tokens = [] if grid == "custom" else [f"fixed:{q}" for q in PAPER_FIXED_Q] + ["qscheduler"]
+    named = grid in ("paper", "all-policies")
+    tokens = [f"fixed:{q}" for q in PAPER_FIXED_Q] + ["qscheduler"] if named else []
     if grid == "all-policies":
         tokens += list(_EXTRA_POLICIES)
     tokens += [t for t in policies if t not in tokens]
     unknown = [n for n in numerics if n not in NUMERICS]
     if unknown or not numerics:
         raise ExperimentError(f"unknown numerics {unknown}; choose from {', '.join(NUMERICS)}")
-    if not tokens:
+    if not tokens and grid != "baseline":
         raise ExperimentError("the grid is empty: name policies with --policies")
     parsed = [_policy_entry(t) for t in tokens]
     return [GridEntry(label, spec, num) for num in numerics for label, spec in parsed]
@@ -682,7 +685,7 @@ def run_experiment(
     """Run every (entry, seed) and aggregate per entry.
 
     Args:
-        entries: the grid.
+        entries: the grid (none: the baseline alone).
         seeds: job seeds; each seed fixes the model's initial weights (or the new head),
             the minibatches and the perturbations.
         setting: the base job spec fields and the transfer option.
@@ -696,10 +699,11 @@ def run_experiment(
         The aggregated result.
 
     Raises:
-        ExperimentError: an empty grid or no seeds, or a spec that does not validate.
+        ExperimentError: no seeds, neither a configuration nor the baseline, or a spec
+            that does not validate.
     """
-    if not entries or not seeds:
-        raise ExperimentError("need at least one configuration and one seed")
+    if not (entries or baseline) or not seeds:
+        raise ExperimentError("need a configuration or the baseline, and one seed")
     if setting.fleet_boards > 0 and setting.transfer is not None:
         raise ExperimentError(
             "--fleet runs job specs as the daemon does; the transfer setting needs --fleet 0"
@@ -730,8 +734,10 @@ def _validate(entries: Sequence[GridEntry], seeds: Sequence[int], setting: Setti
 
     from qsched.policies import PolicyError, validate_policy_config
 
+    # With no configuration, the baseline's spec: the setting with the grid's defaults.
+    probe = [GridEntry("baseline", PolicySpec(), "fp32")]
     try:
-        specs = [setting.spec(e, s) for e in entries for s in seeds]
+        specs = [setting.spec(e, s) for e in entries or probe for s in seeds]
         for e in entries:
             validate_policy_config(e.policy.name, e.policy.config)
     except (ValidationError, PolicyError) as exc:
@@ -789,7 +795,7 @@ def write_results(result: ExperimentResult, out: Path, plots: bool = True) -> li
     Args:
         result: what :func:`run_experiment` returned.
         out: the folder (created).
-        plots: also draw the plots.
+        plots: also draw the plots (of the ZO runs: none for a baseline alone).
 
     Returns:
         The files written.
@@ -800,7 +806,7 @@ def write_results(result: ExperimentResult, out: Path, plots: bool = True) -> li
     write_results_json(doc, files[0])
     _write_csv(doc, files[1])
     files[2].write_text(results_markdown(doc))
-    if plots:
+    if plots and doc["configs"]:  # a baseline alone has no curve of q or passes
         from qsched.lab.plots import plot_results
 
         files += plot_results(doc, out)
@@ -879,10 +885,14 @@ def results_markdown(doc: dict[str, Any]) -> str:
         f"validation every {spec['eval_every']} steps, "
         f"trainable `{spec['trainable']}`, seeds {setting['seeds']}. "
         "Accuracy in % (mean ± sample std over seeds).",
-        "",
-        "| policy | numerics | final acc | best acc | forward passes | mean q | wall s (per run) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    if doc["configs"]:
+        lines += [
+            "",
+            "| policy | numerics | final acc | best acc | forward passes | mean q "
+            "| wall s (per run) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
     for c in doc["configs"]:
         lines.append(
             f"| {c['label']} | {c['numerics_token']} | "
@@ -1015,7 +1025,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=GRIDS,
         default="paper",
         help="paper: fixed q 1..32 and QScheduler; "
-        "all-policies: plus linear, power, variance; custom: only --policies",
+        "all-policies: plus linear, power, variance; custom: only --policies; "
+        "baseline: only the first-order baseline (and --policies, if any)",
     )
     p.add_argument(
         "--policies",

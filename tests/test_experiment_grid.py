@@ -46,6 +46,12 @@ def test_grid_custom_tokens() -> None:
     assert grid[1].key.endswith("@int8-acc8")
 
 
+def test_grid_baseline_may_be_empty() -> None:
+    """The baseline grid holds no ZO run unless --policies names some."""
+    assert build_grid("baseline", [], ["fp32"]) == []
+    assert [e.label for e in build_grid("baseline", ["fixed:4"], ["fp32"])] == ["fixed q=4"]
+
+
 @pytest.mark.parametrize(
     ("grid", "policies", "numerics", "message"),
     [

@@ -242,3 +242,24 @@ def test_run_baseline_starts_from_the_backbone(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["baseline"]["trainable"] == "last:1"
     assert len(doc["baseline"]["final_accuracy"]["values"]) == 1
+
+
+def test_run_baseline_alone(tmp_path: Path) -> None:
+    """--grid baseline trains the first-order baseline on the setting's trainable layers
+    and writes it without a ZO run or a plot; without the baseline it is refused."""
+    argv = ["--grid", "baseline", "--seeds", "0", "1", "--steps", "6", "--set", "eval_every=3"]
+    argv += ["--set", "trainable=last:1", "--quiet"]
+    stream = io.StringIO()
+    assert experiment.main([*argv, "--out", str(tmp_path / "out")], stream=stream) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["configs"] == [] and doc["comparisons"] == []
+    assert doc["baseline"]["trainable"] == "last:1" and doc["baseline"]["steps"] == 6
+    assert len(doc["baseline"]["final_accuracy"]["values"]) == 2
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "First-order baseline" in markdown and "| policy |" not in markdown
+    assert not any((tmp_path / "out" / name).exists() for name in PLOT_FILES)
+    refused = io.StringIO()
+    no_baseline = [*argv, "--no-baseline", "--out", str(tmp_path / "no")]
+    status = experiment.main(no_baseline, stream=refused)
+    assert status == 2 and "baseline" in refused.getvalue()
+    assert not (tmp_path / "no" / "results.json").exists()
