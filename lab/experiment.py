@@ -937,7 +937,7 @@ def results_markdown(doc: dict[str, Any]) -> str:
             f"target {p['target']} "
             f"({p['target_train']} train / {p['target_val']} val).",
         ]
-    lines += ["", *_environment_lines(doc["environment"])]
+    lines += ["", *_environment_lines(doc["environment"], doc.get("baseline"), doc["configs"])]
     return "\n".join(lines) + "\n"
 
 
@@ -993,7 +993,14 @@ def _equal_budget_lines(configs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _environment_lines(env: dict[str, Any]) -> list[str]:
+def _environment_lines(
+    env: dict[str, Any], baseline: dict[str, Any] | None, configs: list[dict[str, Any]]
+) -> list[str]:
+    if not configs and baseline is not None:  # --grid baseline: its own time is the news
+        return [
+            f"No ZO run; the baseline took {baseline['wall_s']['mean']:.0f} s a seed "
+            f"on {env['cpus']} CPUs (load average at the end {env['load_average_at_end']})."
+        ]
     if "merged_from" not in env:
         return [
             f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) "

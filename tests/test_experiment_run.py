@@ -257,6 +257,7 @@ def test_run_baseline_alone(tmp_path: Path) -> None:
     assert len(doc["baseline"]["final_accuracy"]["values"]) == 2
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "First-order baseline" in markdown and "| policy |" not in markdown
+    assert "No ZO run; the baseline took" in markdown and "Grid wall time" not in markdown
     assert not any((tmp_path / "out" / name).exists() for name in PLOT_FILES)
     refused = io.StringIO()
     no_baseline = [*argv, "--no-baseline", "--out", str(tmp_path / "no")]
