@@ -996,12 +996,13 @@ def _equal_budget_lines(configs: list[dict[str, Any]]) -> list[str]:
 def _environment_lines(
     env: dict[str, Any], baseline: dict[str, Any] | None, configs: list[dict[str, Any]]
 ) -> list[str]:
-    if not configs and baseline is not None:  # --grid baseline: its own time is the news
+    merged = "merged_from" in env
+    if not configs and baseline is not None and not merged:  # its own time is the news
         return [
             f"No ZO run; the baseline took {baseline['wall_s']['mean']:.0f} s a seed "
             f"on {env['cpus']} CPUs (load average at the end {env['load_average_at_end']})."
         ]
-    if "merged_from" not in env:
+    if not merged:
         return [
             f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) "
             f"on {env['cpus']} CPUs "

@@ -8,7 +8,9 @@ aside), comparison against the best fixed q included.
 
 Only configurations present in every part are kept: a comparison whose fixed q was
 run on other seeds than the policy would pair nothing and mix seed luck into the
-means. The dropped ones are listed in ``results.json`` and ``results.md``.
+means. The dropped ones are listed in ``results.json`` and ``results.md``. Parts that
+all hold the first-order baseline pool it too, and parts of ``--grid baseline`` (the
+baseline alone) merge into the baseline over all their seeds.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if any(doc.get("baseline") is None for doc in docs):
         return None
     baselines: list[dict[str, Any]] = [doc["baseline"] for doc in docs]
+    seeds = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
+    if len(set(seeds)) != len(seeds):
+        raise ExperimentError(f"first-order baseline: seed run twice across the parts ({seeds})")
     merged = {k: v for k, v in baselines[0].items() if not isinstance(v, dict)}
     for stat in ("final_accuracy", "best_accuracy", "wall_s"):
         # A part's values follow its seeds; the merged ones follow the sorted union.
@@ -134,7 +139,8 @@ def merge_documents(
 
     Raises:
         ExperimentError: fewer than two parts, settings that differ in more than the
-            seeds, a seed in two parts, or no configuration in common.
+            seeds, a seed in two parts, or no configuration in common (unless every
+            part holds the first-order baseline: ``--grid baseline``).
     """
     data = [doc.as_dict() for doc in docs]
     _check_parts(data, names)
@@ -143,12 +149,13 @@ def merge_documents(
 
 def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -> ExperimentResult:
     keys, dropped = _shared_keys(docs)
-    if not keys:
+    baseline = _merge_baseline(docs)
+    if not keys and baseline is None:
         raise ExperimentError("the parts have no configuration in common")
     by_key = [{c["key"]: c for c in doc["configs"]} for doc in docs]
     configs = [_merge_config([part[key] for part in by_key]) for key in keys]
     setting = copy.deepcopy(docs[0]["setting"])
-    setting["seeds"] = configs[0]["seeds"]
+    setting["seeds"] = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
     environment = {
         "merged_from": [
             {"folder": n, "command": d.get("command", ""), "environment": d.get("environment")}
@@ -160,7 +167,7 @@ def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -
     return ExperimentResult(
         setting=setting,
         configs=configs,
-        baseline=_merge_baseline(docs),
+        baseline=baseline,
         environment=environment,
         command=command,
     )

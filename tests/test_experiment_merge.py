@@ -137,3 +137,22 @@ def test_merge_refuses_a_malformed_results_json(parts: dict[str, Path], tmp_path
     status, log = _merge(tmp_path / "b", parts["seed0"], tmp_path / "list")
     assert status == 2 and "not a qsched.experiment/1 results.json" in log
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_merge_pools_baselines_run_alone(tmp_path: Path) -> None:
+    """Parts of ``--grid baseline`` (no ZO run) pool into the baseline over all their
+    seeds, as one such grid gives; a seed in two parts is refused."""
+    alone = ["--grid", "baseline", "--steps", "6", "--set", "eval_every=3", "--quiet"]
+    for name, seeds in (("joint", ["0", "1"]), ("seed0", ["0"]), ("seed1", ["1"])):
+        stream = io.StringIO()
+        argv = [*alone, "--seeds", *seeds, "--out", str(tmp_path / name)]
+        assert experiment.main(argv, stream=stream) == 0, stream.getvalue()
+    status, log = _merge(tmp_path / "merged", tmp_path / "seed1", tmp_path / "seed0")
+    assert status == 0, log
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    joint = json.loads((tmp_path / "joint" / "results.json").read_text())
+    assert merged["configs"] == [] and merged["setting"]["seeds"] == [0, 1]
+    for stat in ("final_accuracy", "best_accuracy"):
+        assert merged["baseline"][stat] == joint["baseline"][stat]
+    status, log = _merge(tmp_path / "twice", tmp_path / "joint", tmp_path / "seed1")
+    assert status == 2 and "seed run twice" in log
