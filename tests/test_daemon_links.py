@@ -363,6 +363,9 @@ async def test_mqtt_birth_messages_and_clean_leave(mqtt_broker: MosquittoBroker)
             appeared = await _next_event(events)
             assert isinstance(appeared, BoardAppeared) and appeared.board_id == "board-1"
             daemon = appeared.link
+            # The birth comes before the board subscribes (SPEC: birth, subscribe, Hello);
+            # a daemon speaks after the Hello, so this one waits for the subscription.
+            await board.wait_connected(5)
             payloads = [os.urandom(n) for n in (0, 1, 500, MAX_PAYLOAD)]
             for payload in payloads:
                 await daemon.send(payload)
