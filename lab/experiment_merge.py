@@ -109,9 +109,6 @@ def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if any(doc.get("baseline") is None for doc in docs):
         return None
     baselines: list[dict[str, Any]] = [doc["baseline"] for doc in docs]
-    seeds = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
-    if len(set(seeds)) != len(seeds):
-        raise ExperimentError(f"first-order baseline: seed run twice across the parts ({seeds})")
     merged = {k: v for k, v in baselines[0].items() if not isinstance(v, dict)}
     for stat in ("final_accuracy", "best_accuracy", "wall_s"):
         # A part's values follow its seeds; the merged ones follow the sorted union.
@@ -148,6 +145,10 @@ def merge_documents(
 
 
 def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -> ExperimentResult:
+    # Every run of a part is on that part's seeds: disjoint parts count no run twice.
+    seeds = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
+    if len(set(seeds)) != len(seeds):
+        raise ExperimentError(f"seed run twice across the parts ({seeds})")
     keys, dropped = _shared_keys(docs)
     baseline = _merge_baseline(docs)
     if not keys and baseline is None:
@@ -155,7 +156,7 @@ def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -
     by_key = [{c["key"]: c for c in doc["configs"]} for doc in docs]
     configs = [_merge_config([part[key] for part in by_key]) for key in keys]
     setting = copy.deepcopy(docs[0]["setting"])
-    setting["seeds"] = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
+    setting["seeds"] = seeds
     environment = {
         "merged_from": [
             {"folder": n, "command": d.get("command", ""), "environment": d.get("environment")}
