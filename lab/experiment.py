@@ -1015,7 +1015,8 @@ def _environment_lines(
     ]
     lines += [f"- `{part['folder']}`: `{part['command']}`" for part in env["merged_from"]]
     if env["dropped_configs"]:
-        lines += ["", "Left out, not in every folder: " + ", ".join(env["dropped_configs"]) + "."]
+        left_out = ", ".join(env["dropped_configs"])
+        lines += ["", f"Left out, not run on every seed set: {left_out}."]
     return lines
 
 

@@ -6,11 +6,16 @@ every aggregate of ``results.json`` from the per-run records the parts keep, so 
 merged folder is what one grid over all the seeds would have written (wall times
 aside), comparison against the best fixed q included.
 
-Only configurations present in every part are kept: a comparison whose fixed q was
+Folders run on the same seeds are joined first: a policy tried after the paper grid,
+on the paper grid's seeds, joins that grid's fixed q runs, so held-out seeds of the
+policy and of fixed q pool with both. A configuration in two such folders is refused
+(it would be one run twice), and so are seed sets that overlap without being equal.
+
+Only configurations present in every seed set are kept: a comparison whose fixed q was
 run on other seeds than the policy would pair nothing and mix seed luck into the
-means. The dropped ones are listed in ``results.json`` and ``results.md``. Parts that
-all hold the first-order baseline pool it too, and parts of ``--grid baseline`` (the
-baseline alone) merge into the baseline over all their seeds.
+means. The dropped ones are listed in ``results.json`` and ``results.md``. Seed sets
+that all hold the first-order baseline pool it too, and parts of ``--grid baseline``
+(the baseline alone) merge into the baseline over all their seeds.
 """
 
 from __future__ import annotations
@@ -104,6 +109,38 @@ def _merge_config(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _join_same_seeds(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
+    """One document per seed set: the configurations of folders run on the same seeds."""
+    groups: dict[tuple[int, ...], dict[str, Any]] = {}
+    for doc, name in zip(docs, names, strict=True):
+        seeds = tuple(doc["setting"]["seeds"])
+        joined = groups.get(seeds)
+        if joined is None:
+            groups[seeds] = {**doc, "configs": list(doc["configs"]), "name": name}
+            continue
+        have = {c["key"] for c in joined["configs"]}
+        for config in doc["configs"]:
+            if config["key"] in have:
+                raise ExperimentError(
+                    f"{config['key']}: run on seeds {list(seeds)} in both "
+                    f"{joined['name']} and {name}"
+                )
+            joined["configs"].append(config)
+        joined["baseline"] = _same_baseline(joined, doc, name)
+    return list(groups.values())
+
+
+def _same_baseline(joined: dict[str, Any], doc: dict[str, Any], name: str) -> Any:
+    """The baseline of two folders on the same seeds: whichever ran it; equal if both did."""
+    mine, theirs = joined.get("baseline"), doc.get("baseline")
+    if mine is None or theirs is None:
+        return theirs if mine is None else mine
+    if mine["final_accuracy"]["values"] != theirs["final_accuracy"]["values"]:
+        # The baseline is a pure function of the setting and the seeds.
+        raise ExperimentError(f"{name}: its first-order baseline differs from {joined['name']}'s")
+    return mine
+
+
 def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The first-order baseline over all seeds, when every part ran it."""
     if any(doc.get("baseline") is None for doc in docs):
@@ -136,8 +173,9 @@ def merge_documents(
 
     Raises:
         ExperimentError: fewer than two parts, settings that differ in more than the
-            seeds, a seed in two parts, or no configuration in common (unless every
-            part holds the first-order baseline: ``--grid baseline``).
+            seeds, a seed in two seed sets, a configuration in two parts on the same
+            seeds, or no configuration in common (unless every part holds the
+            first-order baseline: ``--grid baseline``).
     """
     data = [doc.as_dict() for doc in docs]
     _check_parts(data, names)
@@ -145,15 +183,16 @@ def merge_documents(
 
 
 def _merge(docs: Sequence[dict[str, Any]], names: Sequence[str], command: str) -> ExperimentResult:
+    parts = _join_same_seeds(docs, names)
     # Every run of a part is on that part's seeds: disjoint parts count no run twice.
-    seeds = sorted(seed for doc in docs for seed in doc["setting"]["seeds"])
+    seeds = sorted(seed for part in parts for seed in part["setting"]["seeds"])
     if len(set(seeds)) != len(seeds):
         raise ExperimentError(f"seed run twice across the parts ({seeds})")
-    keys, dropped = _shared_keys(docs)
-    baseline = _merge_baseline(docs)
+    keys, dropped = _shared_keys(parts)
+    baseline = _merge_baseline(parts)
     if not keys and baseline is None:
         raise ExperimentError("the parts have no configuration in common")
-    by_key = [{c["key"]: c for c in doc["configs"]} for doc in docs]
+    by_key = [{c["key"]: c for c in part["configs"]} for part in parts]
     configs = [_merge_config([part[key] for part in by_key]) for key in keys]
     setting = copy.deepcopy(docs[0]["setting"])
     setting["seeds"] = seeds
@@ -178,7 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="qsched experiment-merge",
         description="Pool result folders of one "
-        "setting run on different seeds into one folder, as if run as one grid.",
+        "setting run on different seeds into one folder, as if run as one grid; folders on "
+        "the same seeds join their configurations first.",
     )
     p.add_argument(
         "folders", nargs="+", type=Path, help="result folders (each with a results.json)"

@@ -95,7 +95,7 @@ def test_merge_keeps_only_configs_every_part_has(parts: dict[str, Path], tmp_pat
     assert [c["key"] for c in merged["configs"]] == ["fixed q=2@fp32", "qscheduler@fp32"]
     assert merged["environment"]["dropped_configs"] == ["fixed q=4@fp32"]
     assert (
-        "Left out, not in every folder: fixed q=4@fp32."
+        "Left out, not run on every seed set: fixed q=4@fp32."
         in (tmp_path / "out" / "results.md").read_text()
     )
 
@@ -156,3 +156,49 @@ def test_merge_pools_baselines_run_alone(tmp_path: Path) -> None:
         assert merged["baseline"][stat] == joint["baseline"][stat]
     status, log = _merge(tmp_path / "twice", tmp_path / "joint", tmp_path / "seed1")
     assert status == 2 and "seed run twice" in log
+
+
+def test_merge_joins_folders_run_on_the_same_seeds(parts: dict[str, Path], tmp_path: Path) -> None:
+    """A policy run later on the paper grid's seeds joins that grid before seeds pool, so the
+    pooled comparison is what one grid over every seed and configuration gives."""
+    _grid(tmp_path / "fixed0", "--seeds", "0", "--policies", "fixed:2")
+    _grid(tmp_path / "policy0", "--seeds", "0", "--policies", "qscheduler", "--no-baseline")
+    folders = (tmp_path / "fixed0", tmp_path / "policy0", parts["seed1"])
+    status, log = _merge(tmp_path / "out", *folders)
+    assert status == 0, log
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    joint = json.loads((parts["joint"] / "results.json").read_text())
+    assert [c["key"] for c in merged["configs"]] == [c["key"] for c in joint["configs"]]
+    for mine, theirs in zip(merged["configs"], joint["configs"], strict=True):
+        assert _without_wall(mine) == _without_wall(theirs)
+    assert merged["comparisons"][0]["difference_pp"] == pytest.approx(
+        joint["comparisons"][0]["difference_pp"]
+    )
+    assert merged["baseline"]["final_accuracy"] == joint["baseline"]["final_accuracy"]
+    assert merged["environment"]["dropped_configs"] == []
+    assert len(merged["environment"]["merged_from"]) == 3
+
+
+def test_merge_refuses_a_configuration_twice_on_the_same_seeds(
+    parts: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two folders on the same seeds holding one configuration would count its runs twice;
+    seed sets that overlap without being equal are refused as before."""
+    _grid(tmp_path / "again0", "--seeds", "0", "--policies", "fixed:2", "--no-baseline")
+    status, log = _merge(tmp_path / "a", parts["seed0"], tmp_path / "again0")
+    assert status == 2 and "fixed q=2@fp32: run on seeds [0] in both" in log
+    status, log = _merge(tmp_path / "b", parts["joint"], parts["seed0"])
+    assert status == 2 and "seed run twice" in log
+
+
+def test_merge_refuses_baselines_that_differ_on_the_same_seeds(
+    parts: dict[str, Path], tmp_path: Path
+) -> None:
+    """The baseline is a pure function of setting and seeds: two that differ mean an edited file."""
+    _grid(tmp_path / "policy0", "--seeds", "0", "--policies", "qscheduler")
+    doc = json.loads((tmp_path / "policy0" / "results.json").read_text())
+    doc["baseline"]["final_accuracy"]["values"][0] += 0.01
+    (tmp_path / "policy0" / "results.json").write_text(json.dumps(doc))
+    _grid(tmp_path / "fixed0", "--seeds", "0", "--policies", "fixed:2")
+    status, log = _merge(tmp_path / "out", tmp_path / "fixed0", tmp_path / "policy0")
+    assert status == 2 and "its first-order baseline differs" in log
