@@ -112,33 +112,35 @@ def _merge_config(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _join_same_seeds(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
     """One document per seed set: the configurations of folders run on the same seeds."""
     groups: dict[tuple[int, ...], dict[str, Any]] = {}
+    first_name: dict[tuple[int, ...], str] = {}  # the folder each seed set was first seen in
     for doc, name in zip(docs, names, strict=True):
         seeds = tuple(doc["setting"]["seeds"])
         joined = groups.get(seeds)
         if joined is None:
-            groups[seeds] = {**doc, "configs": list(doc["configs"]), "name": name}
+            groups[seeds] = {**doc, "configs": list(doc["configs"])}
+            first_name[seeds] = name
             continue
         have = {c["key"] for c in joined["configs"]}
         for config in doc["configs"]:
             if config["key"] in have:
                 raise ExperimentError(
                     f"{config['key']}: run on seeds {list(seeds)} in both "
-                    f"{joined['name']} and {name}"
+                    f"{first_name[seeds]} and {name}"
                 )
             joined["configs"].append(config)
-        joined["baseline"] = _same_baseline(joined, doc, name)
+        joined["baseline"] = _same_baseline(joined, doc, first_name[seeds], name)
     return list(groups.values())
 
 
-def _same_baseline(joined: dict[str, Any], doc: dict[str, Any], name: str) -> Any:
+def _same_baseline(joined: dict[str, Any], doc: dict[str, Any], first: str, name: str) -> Any:
     """The baseline of two folders on the same seeds: whichever ran it; equal if both did."""
-    mine, theirs = joined.get("baseline"), doc.get("baseline")
-    if mine is None or theirs is None:
-        return theirs if mine is None else mine
-    if mine["final_accuracy"]["values"] != theirs["final_accuracy"]["values"]:
+    kept, other = joined.get("baseline"), doc.get("baseline")
+    if kept is None or other is None:
+        return other if kept is None else kept
+    if kept["final_accuracy"]["values"] != other["final_accuracy"]["values"]:
         # The baseline is a pure function of the setting and the seeds.
-        raise ExperimentError(f"{name}: its first-order baseline differs from {joined['name']}'s")
-    return mine
+        raise ExperimentError(f"{name}: its first-order baseline differs from {first}'s")
+    return kept
 
 
 def _merge_baseline(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
