@@ -20,12 +20,14 @@ from qsched.firmware.budget import model_budget
 from qsched.zo._tflite_common import op_name, schema
 from qsched.zo._tflite_import import ADAPTER_OPERATORS, FOLDABLE_OPERATORS, SUPPORTED_OPERATORS
 from qsched.zo.blob import blob_name
-from qsched.zo.errors import TFLiteError
+from qsched.zo.clamping import clamping_report
+from qsched.zo.datasets import load_dataset
+from qsched.zo.errors import DatasetError, TFLiteError
 from qsched.zo.graph import QuantModel
 from qsched.zo.tflite_io import import_tflite
 from qsched.zo.zoo import infer_shapes, model_summary, node_macs
 
-__all__ = ["OperatorRow", "inspect_report", "main", "operator_rows"]
+__all__ = ["OperatorRow", "clamping_lines", "inspect_report", "main", "operator_rows"]
 
 _SHOWN_NAME = 48  # characters of a converter's long names shown in a table
 
@@ -155,6 +157,50 @@ def _edge_lines(qmodel: QuantModel | None) -> list[str]:
     ]
 
 
+def clamping_lines(qmodel: QuantModel, dataset_spec: str, samples: int | None) -> list[str]:
+    """The section on how the model's activations sit in their int8 ranges on the
+    validation split of ``dataset_spec`` (its first ``samples``; all when None).
+
+    Raises:
+        DatasetError: the data set cannot be loaded or does not fit the model.
+    """
+    data = load_dataset(dataset_spec)
+    if tuple(data.input_shape) != tuple(qmodel.model.input_shape):
+        raise DatasetError(
+            f"{dataset_spec}: inputs {list(data.input_shape)} do not fit the model's "
+            f"{list(qmodel.model.input_shape)}"
+        )
+    x, y = data.x_val[:samples], data.y_val[:samples]
+    labelled = data.num_classes == qmodel.model.num_classes
+    report = clamping_report(qmodel, x, y if labelled else None)
+    lines = [
+        f"## Activations on {dataset_spec} (validation split, {report.samples} samples)",
+        "",
+        "| # | layer | op | real range | at -128 | at 127 |",
+        "| ---: | --- | --- | --- | ---: | ---: |",
+    ]
+    for t in report.tensors:
+        # A range that starts at 0 is a fused ReLU's: -128 is its zero, not a clamp.
+        bottom = "ReLU's zero" if t.low == 0.0 else f"{100 * t.bottom:.2f} %"
+        lines.append(
+            f"| {t.index} | {t.node[:_SHOWN_NAME]} | {t.op} | [{t.low:.4g}, {t.high:.4g}] "
+            f"| {bottom} | {100 * t.top:.2f} % |"
+        )
+    lines.append("")
+    if report.int8_accuracy is None or report.float_accuracy is None:
+        lines.append(
+            f"- accuracy: not computed ({data.num_classes} classes in the data set, "
+            f"{qmodel.model.num_classes} in the model)"
+        )
+    else:
+        lines.append(
+            f"- accuracy with int8 activations {100 * report.int8_accuracy:.2f} %; the same "
+            f"weights with float activations {100 * report.float_accuracy:.2f} % (what "
+            "the activation ranges cost)"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """``qsched inspect``.
 
@@ -166,13 +212,33 @@ def main(argv: list[str] | None = None) -> int:
         description="Show a .tflite model's operators, layers and the memory a board needs.",
     )
     parser.add_argument("models", nargs="+", type=Path, metavar="MODEL.tflite")
+    parser.add_argument(
+        "--dataset",
+        metavar="SPEC",
+        help="also run the model over this data set's validation split (a job spec's "
+        "dataset string, e.g. eurosat:size=32,scale=255) and show, per layer, the share "
+        "of activations clamped at -128 and 127, and the accuracy with int8 against "
+        "float activations",
+    )
+    parser.add_argument(
+        "--samples", type=int, metavar="N", help="with --dataset: its first N samples only"
+    )
     args = parser.parse_args(argv)
+    if args.samples is not None and args.samples < 1:
+        parser.error("--samples must be at least 1")
     status = 0
     for path in args.models:
         try:
             report, imports = inspect_report(path)
+            if imports and args.dataset:
+                qmodel = import_tflite(path.read_bytes())
+                clamping = clamping_lines(qmodel, args.dataset, args.samples)
+                report += "\n\n" + "\n".join(clamping)
         except OSError as exc:
             print(f"qsched inspect: {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except DatasetError as exc:
+            print(f"qsched inspect: {exc}", file=sys.stderr)
             return 2
         print(report + "\n")
         status = max(status, 0 if imports else 1)

@@ -69,6 +69,7 @@ __all__ = [
     "bench_engine",
     "fp32_tensors",
     "infer_shapes",
+    "int8_tensors",
     "prefix_activations",
     "prepare_int8",
     "run_fp32",
@@ -701,6 +702,24 @@ def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
     ctx = _Ctx(_fp32_weights(model, None, stacked=False), {}, plan)
     keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
     env = _run(model, env, 0, len(model.nodes), ctx, _fp32_node, keep)
+    return {k: v[0] for k, v in env.items()}
+
+
+def int8_tensors(qmodel: QuantModel | PreparedInt8, x_q: Array) -> dict[str, I8]:
+    """Every tensor of an INT8 forward pass, batch first (``fp32_tensors`` in INT8).
+
+    Args:
+        qmodel: the quantized model, or ``prepare_int8`` of it.
+        x_q: ``(N, *input_shape)`` int8 input.
+
+    Returns:
+        Tensor name -> ``(N, ...)`` int8 values, the input included.
+    """
+    prepared = _prepared(qmodel)
+    model = prepared.qmodel.model
+    env, _ = _start_env(model, x_q, quantized=True)
+    keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
+    env = _run(model, env, 0, len(model.nodes), prepared.context(), _int8_node, keep)
     return {k: v[0] for k, v in env.items()}
 
 
