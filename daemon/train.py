@@ -9,7 +9,9 @@ single-process run can be inspected, resumed and compared with a fleet run the s
                      re-run since the checkpoint appear again; the later record holds)
     checkpoints/     every ``checkpoint_every`` steps and at the end (the newest 3 kept)
     export/          the trained model: ``<name>.tflite`` (INT8) or ``<name>.npz`` (FP32)
-    summary.json     steps, final q, loss and accuracy, forward passes, wall time
+    summary.json     steps, final q, loss and accuracy, forward passes, wall time and,
+                     with recalibration, how many channels doubled their scale 0, 1,
+                     2, ... times (``scale_doublings``)
 
 ``qsched train --resume DIR`` continues the run in ``DIR`` from its newest checkpoint and
 ends with the weights an uninterrupted run ends with, bit for bit.
@@ -25,6 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import ValidationError
 
 from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
@@ -132,7 +136,16 @@ def _summary(result: TrainResult) -> dict[str, Any]:
         "forward_passes": result.forward_passes,
         "checksum": f"{result.state.checksum():08x}",
         "wall_s": round(result.wall_s, 3),
+        "scale_doublings": _doublings(result.state.scale_exps),
     }
+
+
+def _doublings(exps: npt.NDArray[Any] | None) -> list[int] | None:
+    """How many trainable channels recalibration doubled 0, 1, 2, ... times (None for a
+    job without recalibration)."""
+    if exps is None:
+        return None
+    return [int(n) for n in np.bincount(exps.astype(np.int64))]
 
 
 def _json(data: Any) -> bytes:

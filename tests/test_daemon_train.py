@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qsched.daemon.state import Checkpoint
@@ -47,6 +48,24 @@ def test_train_writes_a_job_folder(tmp_path: Path, capsys: pytest.CaptureFixture
     assert steps == [10, 20, 30]
     assert (out / "export" / f"{spec.name}.tflite").stat().st_size > 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 30
+
+
+def test_train_summary_counts_scale_doublings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """INT8 with recalibration: channels by the number of doublings of their scale, as the
+    final state holds them; none without recalibration."""
+    settings = [*SETTINGS, "--set", "numerics=int8", "--set", "lr=1.0"]
+    out = tmp_path / "recal"
+    assert main([*settings, "--set", "recalibrate_every=5", "--out", str(out)]) == 0
+    doublings = _summary(capsys)["scale_doublings"]
+    spec = JobSpec.model_validate(json.loads((out / "spec.json").read_text()))
+    exps = train_zo(spec).state.scale_exps
+    assert exps is not None
+    assert doublings == np.bincount(exps.astype(np.int64)).tolist()
+    assert isinstance(doublings, list) and sum(doublings[1:]) > 0
+    assert main([*settings, "--out", str(tmp_path / "fixed")]) == 0
+    assert _summary(capsys)["scale_doublings"] is None
 
 
 def test_train_resume_ends_with_the_same_bits(
