@@ -27,8 +27,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from pydantic import ValidationError
 
 from qsched.daemon.checkpoints import checkpoint_of, restore_checkpoint
@@ -37,6 +35,7 @@ from qsched.daemon.specfile import load_spec_data
 from qsched.daemon.state import JobDir, StateDirError, atomic_write
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec
+from qsched.zo.recalibrate import doubling_counts
 from qsched.zo.step import EvalRecord, StepRecord, checkpoint_due
 from qsched.zo.trainer import TrainResult, policy_context, train_zo
 from qsched.zo.workload import Workload
@@ -136,16 +135,10 @@ def _summary(result: TrainResult) -> dict[str, Any]:
         "forward_passes": result.forward_passes,
         "checksum": f"{result.state.checksum():08x}",
         "wall_s": round(result.wall_s, 3),
-        "scale_doublings": _doublings(result.state.scale_exps),
+        "scale_doublings": (
+            None if result.state.scale_exps is None else doubling_counts(result.state.scale_exps)
+        ),
     }
-
-
-def _doublings(exps: npt.NDArray[Any] | None) -> list[int] | None:
-    """How many trainable channels recalibration doubled 0, 1, 2, ... times (None for a
-    job without recalibration)."""
-    if exps is None:
-        return None
-    return [int(n) for n in np.bincount(exps.astype(np.int64))]
 
 
 def _json(data: Any) -> bytes:

@@ -44,6 +44,7 @@ from qsched.lab.progress import ProgressLine
 from qsched.lab.results import SCHEMA, write_results_json
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.zo.recalibrate import doubling_counts
 
 __all__ = [
     "GRIDS",
@@ -225,6 +226,7 @@ class RunRecord:
     val_accuracy: list[float]
     val_loss: list[float]
     q_changes: list[tuple[int, int]]  # (first step, q) whenever q changed
+    scale_doublings: list[int] | None = None  # INT8 with recalibration: channels per exponent
 
     @property
     def final_accuracy(self) -> float:
@@ -287,6 +289,7 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
         )
     if progress is not None:
         progress(len(result.steps) - done, 1)
+    exps = result.state.scale_exps
     return RunRecord(
         key=entry.key,
         seed=seed,
@@ -298,6 +301,7 @@ def _run(task: tuple[GridEntry, int]) -> RunRecord:
         val_accuracy=[e.val_accuracy for e in result.evals],
         val_loss=[e.val_loss for e in result.evals],
         q_changes=_q_changes(r.q for r in result.steps),
+        scale_doublings=None if exps is None else doubling_counts(exps),
     )
 
 
@@ -404,7 +408,10 @@ def _baseline(
         if prepared is not None:
             model = _transfer_model(prepared, seed)
         else:
-            fields = {**base.model_dump(), "seed": seed, "numerics": "fp32", "lr_unit": "weight"}
+            # The model an FP32 run starts from: INT8-only fields (an INT8 buffer,
+            # recalibration) of a grid that starts with INT8 runs do not apply.
+            fp32 = {"numerics": "fp32", "accumulator": "fp16", "recalibrate_every": 0}
+            fields = {**base.model_dump(), **fp32, "seed": seed, "lr_unit": "weight"}
             model = Workload.from_spec(JobSpec.model_validate(fields)).model
         started = time.perf_counter()
         _, history = train_backprop(
@@ -500,6 +507,7 @@ class ConfigSummary:
                     "wall_s": r.wall_s,
                     "val_accuracy": r.val_accuracy,
                     "val_loss": r.val_loss,
+                    "scale_doublings": r.scale_doublings,
                 }
                 for r in runs
             ],

@@ -14,7 +14,14 @@ import json
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from qsched.lab.errors import ResultsError
 
@@ -72,6 +79,16 @@ class RunEntry(_Model):
     wall_s: float
     val_accuracy: list[float]
     val_loss: list[float]
+    # INT8 with recalibration: how many channels end with exponent 0, 1, 2, ...
+    scale_doublings: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Runs without recalibration leave the key out, as documents before it did.
+        data: dict[str, Any] = handler(self)
+        if data.get("scale_doublings") is None:
+            data.pop("scale_doublings", None)
+        return data
 
 
 class PolicyEntry(_Model):

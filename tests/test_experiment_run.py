@@ -264,3 +264,25 @@ def test_run_baseline_alone(tmp_path: Path) -> None:
     status = experiment.main(no_baseline, stream=refused)
     assert status == 2 and "baseline" in refused.getvalue()
     assert not (tmp_path / "no" / "results.json").exists()
+
+
+def test_run_records_scale_doublings(tmp_path: Path) -> None:
+    """INT8 runs with recalibration record how many channels doubled their scale how
+    often, as the trainer's final state has them; runs without recalibration do not."""
+    from qsched.protocol.jobspec import JobSpec
+    from qsched.zo.recalibrate import doubling_counts
+    from qsched.zo.trainer import train_zo
+
+    recal = ["--set", "int8:recalibrate_every=4", "--set", "int8:lr=1.0", "--no-plots"]
+    doc, _ = _run(tmp_path / "recal", "--numerics", "int8", *recal, "--quiet")
+    fixed = next(c for c in doc["configs"] if c["label"] == "fixed q=2")
+    run = fixed["runs"][0]
+    spec = JobSpec.model_validate(
+        {**doc["setting"]["spec"], "numerics": "int8", "seed": run["seed"]}
+        | {"policy": {"name": "fixed", "config": {"q": 2}}}
+    )
+    exps = train_zo(spec).state.scale_exps
+    assert exps is not None and run["scale_doublings"] == doubling_counts(exps)
+    assert sum(run["scale_doublings"][1:]) > 0
+    plain, _ = _run(tmp_path / "plain", "--numerics", "int8", "--no-plots", "--quiet")
+    assert all("scale_doublings" not in r for c in plain["configs"] for r in c["runs"])

@@ -38,6 +38,7 @@ from qsched.zo.update import INT8_WEIGHT_MAX, element_channels, to_fp16_saturati
 __all__ = [
     "RECAL_EXP_MAX",
     "ChannelLayout",
+    "doubling_counts",
     "effective_bias",
     "effective_scales",
     "exp_limits",
@@ -134,3 +135,9 @@ def effective_bias(bias: npt.ArrayLike, exps: npt.ArrayLike) -> npt.NDArray[np.i
     half = np.where(e > 0, np.left_shift(1, np.maximum(e - 1, 0)), 0)
     out: npt.NDArray[np.int32] = (np.sign(b) * ((np.abs(b) + half) >> e)).astype(np.int32)
     return out
+
+
+def doubling_counts(exps: npt.ArrayLike) -> list[int]:
+    """How many channels have exponent 0, 1, 2, ...: how often recalibration doubled
+    their scales (the last entry is the largest exponent reached)."""
+    return [int(n) for n in np.bincount(np.asarray(exps, dtype=np.int64).ravel())]
