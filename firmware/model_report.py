@@ -180,8 +180,9 @@ def clamping_lines(qmodel: QuantModel, dataset_spec: str, samples: int | None) -
         "| ---: | --- | --- | --- | ---: | ---: |",
     ]
     for t in report.tensors:
-        # A range that starts at 0 is a fused ReLU's: -128 is its zero, not a clamp.
-        bottom = "ReLU's zero" if t.low == 0.0 else f"{100 * t.bottom:.2f} %"
+        # A range that starts at 0 (a fused ReLU, a pool of its outputs, a logistic):
+        # -128 is the value 0 the op cannot go below, not a clamp.
+        bottom = "floor (0)" if t.low == 0.0 else f"{100 * t.bottom:.2f} %"
         lines.append(
             f"| {t.index} | {t.node[:_SHOWN_NAME]} | {t.op} | [{t.low:.4g}, {t.high:.4g}] "
             f"| {bottom} | {100 * t.top:.2f} % |"

@@ -77,7 +77,7 @@ def test_inspect_shows_clamping_on_a_data_set(capsys: pytest.CaptureFixture[str]
     section = out.split(f"## Activations on {DATASET} (validation split, 20 samples)")[1]
     assert section.count("\n| ") == 16  # the header, its rule and the 14 nodes
     assert "| 3 | model/activation_2/Relu;model/add/add | Add | [0, " in section
-    assert "ReLU's zero" in section
+    assert "| floor (0) |" in section
     assert "- accuracy with int8 activations " in section
 
 
