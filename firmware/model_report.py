@@ -104,11 +104,15 @@ def _memory_lines(qmodel: QuantModel) -> list[str]:
     return lines
 
 
-def inspect_report(path: Path) -> tuple[str, bool]:
-    """The report on one file, and whether it imports.
+def inspect_report(
+    path: Path, dataset: str | None = None, samples: int | None = None
+) -> tuple[str, bool]:
+    """The report on one file, and whether it imports; with ``dataset``, the section on
+    its activations there (``clamping_lines``) when it imports.
 
     Raises:
         OSError: the file cannot be read.
+        DatasetError: ``dataset`` cannot be loaded or does not fit the model.
     """
     data = path.read_bytes()
     try:
@@ -138,6 +142,8 @@ def inspect_report(path: Path) -> tuple[str, bool]:
     lines += _layer_lines(qmodel)
     lines += ["", "## Memory a C board needs (INT8, FP16 accumulation buffer)", ""]
     lines += _memory_lines(qmodel)
+    if dataset:
+        lines += ["", *clamping_lines(qmodel, dataset, samples)]
     return "\n".join(lines), True
 
 
@@ -230,11 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for path in args.models:
         try:
-            report, imports = inspect_report(path)
-            if imports and args.dataset:
-                qmodel = import_tflite(path.read_bytes())
-                clamping = clamping_lines(qmodel, args.dataset, args.samples)
-                report += "\n\n" + "\n".join(clamping)
+            report, imports = inspect_report(path, args.dataset, args.samples)
         except OSError as exc:
             print(f"qsched inspect: {path}: {exc.strerror or exc}", file=sys.stderr)
             return 2

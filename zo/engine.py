@@ -697,12 +697,9 @@ def fp32_tensors(model: Model, x: Array) -> dict[str, F32]:
     Returns:
         Tensor name -> ``(N, ...)`` float32 values, the input included.
     """
-    plan = _Plan.of(model)
     env, _ = _start_env(model, x, quantized=False)
-    ctx = _Ctx(_fp32_weights(model, None, stacked=False), {}, plan)
-    keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
-    env = _run(model, env, 0, len(model.nodes), ctx, _fp32_node, keep)
-    return {k: v[0] for k, v in env.items()}
+    ctx = _Ctx(_fp32_weights(model, None, stacked=False), {}, _Plan.of(model))
+    return _every_tensor(model, env, ctx, _fp32_node)
 
 
 def int8_tensors(qmodel: QuantModel | PreparedInt8, x_q: Array) -> dict[str, I8]:
@@ -718,8 +715,13 @@ def int8_tensors(qmodel: QuantModel | PreparedInt8, x_q: Array) -> dict[str, I8]
     prepared = _prepared(qmodel)
     model = prepared.qmodel.model
     env, _ = _start_env(model, x_q, quantized=True)
+    return _every_tensor(model, env, prepared.context(), _int8_node)
+
+
+def _every_tensor(model: Model, env: Env, ctx: _Ctx, fn: _NodeFn) -> dict[str, Array]:
+    """Run the whole model keeping every tensor (none dropped after its last use)."""
     keep = {name: len(model.nodes) for node in model.nodes for name in node.inputs}
-    env = _run(model, env, 0, len(model.nodes), prepared.context(), _int8_node, keep)
+    env = _run(model, env, 0, len(model.nodes), ctx, fn, keep)
     return {k: v[0] for k, v in env.items()}
 
 
