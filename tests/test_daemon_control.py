@@ -19,7 +19,9 @@ from qsched.lab.broker import MosquittoBroker
 from qsched.protocol.control import StatusReport
 from qsched.protocol.links.inproc import InProcTransport
 
-SPEC = {"name": "ctl-job", "steps": 400, "eval_every": 50, "batch_size": 16}
+# Long enough that the job is still running when the last command (stop) arrives, on any
+# machine: at 400 steps a fast machine finished it first.
+SPEC = {"name": "ctl-job", "steps": 100_000, "eval_every": 50, "batch_size": 16}
 
 
 @contextlib.asynccontextmanager
