@@ -74,7 +74,7 @@ async def test_hardening_retained_command_is_refused(
     async with _daemon(mqtt_broker, tmp_path) as daemon:
         cfg = daemon.config.mqtt
         started = await send_command(
-            cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 4000}}, 10
+            cfg, daemon.topics, {"type": "start_job", "spec": {**SPEC, "steps": 100_000}}, 10
         )
         assert started.ok
         async with aiomqtt.Client(
@@ -164,7 +164,7 @@ async def test_hardening_finished_jobs_are_reachable_by_name(
         assert (await send_command(cfg, topics, {"type": "start_job", "spec": first}, 10)).ok
         while daemon.job is None or daemon.job.engine.job_state != "completed":
             await asyncio.sleep(0.05)
-        second = {**SPEC, "name": "second", "steps": 4000}
+        second = {**SPEC, "name": "second", "steps": 100_000}  # still running at the stop
         assert (await send_command(cfg, topics, {"type": "start_job", "spec": second}, 10)).ok
         status = await send_command(cfg, topics, {"type": "status", "job": "first"}, 10)
         assert status.ok and status.status is not None and status.status.job is not None  # type: ignore[union-attr]
