@@ -256,3 +256,62 @@ def test_qscheduler_lr_full_q_is_checked() -> None:
     for bad in (-1, 1025):
         with pytest.raises(PolicyError, match="lr_full_q"):
             make(lr_full_q=bad)
+
+
+def lr_scales(policy: QPolicy, values: list[float]) -> list[float]:
+    """Feed one validation per value; return the lr factor at the next step's q after each."""
+    return [policy.lr_scale(evals(policy, [value])[0]) for value in values]
+
+
+def test_qscheduler_top_lr_decay_lowers_the_lr_at_the_top() -> None:
+    """top_lr_decay f: a stall at qmax multiplies the factor by f, down to top_lr_min;
+    below the top a stall raises q and the lr is untouched."""
+    policy = make(patience=1, cooldown=0, qmax=4, top_lr_decay=0.5, top_lr_min=0.25)
+    values = [0.5] * 6
+    assert evals(policy, values) == [1, 2, 4, 4, 4, 4]
+    decayed = make(patience=1, cooldown=0, qmax=4, top_lr_decay=0.5, top_lr_min=0.25)
+    assert lr_scales(decayed, values) == [1.0, 1.0, 1.0, 0.5, 0.25, 0.25]
+
+
+def test_qscheduler_top_lr_decay_is_off_by_default() -> None:
+    """Without top_lr_decay a stall at qmax changes nothing: the job's lr throughout."""
+    assert lr_scales(make(patience=1, cooldown=0, qmax=2), [0.5] * 6) == [1.0] * 6
+
+
+def test_qscheduler_top_lr_decay_waits_cooldown_and_patience() -> None:
+    """After a decay the cooldown validations do not count, then patience stalls again."""
+    policy = make(patience=2, cooldown=1, qmax=1, top_lr_decay=0.5)
+    # First validation sets the best; stalls 2 and 3 decay; 4 is cooldown; 5, 6 decay.
+    assert lr_scales(policy, [0.5] * 6) == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25]
+
+
+def test_qscheduler_top_lr_decay_multiplies_lr_full_q() -> None:
+    """The decay factor multiplies lr_full_q's q / N. A climb that payoff stopped is at its
+    top too: once its rung has paid, its next stall decays the lr."""
+    policy = make(
+        patience=1, cooldown=0, lr_full_q=8, payoff="stop", payoff_window=0, top_lr_decay=0.5
+    )
+    assert evals(policy, [0.5, 0.5, 0.5, 0.6]) == [1, 2, 2, 2]
+    assert policy.lr_scale(2) == 0.25
+    assert evals(policy, [0.6]) == [2]
+    assert policy.lr_scale(2) == 0.25 * 0.5
+    assert policy.lr_scale(8) == 0.5
+
+
+def test_qscheduler_top_lr_decay_is_checked() -> None:
+    """A decay factor or floor outside (0, 1] is refused with the field named."""
+    for field, bad in (("top_lr_decay", 0.0), ("top_lr_decay", 1.5), ("top_lr_min", 0.0)):
+        with pytest.raises(PolicyError, match=field):
+            make(**{field: bad})
+
+
+def test_qscheduler_state_without_lr_factor_loads() -> None:
+    """A state saved before top_lr_decay existed resumes with the job's full lr."""
+    policy = make(patience=1, cooldown=0, qmax=1, top_lr_decay=0.5)
+    evals(policy, [0.5, 0.5])
+    state = policy.state_dict()
+    assert state["lr_factor"] == 0.5
+    del state["lr_factor"]
+    resumed = make(patience=1, cooldown=0, qmax=1, top_lr_decay=0.5)
+    resumed.load_state_dict(state)
+    assert resumed.lr_scale(1) == 1.0

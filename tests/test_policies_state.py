@@ -31,6 +31,17 @@ SPECS = [
     PolicySpec(
         name="qscheduler", config={"metric": "train_loss", "patience": 1, "average": "interval"}
     ),
+    PolicySpec(
+        name="qscheduler",
+        config={
+            "metric": "val_accuracy",
+            "patience": 1,
+            "cooldown": 0,
+            "qmax": 2,
+            "top_lr_decay": 0.5,
+            "top_lr_min": 0.01,
+        },
+    ),
     PolicySpec(name="linear", config={"qmax": 16}),
     PolicySpec(name="power", config={"alpha": 1.3, "beta": 0.7, "qmax": 16}),
     PolicySpec(name="variance", config={"window": 5, "patience": 1, "smoothing": 0.3}),
@@ -44,16 +55,20 @@ EVENT = st.tuples(
 )
 
 
-def feed(policy: QPolicy, events: list[tuple[int, float, float]], start: int) -> list[int]:
-    """Apply events start.. in order (step t = event index); return q after each."""
-    qs = []
+def feed(
+    policy: QPolicy, events: list[tuple[int, float, float]], start: int
+) -> list[tuple[int, float]]:
+    """Apply events start.. in order (step t = event index); return q and its learning-rate
+    factor after each."""
+    decided = []
     for t, (kind, accuracy, loss) in enumerate(events[start:], start=start):
         if kind == 0:
             grads = np.linspace(-loss, loss, policy.q)
-            qs.append(policy.on_step(StepReport(t, policy.q, loss, grads, 2 * t)))
+            q = policy.on_step(StepReport(t, policy.q, loss, grads, 2 * t))
         else:
-            qs.append(policy.on_eval(EvalReport(t, loss, accuracy)))
-    return qs
+            q = policy.on_eval(EvalReport(t, loss, accuracy))
+        decided.append((q, policy.lr_scale(q)))
+    return decided
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-{len(s.config)}")
@@ -62,8 +77,8 @@ def feed(policy: QPolicy, events: list[tuple[int, float, float]], start: int) ->
 def test_state_resume_matches_uninterrupted(
     spec: PolicySpec, events: list[tuple[int, float, float]], cut: float
 ) -> None:
-    """Stop anywhere, save through JSON, load into a fresh policy: the q sequence continues
-    unchanged."""
+    """Stop anywhere, save through JSON, load into a fresh policy: the q sequence and the
+    learning-rate factors continue unchanged."""
     split = int(cut * len(events))
     whole = create_policy(spec, CONTEXT)
     expected = feed(whole, events, 0)
