@@ -32,7 +32,7 @@ from cobs import cobs
 
 import qsched.protocol as protocol_package
 from qsched.daemon.planner import batch_slices
-from qsched.policies import EvalReport, PolicyContext, QSchedulerConfig, QSchedulerPolicy
+from qsched.policies import PolicyContext, QSchedulerConfig, QSchedulerPolicy
 from qsched.protocol.codec import decode, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.framing import (
@@ -782,19 +782,16 @@ _VECTOR_CONTEXT: Final = PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_
 
 def _coefficient_vectors(out: Vectors) -> None:
     """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided,
-    with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off) and
-    lowered at the top (``top_lr_decay`` 0.7 applied ``decays`` times)."""
+    and with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off)."""
     rng = np.random.Generator(np.random.Philox(59))
-    cases: list[tuple[str, str, Estimator, float, float, int, int, int]] = [
-        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0, 0),
-        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0, 0),
-        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, 0),
-        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, 0),
-        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, 0),
-        ("fp32_top_lr_decay", "fp32", "two_sided", 0.01, 0.001, 5, 8, 2),
-        ("int8_top_lr_decay", "int8", "two_sided", 3000.0, 1.0, 4, 0, 3),
+    cases: list[tuple[str, str, Estimator, float, float, int, int]] = [
+        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0),
+        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0),
+        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0),
+        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0),
+        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8),
     ]
-    for name, numerics, estimator, lr, eps, q, lr_full_q, decays in cases:
+    for name, numerics, estimator, lr, eps, q, lr_full_q in cases:
         key = f"coef.{name}"
         if numerics == "int8":
             # Q16 losses, as INT8 boards report them.
@@ -812,7 +809,7 @@ def _coefficient_vectors(out: Vectors) -> None:
             if estimator == "two_sided"
             else LossPairs(plus=dict(zip(ks, plus, strict=True)), minus={}, base=base)
         )
-        policy = _decayed_policy(q, lr_full_q, decays)
+        policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
         step_lr = lr * policy.lr_scale(q)
         pairs = coefficients(losses, step_lr, eps, q, estimator)
         if numerics == "fp32":
@@ -825,7 +822,6 @@ def _coefficient_vectors(out: Vectors) -> None:
         out[f"{key}.wire_eps"] = _f32_bits(eps)
         out[f"{key}.q"] = str(q)
         out[f"{key}.lr_full_q"] = str(lr_full_q)
-        out[f"{key}.lr_factor"] = _f64_bits(policy.state_dict()["lr_factor"])
         out[f"{key}.ks"] = ",".join(map(str, ks))
         out[f"{key}.loss_plus"] = _f32_list(plus)
         if estimator == "two_sided":
@@ -833,24 +829,6 @@ def _coefficient_vectors(out: Vectors) -> None:
         else:
             out[f"{key}.loss_zero"] = _f32_bits(base)
         out[f"{key}.cs"] = _f32_list(c for _, c in pairs)
-
-
-def _decayed_policy(q: int, lr_full_q: int, decays: int) -> QSchedulerPolicy:
-    """A qscheduler at q0 = qmax = q whose step size ``decays`` stalls have lowered."""
-    config = QSchedulerConfig(
-        lr_full_q=lr_full_q,
-        q0=q,
-        qmax=q,
-        patience=1,
-        cooldown=0,
-        metric="val_accuracy",
-        top_lr_decay=0.7,
-        top_lr_min=0.01,
-    )
-    policy = QSchedulerPolicy(config, _VECTOR_CONTEXT)
-    for _ in range(decays + 1):  # the first validation only sets the best
-        policy.on_eval(EvalReport(step=0, val_loss=1.0, val_accuracy=0.5))
-    return policy
 
 
 def blob_models() -> dict[str, tuple[QuantModel | Model, list[str]]]:

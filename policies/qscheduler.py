@@ -21,12 +21,6 @@ The rule, judged at every validation:
    good once ``payoff_window`` validations have passed since the raise; ``hold`` keeps
    q until the rung improves (then climbing may resume). ``off`` (the default) raises
    anyway. q is never lowered.
-6. Optionally, ``top_lr_decay`` f < 1 keeps the rule going at the top: a stall that
-   would raise q when no rung is left (q at ``qmax``, or a climb that ``stop`` ended)
-   multiplies the learning rate by f instead, down to ``top_lr_min``, with the same
-   cooldown as a raise. Both answer the same noise: the ZO update's spread around the
-   optimum grows with lr / q, so halving lr does for it what doubling q would, without
-   spending a pass.
 
 The default metric is the smoothed training loss: it sees every step rather than a
 validation set whose size sets the resolution of the accuracy, its relative threshold
@@ -115,19 +109,6 @@ class QSchedulerConfig(LadderConfig):
         description="0: the job's lr at every q; N: a step at q < N uses lr * q / N, "
         "so the step size follows the estimate's noise on the low rungs",
     )
-    top_lr_decay: float = Field(
-        default=1.0,
-        gt=0,
-        le=1,
-        description="1: off; f < 1: a stall that would raise q above qmax multiplies "
-        "the learning rate by f instead",
-    )
-    top_lr_min: float = Field(
-        default=0.125,
-        gt=0,
-        le=1,
-        description="the smallest factor top_lr_decay may bring the learning rate to",
-    )
     payoff: Payoff = Field(
         default="off",
         description="a rung above q0 that has not improved on the previous rung's best: "
@@ -153,7 +134,6 @@ class QSchedulerPolicy(QPolicy):
         self._since_raise = 0
         self._interval_sum = 0.0  # training losses since the previous validation
         self._interval_steps = 0
-        self._lr_factor = 1.0  # top_lr_decay's product so far
 
     def initial_q(self) -> int:
         """Return q0."""
@@ -167,11 +147,9 @@ class QSchedulerPolicy(QPolicy):
         return "max" if self.config.metric == "val_accuracy" else "min"
 
     def lr_scale(self, q: int) -> float:
-        """``q / lr_full_q`` below ``lr_full_q``, else 1.0 (always 1.0 when it is 0),
-        times the factor ``top_lr_decay`` has reached (1.0 until q is at the top)."""
+        """``q / lr_full_q`` below ``lr_full_q``, else 1.0 (always 1.0 when it is 0)."""
         full = self.config.lr_full_q
-        rung = 1.0 if q >= full else q / full
-        return rung * self._lr_factor
+        return 1.0 if q >= full else q / full
 
     def _relative(self) -> bool:
         if self.config.threshold_mode == "auto":
@@ -235,25 +213,15 @@ class QSchedulerPolicy(QPolicy):
             self._stopped = self._stopped or (cfg.payoff == "stop" and late)
             self._stalled = 0
             return
-        raised = self._q if self._stopped else next_allowed(self._q, cfg.ladder(), cfg.qmax)
+        if self._stopped:
+            return
+        raised = next_allowed(self._q, cfg.ladder(), cfg.qmax)
         if raised != self._q:
             self._q = raised
             self._stalled = 0
             self._cooldown_left = cfg.cooldown
             self._paid = False
             self._since_raise = 0
-        else:
-            self._decay_lr()
-
-    def _decay_lr(self) -> None:
-        """At the top, a stall lowers the step size instead: the update's noise falls
-        as if q had doubled (at f = 0.5), and no pass is spent on it."""
-        cfg = self.config
-        decayed = self._lr_factor * cfg.top_lr_decay
-        if cfg.top_lr_decay < 1.0 and decayed >= cfg.top_lr_min:
-            self._lr_factor = decayed
-            self._stalled = 0
-            self._cooldown_left = cfg.cooldown
 
     def state_dict(self) -> JSONDict:
         """Return q, the best metric, the stall and cooldown counts, the smoothed loss and
@@ -269,7 +237,6 @@ class QSchedulerPolicy(QPolicy):
             since_raise=self._since_raise,
             interval_sum=self._interval_sum,
             interval_steps=self._interval_steps,
-            lr_factor=self._lr_factor,
         )
         return state
 
@@ -288,5 +255,3 @@ class QSchedulerPolicy(QPolicy):
         # States saved before `average` existed lack the interval: it restarts empty.
         self._interval_sum = float(state.get("interval_sum", 0.0))
         self._interval_steps = int(state.get("interval_steps", 0))
-        # States saved before `top_lr_decay` existed never decayed.
-        self._lr_factor = float(state.get("lr_factor", 1.0))

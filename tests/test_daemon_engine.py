@@ -67,22 +67,6 @@ async def test_engine_lr_following_q_matches_trainer() -> None:
     assert result.state.checksum() != unscaled.state.checksum()
 
 
-async def test_engine_top_lr_decay_matches_trainer() -> None:
-    """qscheduler's top_lr_decay lowers the daemon's step size exactly as the trainer's:
-    q = 1 is the top, so the first stalls decay it."""
-    config = {"qmax": 1, "patience": 1, "cooldown": 0, "top_lr_decay": 0.5}
-    policy = PolicySpec(name="qscheduler", config=config)
-    spec = JobSpec(name="qs", steps=30, eval_every=5, batch_size=32, policy=policy)
-    reference = train_zo(spec)
-    assert reference.policy_state["lr_factor"] < 1.0
-    result = await run_job_inprocess(spec, boards=2)
-    assert result.state.checksum() == reference.state.checksum()
-    undecayed = train_zo(
-        spec.model_copy(update={"policy": PolicySpec(name="fixed", config={"q": 1})})
-    )
-    assert result.state.checksum() != undecayed.state.checksum()
-
-
 async def test_engine_shards_follow_throughput() -> None:
     """A board modelled four times faster is given more keys than a slow one."""
     spec = _spec(steps=6, policy=PolicySpec(name="fixed", config={"q": 16}), batch_size=16)

@@ -422,12 +422,11 @@ def test_acc8_vectors_from_library_and_spec() -> None:
 
 
 def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
-    """SPEC 4.1 in binary64: lr_t = lr * ((q / N) * f) below N = lr_full_q, lr * f from N
-    on (f the top_lr_decay factor), then c = (-lr_t * d) / (den * q), one rounding to
-    float32."""
+    """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, then
+    c = (-lr_t * d) / (den * q), one rounding to float32."""
     lr, q, full = _f64(fields["lr"]), int(fields["q"]), int(fields["lr_full_q"])
-    factor = _f64(fields["lr_factor"])
-    lr = lr * ((float(q) / float(full)) * factor if q < full else factor)
+    if q < full:
+        lr = lr * (float(q) / float(full))
     plus = [float(v) for v in _f32_list(fields["loss_plus"])]
     if fields["estimator"] == "two_sided":
         diffs = [p - float(m) for p, m in zip(plus, _f32_list(fields["loss_minus"]), strict=True)]
@@ -437,19 +436,6 @@ def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
         den = eps
     scale = den * q
     return [float(np.float32((-lr * d) / scale)) for d in diffs]
-
-
-def test_coefficient_vectors_lr_factor_is_a_product_of_decays() -> None:
-    """SPEC 4.1: f starts at 1.0 and each decay is one binary64 multiplication by
-    top_lr_decay (0.7 in the vectors): 1.0 where the policy never decayed."""
-    powers = [1.0]
-    for _ in range(6):
-        powers.append(powers[-1] * 0.7)
-    factors = {name: _f64(f["lr_factor"]) for name, f in _groups("numeric", "coef").items()}
-    assert set(factors.values()) <= set(powers)
-    assert factors["fp32_top_lr_decay"] == 1.0 * 0.7 * 0.7
-    assert factors["int8_top_lr_decay"] == 1.0 * 0.7 * 0.7 * 0.7
-    assert factors["fp32_lr_follows_q"] == 1.0
 
 
 def test_coefficient_vectors_from_library_and_spec() -> None:
@@ -472,7 +458,6 @@ def test_coefficient_vectors_from_library_and_spec() -> None:
             PolicySpec(name="qscheduler", config={"lr_full_q": int(fields["lr_full_q"])}),
             PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1),
         )
-        policy.load_state_dict({**policy.state_dict(), "lr_factor": _f64(fields["lr_factor"])})
         pairs = coefficients(losses, _f64(fields["lr"]) * policy.lr_scale(q), eps, q, est)
         assert [c for _, c in pairs] == expected, name
         wire_eps = float(_f32(fields["wire_eps"]))

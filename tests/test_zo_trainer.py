@@ -81,19 +81,6 @@ def test_trainer_accepts_policy_object_and_rejects_other_spec() -> None:
         train_zo(_short(steps=6), resume=result)
 
 
-def test_trainer_resume_keeps_a_decayed_lr() -> None:
-    """A job whose step size top_lr_decay lowered resumes at the lowered step size: the
-    factor is part of the policy state, and the resumed run ends on the same bits."""
-    config = {"qmax": 1, "patience": 1, "cooldown": 0, "top_lr_decay": 0.5}
-    spec = _short(eval_every=5, policy=PolicySpec(name="qscheduler", config=config))
-    straight = train_zo(spec)
-    first = train_zo(spec, stop_at=17)
-    assert first.policy_state["lr_factor"] < 1.0
-    resumed = train_zo(spec, resume=first)
-    assert resumed.state.checksum() == straight.state.checksum()
-    assert resumed.policy_state == straight.policy_state
-
-
 def test_trainer_applies_the_policys_lr_scale() -> None:
     """qscheduler with lr_full_q 4 runs its q = 1 step at lr / 4: the same bits as a job
     whose lr is a quarter, and not those of the job's own lr."""
