@@ -22,6 +22,7 @@ from qsched.protocol.links.inproc import InProcTransport
 # Long enough that the job is still running when the last command (stop) arrives, on any
 # machine: at 400 steps a fast machine finished it first.
 SPEC = {"name": "ctl-job", "steps": 100_000, "eval_every": 50, "batch_size": 16}
+REPLIES_TIMEOUT_S = 30.0  # how long _exchange waits for one reply per document
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +55,9 @@ async def _daemon(
 async def _exchange(
     broker: MosquittoBroker, documents: list[str], settle: float = 1.5
 ) -> list[dict[str, object]]:
-    """Publish raw documents as a 3.1.1 client; return every reply seen on control/reply."""
+    """Publish raw documents as a 3.1.1 client; return every reply seen on control/reply:
+    once there are as many as documents (or after REPLIES_TIMEOUT_S), plus ``settle``
+    seconds for any extra one."""
     replies: list[dict[str, object]] = []
     async with aiomqtt.Client(
         broker.host, broker.port, protocol=aiomqtt.ProtocolVersion.V311
@@ -65,11 +68,21 @@ async def _exchange(
             async for message in client.messages:
                 replies.append(json.loads(message.payload))  # type: ignore[arg-type]
 
+        async def replies_reach(count: int) -> None:
+            # Waits on the replies, not a fixed time: a busy machine answers late.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(REPLIES_TIMEOUT_S):
+                    while len(replies) < count:
+                        await asyncio.sleep(0.02)
+
         reader = asyncio.create_task(collect())
-        for document in documents:
+        for sent, document in enumerate(documents, start=1):
             await client.publish("qsched/v1/ctl/control/request", document, qos=1)
-            # A start builds the job's workload first: let it finish before the next command.
-            await asyncio.sleep(0.6 if "start_job" in document else 0.05)
+            if "start_job" in document:  # a start builds the job's workload first
+                await replies_reach(sent)
+            else:
+                await asyncio.sleep(0.05)
+        await replies_reach(len(documents))
         await asyncio.sleep(settle)
         reader.cancel()
     return replies
