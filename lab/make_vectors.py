@@ -81,6 +81,7 @@ from qsched.zo.blob import encode_blob, trainable_layers
 from qsched.zo.graph import Dense, Model, MulConstant, QuantizedLayer, QuantModel, TensorQuant
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
 from qsched.zo.lookup import hard_swish_table, logistic_table, mul_constant_table
+from qsched.zo.lr_decay import lr_decay_factor
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.recalibrate import RECAL_EXP_MAX, ChannelLayout, effective_bias, recalibrate
 from qsched.zo.spsa import Estimator, LossPairs, coefficients
@@ -780,18 +781,26 @@ def _recal_vectors(out: Vectors) -> None:
 _VECTOR_CONTEXT: Final = PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1)
 
 
+# A coefficient case's learning-rate decay: lr_decay, lr_end, the step and the job's steps.
+_Decay = tuple[str, float, int, int]
+_NO_DECAY: Final[_Decay] = ("none", 0.0, 0, 1)
+
+
 def _coefficient_vectors(out: Vectors) -> None:
     """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided,
-    and with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off)."""
+    with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off) and with
+    its linear decay."""
     rng = np.random.Generator(np.random.Philox(59))
-    cases: list[tuple[str, str, Estimator, float, float, int, int]] = [
-        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0),
-        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0),
-        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0),
-        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0),
-        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8),
+    cases: list[tuple[str, str, Estimator, float, float, int, int, _Decay]] = [
+        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0, _NO_DECAY),
+        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0, _NO_DECAY),
+        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, _NO_DECAY),
+        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, _NO_DECAY),
+        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, _NO_DECAY),
+        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, ("linear", 0.1, 37, 100)),
+        ("int8_lr_decay", "int8", "two_sided", 0.05, 1.0, 3, 0, ("linear", 0.0, 23999, 24000)),
     ]
-    for name, numerics, estimator, lr, eps, q, lr_full_q in cases:
+    for name, numerics, estimator, lr, eps, q, lr_full_q, decay in cases:
         key = f"coef.{name}"
         if numerics == "int8":
             # Q16 losses, as INT8 boards report them.
@@ -810,7 +819,11 @@ def _coefficient_vectors(out: Vectors) -> None:
             else LossPairs(plus=dict(zip(ks, plus, strict=True)), minus={}, base=base)
         )
         policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
-        step_lr = lr * policy.lr_scale(q)
+        lr_decay, lr_end, step, steps = decay
+        spec = JobSpec(
+            numerics=numerics, lr=lr, eps=eps, lr_decay=lr_decay, lr_end=lr_end, steps=steps
+        )
+        step_lr = lr * policy.lr_scale(q) * lr_decay_factor(spec, step)
         pairs = coefficients(losses, step_lr, eps, q, estimator)
         if numerics == "fp32":
             wire = coefficients(losses, step_lr, float(np.float32(eps)), q, estimator)
@@ -822,6 +835,10 @@ def _coefficient_vectors(out: Vectors) -> None:
         out[f"{key}.wire_eps"] = _f32_bits(eps)
         out[f"{key}.q"] = str(q)
         out[f"{key}.lr_full_q"] = str(lr_full_q)
+        out[f"{key}.lr_decay"] = lr_decay
+        out[f"{key}.lr_end"] = _f64_bits(lr_end)
+        out[f"{key}.step"] = str(step)
+        out[f"{key}.steps"] = str(steps)
         out[f"{key}.ks"] = ",".join(map(str, ks))
         out[f"{key}.loss_plus"] = _f32_list(plus)
         if estimator == "two_sided":
@@ -1184,6 +1201,8 @@ _JOB_SPECS: Final = [
         "steps": 4294967295,
         "batch_size": 4096,
         "lr": 1.5e-05,
+        "lr_decay": "linear",
+        "lr_end": 1,
         "eps": 3,
         "trainable": ["conv1", "fc"],
         "backbone": "models/backbone.tflite",
@@ -1201,7 +1220,7 @@ _JOB_SPECS: Final = [
         "trainable": "last:2",
     },
     # CRC-32 of this one's JSON is 0, so its job id is 1.
-    {"name": "crc-zero", "dataset": "digitsafcsB(l"},
+    {"name": "crc-zero", "dataset": "digitsKFLDJNLJ"},
 ]
 
 

@@ -65,6 +65,18 @@ class JobSpec(_Frozen):
         description="INT8: 'weight' converts lr per channel with the weight scale "
         "(one default for any scale); 'int8_step' applies it in int8 steps",
     )
+    lr_decay: Literal["none", "linear"] = Field(
+        default="none",
+        description="'linear': the learning rate falls linearly over the job's steps, from "
+        "lr at step 0 toward lr * lr_end after the last (SPEC 4.1)",
+    )
+    lr_end: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="with lr_decay 'linear': the factor on lr the decay reaches after the "
+        "last step (0: to zero)",
+    )
     eps: float = Field(
         default=1.0,
         gt=0,
@@ -124,6 +136,12 @@ class JobSpec(_Frozen):
     def _check_lr_unit(self) -> JobSpec:
         if self.numerics == "fp32" and self.lr_unit != "weight":
             raise ValueError("FP32 learning rates are in weight units: lr_unit must be 'weight'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lr_end(self) -> JobSpec:
+        if self.lr_end and self.lr_decay == "none":
+            raise ValueError("lr_end sets where a decay ends: it needs lr_decay 'linear'")
         return self
 
     @model_validator(mode="after")

@@ -186,9 +186,15 @@ def _stop_after(step: int, engines: list[StepEngine]) -> Callable[[Event], None]
     return hook
 
 
-async def test_engine_stop_and_resume_bit_identical(tmp_path: pytest.TempPathFactory) -> None:
-    """A job stopped mid-run and resumed from its checkpoint ends at the reference weights."""
-    spec = _spec(steps=9, policy=PolicySpec(name="qscheduler"))
+@pytest.mark.parametrize(
+    "decay", [{}, {"lr_decay": "linear", "lr_end": 0.25}], ids=["constant_lr", "lr_decay"]
+)
+async def test_engine_stop_and_resume_bit_identical(
+    tmp_path: pytest.TempPathFactory, decay: dict[str, object]
+) -> None:
+    """A job stopped mid-run and resumed from its checkpoint ends at the reference weights,
+    with a constant learning rate and with one that decays over the steps."""
+    spec = _spec(steps=9, policy=PolicySpec(name="qscheduler"), **decay)
     store = StateStore(tmp_path)  # type: ignore[arg-type]
     job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
 

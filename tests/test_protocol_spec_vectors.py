@@ -42,7 +42,8 @@ from qsched.zo.blob import encode_blob, trainable_layers
 from qsched.zo.graph import QuantModel
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
 from qsched.zo.prng import philox4x32, rademacher_bits
-from qsched.zo.spsa import LossPairs, coefficients
+from qsched.zo.spsa import LossPairs
+from qsched.zo.step import settle_step
 from qsched.zo.update import apply_int8_fp16, perturb_fp32, perturb_int8
 
 SPEC = (Path(qsched.protocol.__file__).parent / "SPEC.md").read_text(encoding="utf-8")
@@ -422,11 +423,15 @@ def test_acc8_vectors_from_library_and_spec() -> None:
 
 
 def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
-    """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, then
-    c = (-lr_t * d) / (den * q), one rounding to float32."""
+    """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, times the linear
+    decay's 1 - (1 - lr_end) * (t / steps), then c = (-lr_t * d) / (den * q), one
+    rounding to float32."""
     lr, q, full = _f64(fields["lr"]), int(fields["q"]), int(fields["lr_full_q"])
     if q < full:
         lr = lr * (float(q) / float(full))
+    if fields["lr_decay"] == "linear":
+        progress = float(int(fields["step"])) / float(int(fields["steps"]))
+        lr = lr * (1.0 - (1.0 - _f64(fields["lr_end"])) * progress)
     plus = [float(v) for v in _f32_list(fields["loss_plus"])]
     if fields["estimator"] == "two_sided":
         diffs = [p - float(m) for p, m in zip(plus, _f32_list(fields["loss_minus"]), strict=True)]
@@ -439,8 +444,8 @@ def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
 
 
 def test_coefficient_vectors_from_library_and_spec() -> None:
-    """spsa.coefficients with the policy's lr scale and SPEC 4.1 give the committed c_k;
-    FP32 needs the float64 eps."""
+    """settle_step with the policy's lr scale and the spec's decay, and SPEC 4.1, give
+    the committed c_k; FP32 needs the float64 eps."""
     for name, fields in _groups("numeric", "coef").items():
         expected = [float(c) for c in _f32_list(fields["cs"])]
         eps = _f64(fields["eps"])
@@ -458,8 +463,17 @@ def test_coefficient_vectors_from_library_and_spec() -> None:
             PolicySpec(name="qscheduler", config={"lr_full_q": int(fields["lr_full_q"])}),
             PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1),
         )
-        pairs = coefficients(losses, _f64(fields["lr"]) * policy.lr_scale(q), eps, q, est)
-        assert [c for _, c in pairs] == expected, name
+        spec = JobSpec(
+            numerics="fp32" if fields["numerics"] == "fp32" else "int8",
+            estimator=est,
+            lr=_f64(fields["lr"]),
+            eps=eps,
+            lr_decay="linear" if fields["lr_decay"] == "linear" else "none",
+            lr_end=_f64(fields["lr_end"]),
+            steps=int(fields["steps"]),
+        )
+        settled = settle_step(spec, int(fields["step"]), q, losses, 0, policy.lr_scale(q))
+        assert [c for _, c in settled.pairs] == expected, name
         wire_eps = float(_f32(fields["wire_eps"]))
         if fields["numerics"] == "fp32":
             assert _spec_coefficients(fields, wire_eps) != expected, name
@@ -864,6 +878,8 @@ _SPEC_KEYS = [
     "batch_size",
     "lr",
     "lr_unit",
+    "lr_decay",
+    "lr_end",
     "eps",
     "trainable",
     "backbone",
@@ -947,7 +963,7 @@ def test_job_id_vectors_from_spec() -> None:
         text = fields["json"]
         parsed = json.loads(text)
         assert list(parsed) == _SPEC_KEYS and list(parsed["policy"]) == ["name", "config"]
-        assert isinstance(parsed["lr"], float) and isinstance(parsed["eps"], float)
+        assert all(isinstance(parsed[key], float) for key in ("lr", "lr_end", "eps"))
         assert _spec_json(parsed) == text, name
         crc = zlib.crc32(text.encode("utf-8"))
         assert (crc or 1) == int(fields["job_id"]), name

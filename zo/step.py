@@ -15,6 +15,7 @@ import numpy as np
 
 from qsched.policies import EvalReport, StepReport
 from qsched.protocol.jobspec import JobSpec
+from qsched.zo.lr_decay import lr_decay_factor
 from qsched.zo.spsa import LossPairs, coefficients, forward_passes, projected_gradients
 
 __all__ = [
@@ -85,7 +86,7 @@ def settle_step(
     """Coefficients, record and policy report of step ``step`` from its losses.
 
     Args:
-        spec: the job (learning rate, ε, estimator).
+        spec: the job (learning rate and its decay, ε, estimator).
         step: the step's index.
         q: the step's number of perturbations; ``losses`` holds keys ``0..q-1``.
         losses: the step's losses.
@@ -98,7 +99,10 @@ def settle_step(
     Raises:
         LossError: a loss is NaN or infinite, or a key is missing.
     """
-    pairs = coefficients(losses, spec.lr * lr_scale, spec.eps, q, spec.estimator)
+    # The policy's factor first, then the decay's: without a decay the factor is 1.0
+    # and the learning rate keeps the bits it had before decays existed.
+    step_lr = spec.lr * lr_scale * lr_decay_factor(spec, step)
+    pairs = coefficients(losses, step_lr, spec.eps, q, spec.estimator)
     grads = projected_gradients(losses, spec.eps, spec.estimator)
     passes = passes_before + forward_passes(q, spec.estimator)
     record = StepRecord(step, q, train_loss(losses), passes)
