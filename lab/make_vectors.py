@@ -781,9 +781,10 @@ def _recal_vectors(out: Vectors) -> None:
 _VECTOR_CONTEXT: Final = PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1)
 
 
-# A coefficient case's learning-rate decay: lr_decay, lr_end, the step and the job's steps.
-_Decay = tuple[str, float, int, int]
-_NO_DECAY: Final[_Decay] = ("none", 0.0, 0, 1)
+# A coefficient case's learning-rate decay: lr_decay, lr_decay_start, lr_end, the step
+# and the job's steps.
+_Decay = tuple[str, float, float, int, int]
+_NO_DECAY: Final[_Decay] = ("none", 0.0, 0.0, 0, 1)
 
 
 def _coefficient_vectors(out: Vectors) -> None:
@@ -797,8 +798,28 @@ def _coefficient_vectors(out: Vectors) -> None:
         ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, _NO_DECAY),
         ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, _NO_DECAY),
         ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, _NO_DECAY),
-        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, ("linear", 0.1, 37, 100)),
-        ("int8_lr_decay", "int8", "two_sided", 0.05, 1.0, 3, 0, ("linear", 0.0, 23999, 24000)),
+        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, ("linear", 0.0, 0.1, 37, 100)),
+        ("int8_lr_decay", "int8", "two_sided", 0.05, 1.0, 3, 0, ("linear", 0.0, 0.0, 23999, 24000)),
+        (
+            "fp32_late_decay",
+            "fp32",
+            "two_sided",
+            0.02,
+            0.001,
+            5,
+            0,
+            ("linear", 0.75, 0.0, 19337, 24000),
+        ),
+        (
+            "fp32_before_decay",
+            "fp32",
+            "two_sided",
+            0.02,
+            0.001,
+            5,
+            0,
+            ("linear", 0.75, 0.0, 18000, 24000),
+        ),
     ]
     for name, numerics, estimator, lr, eps, q, lr_full_q, decay in cases:
         key = f"coef.{name}"
@@ -819,9 +840,15 @@ def _coefficient_vectors(out: Vectors) -> None:
             else LossPairs(plus=dict(zip(ks, plus, strict=True)), minus={}, base=base)
         )
         policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
-        lr_decay, lr_end, step, steps = decay
+        lr_decay, lr_decay_start, lr_end, step, steps = decay
         spec = JobSpec(
-            numerics=numerics, lr=lr, eps=eps, lr_decay=lr_decay, lr_end=lr_end, steps=steps
+            numerics=numerics,
+            lr=lr,
+            eps=eps,
+            lr_decay=lr_decay,
+            lr_decay_start=lr_decay_start,
+            lr_end=lr_end,
+            steps=steps,
         )
         step_lr = lr * policy.lr_scale(q) * lr_decay_factor(spec, step)
         pairs = coefficients(losses, step_lr, eps, q, estimator)
@@ -836,6 +863,7 @@ def _coefficient_vectors(out: Vectors) -> None:
         out[f"{key}.q"] = str(q)
         out[f"{key}.lr_full_q"] = str(lr_full_q)
         out[f"{key}.lr_decay"] = lr_decay
+        out[f"{key}.lr_decay_start"] = _f64_bits(lr_decay_start)
         out[f"{key}.lr_end"] = _f64_bits(lr_end)
         out[f"{key}.step"] = str(step)
         out[f"{key}.steps"] = str(steps)
@@ -1202,6 +1230,7 @@ _JOB_SPECS: Final = [
         "batch_size": 4096,
         "lr": 1.5e-05,
         "lr_decay": "linear",
+        "lr_decay_start": 0.5,
         "lr_end": 1,
         "eps": 3,
         "trainable": ["conv1", "fc"],
@@ -1220,7 +1249,7 @@ _JOB_SPECS: Final = [
         "trainable": "last:2",
     },
     # CRC-32 of this one's JSON is 0, so its job id is 1.
-    {"name": "crc-zero", "dataset": "digitsKFLDJNLJ"},
+    {"name": "crc-zero", "dataset": "digitsDOLIGJJBB@"},
 ]
 
 

@@ -68,7 +68,14 @@ class JobSpec(_Frozen):
     lr_decay: Literal["none", "linear"] = Field(
         default="none",
         description="'linear': the learning rate falls linearly over the job's steps, from "
-        "lr at step 0 toward lr * lr_end after the last (SPEC 4.1)",
+        "lr at step 0 (or from lr_decay_start) toward lr * lr_end after the last (SPEC 4.1)",
+    )
+    lr_decay_start: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="with lr_decay 'linear': the fraction of the steps after which the "
+        "decay begins (0: from step 0; 0.75: over the last quarter)",
     )
     lr_end: float = Field(
         default=0.0,
@@ -139,9 +146,11 @@ class JobSpec(_Frozen):
         return self
 
     @model_validator(mode="after")
-    def _check_lr_end(self) -> JobSpec:
-        if self.lr_end and self.lr_decay == "none":
-            raise ValueError("lr_end sets where a decay ends: it needs lr_decay 'linear'")
+    def _check_lr_decay_shape(self) -> JobSpec:
+        if self.lr_decay == "none" and (self.lr_end or self.lr_decay_start):
+            raise ValueError(
+                "lr_end and lr_decay_start shape a decay: they need lr_decay 'linear'"
+            )
         return self
 
     @model_validator(mode="after")

@@ -187,7 +187,9 @@ def _stop_after(step: int, engines: list[StepEngine]) -> Callable[[Event], None]
 
 
 @pytest.mark.parametrize(
-    "decay", [{}, {"lr_decay": "linear", "lr_end": 0.25}], ids=["constant_lr", "lr_decay"]
+    "decay",
+    [{}, {"lr_decay": "linear", "lr_decay_start": 0.3, "lr_end": 0.25}],
+    ids=["constant_lr", "lr_decay"],
 )
 async def test_engine_stop_and_resume_bit_identical(
     tmp_path: pytest.TempPathFactory, decay: dict[str, object]

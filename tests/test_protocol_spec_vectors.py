@@ -424,14 +424,15 @@ def test_acc8_vectors_from_library_and_spec() -> None:
 
 def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
     """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, times the linear
-    decay's 1 - (1 - lr_end) * (t / steps), then c = (-lr_t * d) / (den * q), one
-    rounding to float32."""
+    decay's 1 - (1 - lr_end) * ((p - s) / (1 - s)) once p = t / steps passes s =
+    lr_decay_start, then c = (-lr_t * d) / (den * q), one rounding to float32."""
     lr, q, full = _f64(fields["lr"]), int(fields["q"]), int(fields["lr_full_q"])
     if q < full:
         lr = lr * (float(q) / float(full))
-    if fields["lr_decay"] == "linear":
-        progress = float(int(fields["step"])) / float(int(fields["steps"]))
-        lr = lr * (1.0 - (1.0 - _f64(fields["lr_end"])) * progress)
+    progress = float(int(fields["step"])) / float(int(fields["steps"]))
+    start = _f64(fields["lr_decay_start"])
+    if fields["lr_decay"] == "linear" and progress > start:
+        lr = lr * (1.0 - (1.0 - _f64(fields["lr_end"])) * ((progress - start) / (1.0 - start)))
     plus = [float(v) for v in _f32_list(fields["loss_plus"])]
     if fields["estimator"] == "two_sided":
         diffs = [p - float(m) for p, m in zip(plus, _f32_list(fields["loss_minus"]), strict=True)]
@@ -469,6 +470,7 @@ def test_coefficient_vectors_from_library_and_spec() -> None:
             lr=_f64(fields["lr"]),
             eps=eps,
             lr_decay="linear" if fields["lr_decay"] == "linear" else "none",
+            lr_decay_start=_f64(fields["lr_decay_start"]),
             lr_end=_f64(fields["lr_end"]),
             steps=int(fields["steps"]),
         )
@@ -879,6 +881,7 @@ _SPEC_KEYS = [
     "lr",
     "lr_unit",
     "lr_decay",
+    "lr_decay_start",
     "lr_end",
     "eps",
     "trainable",
@@ -963,7 +966,9 @@ def test_job_id_vectors_from_spec() -> None:
         text = fields["json"]
         parsed = json.loads(text)
         assert list(parsed) == _SPEC_KEYS and list(parsed["policy"]) == ["name", "config"]
-        assert all(isinstance(parsed[key], float) for key in ("lr", "lr_end", "eps"))
+        assert all(
+            isinstance(parsed[key], float) for key in ("lr", "lr_decay_start", "lr_end", "eps")
+        )
         assert _spec_json(parsed) == text, name
         crc = zlib.crc32(text.encode("utf-8"))
         assert (crc or 1) == int(fields["job_id"]), name

@@ -28,6 +28,20 @@ def test_linear_factor_starts_at_one_and_falls_to_lr_end() -> None:
     assert all(a > b for a, b in itertools.pairwise(factors))
 
 
+def test_late_decay_holds_the_rate_then_falls_to_lr_end() -> None:
+    """With lr_decay_start 0.5 the first half runs at the full rate; then the factor falls
+    linearly to lr_end; a start of 0 is the decay from step 0, to the bit."""
+    late = _linear(steps=8, lr_end=0.2).model_copy(update={"lr_decay_start": 0.5})
+    factors = [lr_decay_factor(late, t) for t in range(9)]
+    assert factors[:5] == [1.0] * 5
+    assert factors[5:] == [1.0 - 0.8 * ((t / 8 - 0.5) / 0.5) for t in range(5, 9)]
+    assert factors[8] == pytest.approx(0.2)
+    from_zero = _linear(steps=7, lr_end=0.3)
+    assert [lr_decay_factor(from_zero, t) for t in range(7)] == [
+        1.0 - 0.7 * (t / 7) for t in range(7)
+    ]
+
+
 def test_no_decay_is_exactly_one() -> None:
     """The default keeps every step's learning rate, to the bit."""
     spec = JobSpec(numerics="fp32", steps=10)
@@ -35,10 +49,15 @@ def test_no_decay_is_exactly_one() -> None:
     assert {lr_decay_factor(spec, t) for t in range(10)} == {1.0}
 
 
-def test_spec_refuses_lr_end_out_of_range_or_without_a_decay() -> None:
-    """lr_end is a factor in [0, 1], and only means something with a decay."""
+def test_spec_refuses_decay_shapes_out_of_range_or_without_a_decay() -> None:
+    """lr_end is a factor in [0, 1], lr_decay_start a share in [0, 1), and both only mean
+    something with a decay."""
     with pytest.raises(ValidationError, match="lr_end"):
         JobSpec(numerics="fp32", lr_end=0.5)
+    with pytest.raises(ValidationError, match="lr_decay_start"):
+        JobSpec(numerics="fp32", lr_decay_start=0.5)
+    with pytest.raises(ValidationError, match="lr_decay_start"):
+        JobSpec(numerics="fp32", lr_decay="linear", lr_decay_start=1.0)
     with pytest.raises(ValidationError, match="lr_end"):
         JobSpec(numerics="fp32", lr_decay="linear", lr_end=1.5)
     with pytest.raises(ValidationError, match="lr_decay"):
