@@ -841,14 +841,16 @@ def _coefficient_vectors(out: Vectors) -> None:
         )
         policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
         lr_decay, lr_decay_start, lr_end, step, steps = decay
-        spec = JobSpec(
-            numerics=numerics,
-            lr=lr,
-            eps=eps,
-            lr_decay=lr_decay,
-            lr_decay_start=lr_decay_start,
-            lr_end=lr_end,
-            steps=steps,
+        spec = JobSpec.model_validate(
+            {
+                "numerics": numerics,
+                "lr": lr,
+                "eps": eps,
+                "lr_decay": lr_decay,
+                "lr_decay_start": lr_decay_start,
+                "lr_end": lr_end,
+                "steps": steps,
+            }
         )
         step_lr = lr * policy.lr_scale(q) * lr_decay_factor(spec, step)
         pairs = coefficients(losses, step_lr, eps, q, estimator)
