@@ -148,9 +148,7 @@ class JobSpec(_Frozen):
     @model_validator(mode="after")
     def _check_lr_decay_shape(self) -> JobSpec:
         if self.lr_decay == "none" and (self.lr_end or self.lr_decay_start):
-            raise ValueError(
-                "lr_end and lr_decay_start shape a decay: they need lr_decay 'linear'"
-            )
+            raise ValueError("lr_end and lr_decay_start shape a decay: they need lr_decay 'linear'")
         return self
 
     @model_validator(mode="after")
