@@ -81,10 +81,10 @@ from qsched.zo.blob import encode_blob, trainable_layers
 from qsched.zo.graph import Dense, Model, MulConstant, QuantizedLayer, QuantModel, TensorQuant
 from qsched.zo.intloss import batch_loss_q16, exp_table, loss_q16, q16_to_float, scale_q24
 from qsched.zo.lookup import hard_swish_table, logistic_table, mul_constant_table
-from qsched.zo.lr_decay import lr_decay_factor
 from qsched.zo.prng import batch_indices, philox4x32, rademacher_bits
 from qsched.zo.recalibrate import RECAL_EXP_MAX, ChannelLayout, effective_bias, recalibrate
 from qsched.zo.spsa import Estimator, LossPairs, coefficients
+from qsched.zo.step import step_lr
 from qsched.zo.update import (
     accumulate_delta,
     apply_fp32,
@@ -852,10 +852,10 @@ def _coefficient_vectors(out: Vectors) -> None:
                 "steps": steps,
             }
         )
-        step_lr = lr * policy.lr_scale(q) * lr_decay_factor(spec, step)
-        pairs = coefficients(losses, step_lr, eps, q, estimator)
+        lr_t = step_lr(spec, step, policy.lr_scale(q))
+        pairs = coefficients(losses, lr_t, eps, q, estimator)
         if numerics == "fp32":
-            wire = coefficients(losses, step_lr, float(np.float32(eps)), q, estimator)
+            wire = coefficients(losses, lr_t, float(np.float32(eps)), q, estimator)
             assert pairs != wire, key  # the float32 eps of the wire gives other bits
         out[f"{key}.numerics"] = numerics
         out[f"{key}.estimator"] = estimator

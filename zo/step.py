@@ -25,6 +25,7 @@ __all__ = [
     "checkpoint_due",
     "eval_record",
     "settle_step",
+    "step_lr",
     "train_loss",
     "validates_after",
 ]
@@ -99,15 +100,20 @@ def settle_step(
     Raises:
         LossError: a loss is NaN or infinite, or a key is missing.
     """
-    # The policy's factor first, then the decay's: without a decay the factor is 1.0
-    # and the learning rate keeps the bits it had before decays existed.
-    step_lr = spec.lr * lr_scale * lr_decay_factor(spec, step)
-    pairs = coefficients(losses, step_lr, spec.eps, q, spec.estimator)
+    pairs = coefficients(losses, step_lr(spec, step, lr_scale), spec.eps, q, spec.estimator)
     grads = projected_gradients(losses, spec.eps, spec.estimator)
     passes = passes_before + forward_passes(q, spec.estimator)
     record = StepRecord(step, q, train_loss(losses), passes)
     gradients = np.array([grads[k] for k in range(q)])
     return SettledStep(pairs, record, StepReport(step, q, record.train_loss, gradients, passes))
+
+
+def step_lr(spec: JobSpec, step: int, lr_scale: float = 1.0) -> float:
+    """Step ``step``'s learning rate ``lr_t`` (SPEC 4.1): ``spec.lr`` times the q policy's
+    factor ``lr_scale``, then times the decay's factor."""
+    # The policy's factor first, then the decay's: without a decay the factor is 1.0
+    # and the learning rate keeps the bits it had before decays existed.
+    return spec.lr * lr_scale * lr_decay_factor(spec, step)
 
 
 def validates_after(spec: JobSpec, step: int) -> bool:
