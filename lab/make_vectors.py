@@ -789,17 +789,27 @@ _NO_DECAY: Final[_Decay] = ("none", 0.0, 0.0, 0, 1)
 
 def _coefficient_vectors(out: Vectors) -> None:
     """c_k from loss pairs: INT8 and FP32 (float64 eps of the spec), two- and one-sided,
-    with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off) and with
-    its linear decay."""
+    with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off), halved
+    at the top of its ladder (``lr_halvings`` so far) and with the job's linear decay."""
     rng = np.random.Generator(np.random.Philox(59))
-    cases: list[tuple[str, str, Estimator, float, float, int, int, _Decay]] = [
-        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0, _NO_DECAY),
-        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0, _NO_DECAY),
-        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, _NO_DECAY),
-        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, _NO_DECAY),
-        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, _NO_DECAY),
-        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, ("linear", 0.0, 0.1, 37, 100)),
-        ("int8_lr_decay", "int8", "two_sided", 0.05, 1.0, 3, 0, ("linear", 0.0, 0.0, 23999, 24000)),
+    cases: list[tuple[str, str, Estimator, float, float, int, int, int, _Decay]] = [
+        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0, 0, _NO_DECAY),
+        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0, 0, _NO_DECAY),
+        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, 0, _NO_DECAY),
+        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, 0, _NO_DECAY),
+        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, 0, _NO_DECAY),
+        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, 0, ("linear", 0.0, 0.1, 37, 100)),
+        (
+            "int8_lr_decay",
+            "int8",
+            "two_sided",
+            0.05,
+            1.0,
+            3,
+            0,
+            0,
+            ("linear", 0.0, 0.0, 23999, 24000),
+        ),
         (
             "fp32_late_decay",
             "fp32",
@@ -807,6 +817,7 @@ def _coefficient_vectors(out: Vectors) -> None:
             0.02,
             0.001,
             5,
+            0,
             0,
             ("linear", 0.75, 0.0, 19337, 24000),
         ),
@@ -818,10 +829,24 @@ def _coefficient_vectors(out: Vectors) -> None:
             0.001,
             5,
             0,
+            0,
             ("linear", 0.75, 0.0, 18000, 24000),
         ),
+        ("fp32_lr_halved", "fp32", "two_sided", 0.02, 0.001, 32, 32, 3, _NO_DECAY),
+        (
+            "fp32_lr_halved_late_decay",
+            "fp32",
+            "two_sided",
+            0.03,
+            0.001,
+            6,
+            8,
+            2,
+            ("linear", 0.75, 0.0, 21001, 24000),
+        ),
+        ("int8_lr_halved", "int8", "two_sided", 0.05, 1.0, 4, 0, 5, _NO_DECAY),
     ]
-    for name, numerics, estimator, lr, eps, q, lr_full_q, decay in cases:
+    for name, numerics, estimator, lr, eps, q, lr_full_q, halvings, decay in cases:
         key = f"coef.{name}"
         if numerics == "int8":
             # Q16 losses, as INT8 boards report them.
@@ -839,7 +864,7 @@ def _coefficient_vectors(out: Vectors) -> None:
             if estimator == "two_sided"
             else LossPairs(plus=dict(zip(ks, plus, strict=True)), minus={}, base=base)
         )
-        policy = QSchedulerPolicy(QSchedulerConfig(lr_full_q=lr_full_q), _VECTOR_CONTEXT)
+        policy = _halved_policy(lr_full_q, halvings)
         lr_decay, lr_decay_start, lr_end, step, steps = decay
         spec = JobSpec.model_validate(
             {
@@ -864,6 +889,7 @@ def _coefficient_vectors(out: Vectors) -> None:
         out[f"{key}.wire_eps"] = _f32_bits(eps)
         out[f"{key}.q"] = str(q)
         out[f"{key}.lr_full_q"] = str(lr_full_q)
+        out[f"{key}.lr_halvings"] = str(halvings)
         out[f"{key}.lr_decay"] = lr_decay
         out[f"{key}.lr_decay_start"] = _f64_bits(lr_decay_start)
         out[f"{key}.lr_end"] = _f64_bits(lr_end)
@@ -876,6 +902,16 @@ def _coefficient_vectors(out: Vectors) -> None:
         else:
             out[f"{key}.loss_zero"] = _f32_bits(base)
         out[f"{key}.cs"] = _f32_list(c for _, c in pairs)
+
+
+def _halved_policy(lr_full_q: int, halvings: int) -> QSchedulerPolicy:
+    """A qscheduler whose state has halved its learning rate ``halvings`` times."""
+    config = QSchedulerConfig(lr_full_q=lr_full_q, lr_halvings=halvings)
+    policy = QSchedulerPolicy(config, _VECTOR_CONTEXT)
+    state = policy.state_dict()
+    state["lr_halvings"] = halvings
+    policy.load_state_dict(state)
+    return policy
 
 
 def blob_models() -> dict[str, tuple[QuantModel | Model, list[str]]]:

@@ -183,8 +183,9 @@ class QPolicy(abc.ABC):
     def lr_scale(self, q: int) -> float:
         """The factor on the job's learning rate for a step at ``q`` (1.0: lr at every q).
 
-        A pure function of the config and ``q``, never of the policy's state, so the
-        daemon, a resumed job and the single-process trainer compute the same bits.
+        Read like ``q``, before the step's reports: a function of the config, ``q`` and
+        the state the step starts from, which a checkpoint keeps, so the daemon, a
+        resumed job and the single-process trainer compute the same bits.
         """
         del q
         return 1.0

@@ -15,7 +15,10 @@ The rule, judged at every validation:
    after a raise, which give the new q time to act and are not held against it.
 4. When ``patience`` validations in a row did not improve, q moves to the next
    allowed value (never above ``qmax``, never down) and the count restarts.
-5. Optionally, ``payoff`` asks each raise to pay for itself: a rung above q0 that has
+5. At the top of the ladder a stall cannot raise q; with ``lr_halvings`` = H it
+   halves the step's learning rate instead, at most H times (then the count restarts
+   and the cooldown applies, as after a raise).
+6. Optionally, ``payoff`` asks each raise to pay for itself: a rung above q0 that has
    not improved on the best reached before it by the time it stalls is not raised
    from: q is held while the rung may still pay off, and ``stop`` ends the climb for
    good once ``payoff_window`` validations have passed since the raise; ``hold`` keeps
@@ -43,6 +46,7 @@ would let the first noisy dip-and-recover after a raise pass for improvement.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -59,12 +63,16 @@ from .base import (
     StepReport,
     state_field,
 )
+from .errors import PolicyError
 
 __all__ = ["QSchedulerConfig", "QSchedulerPolicy"]
 
 Metric = Literal["val_accuracy", "val_loss", "train_loss"]
 Payoff = Literal["off", "hold", "stop"]
 Average = Literal["ema", "interval"]
+
+# 2^-30 of any sane rate is far below a float32 coefficient's resolution of the losses.
+MAX_LR_HALVINGS = 30
 
 
 class QSchedulerConfig(LadderConfig):
@@ -109,6 +117,13 @@ class QSchedulerConfig(LadderConfig):
         description="0: the job's lr at every q; N: a step at q < N uses lr * q / N, "
         "so the step size follows the estimate's noise on the low rungs",
     )
+    lr_halvings: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LR_HALVINGS,
+        description="0: q at qmax keeps the rate; H: up to H stalls at qmax each halve "
+        "the learning rate, so the noise of the top rung settles",
+    )
     payoff: Payoff = Field(
         default="off",
         description="a rung above q0 that has not improved on the previous rung's best: "
@@ -134,6 +149,7 @@ class QSchedulerPolicy(QPolicy):
         self._since_raise = 0
         self._interval_sum = 0.0  # training losses since the previous validation
         self._interval_steps = 0
+        self._halvings = 0  # learning-rate halvings at the top of the ladder so far
 
     def initial_q(self) -> int:
         """Return q0."""
@@ -147,9 +163,10 @@ class QSchedulerPolicy(QPolicy):
         return "max" if self.config.metric == "val_accuracy" else "min"
 
     def lr_scale(self, q: int) -> float:
-        """``q / lr_full_q`` below ``lr_full_q``, else 1.0 (always 1.0 when it is 0)."""
+        """``q / lr_full_q`` below ``lr_full_q``, else 1.0 (always 1.0 when it is 0),
+        halved once for each halving so far (exact: a power of two)."""
         full = self.config.lr_full_q
-        return 1.0 if q >= full else q / full
+        return math.ldexp(1.0 if q >= full else q / full, -self._halvings)
 
     def _relative(self) -> bool:
         if self.config.threshold_mode == "auto":
@@ -218,14 +235,20 @@ class QSchedulerPolicy(QPolicy):
         raised = next_allowed(self._q, cfg.ladder(), cfg.qmax)
         if raised != self._q:
             self._q = raised
-            self._stalled = 0
-            self._cooldown_left = cfg.cooldown
             self._paid = False
             self._since_raise = 0
+        elif self._halvings < cfg.lr_halvings:
+            # At the top more passes are not to be had: a smaller step averages the
+            # top rung's remaining noise instead.
+            self._halvings += 1
+        else:
+            return
+        self._stalled = 0
+        self._cooldown_left = cfg.cooldown
 
     def state_dict(self) -> JSONDict:
-        """Return q, the best metric, the stall and cooldown counts, the smoothed loss and
-        the payoff flags."""
+        """Return q, the best metric, the stall and cooldown counts, the smoothed loss, the
+        payoff flags and the learning-rate halvings."""
         state = super().state_dict()
         state.update(
             best=self._best,
@@ -237,6 +260,7 @@ class QSchedulerPolicy(QPolicy):
             since_raise=self._since_raise,
             interval_sum=self._interval_sum,
             interval_steps=self._interval_steps,
+            lr_halvings=self._halvings,
         )
         return state
 
@@ -255,3 +279,8 @@ class QSchedulerPolicy(QPolicy):
         # States saved before `average` existed lack the interval: it restarts empty.
         self._interval_sum = float(state.get("interval_sum", 0.0))
         self._interval_steps = int(state.get("interval_steps", 0))
+        # States saved before `lr_halvings` existed never halved.
+        halvings = int(state.get("lr_halvings", 0))
+        if not 0 <= halvings <= MAX_LR_HALVINGS:
+            raise PolicyError(f"saved lr_halvings {halvings} is outside 0..{MAX_LR_HALVINGS}")
+        self._halvings = halvings

@@ -186,17 +186,38 @@ def _stop_after(step: int, engines: list[StepEngine]) -> Callable[[Event], None]
     return hook
 
 
+# qscheduler at the top of a one-rung ladder from its first validation, where every
+# later validation is a stall (no accuracy gains 0.5): each halves the rate.
+_HALVING = PolicySpec(
+    name="qscheduler",
+    config={
+        "q0": 2,
+        "qmax": 2,
+        "metric": "val_accuracy",
+        "min_delta": 0.5,
+        "patience": 1,
+        "cooldown": 0,
+        "lr_halvings": 3,
+    },
+)
+
+
 @pytest.mark.parametrize(
-    "decay",
-    [{}, {"lr_decay": "linear", "lr_decay_start": 0.3, "lr_end": 0.25}],
-    ids=["constant_lr", "lr_decay"],
+    "over",
+    [
+        {},
+        {"lr_decay": "linear", "lr_decay_start": 0.3, "lr_end": 0.25},
+        {"policy": _HALVING, "eval_every": 2},
+    ],
+    ids=["constant_lr", "lr_decay", "lr_halvings"],
 )
 async def test_engine_stop_and_resume_bit_identical(
-    tmp_path: pytest.TempPathFactory, decay: dict[str, object]
+    tmp_path: pytest.TempPathFactory, over: dict[str, object]
 ) -> None:
     """A job stopped mid-run and resumed from its checkpoint ends at the reference weights,
-    with a constant learning rate and with one that decays over the steps."""
-    spec = _spec(steps=9, policy=PolicySpec(name="qscheduler"), **decay)
+    with a constant learning rate, one that decays over the steps, and one the policy
+    halves before and after the stop."""
+    spec = _spec(steps=9, **{"policy": PolicySpec(name="qscheduler"), **over})
     store = StateStore(tmp_path)  # type: ignore[arg-type]
     job_dir = store.create_job("t", spec.model_dump(mode="json"), status="running")
 
@@ -317,3 +338,15 @@ async def test_engine_wrong_checksum_resyncs_board() -> None:
         "step 2: checksum"
     )
     assert result.work["vb-01"] > 0 and result.state.checksum() == train_zo(spec).state.checksum()
+
+
+def test_halving_policy_halves_before_and_after_the_resume_point() -> None:
+    """The halving case above is one: one halving is in the step-5 checkpoint, three at the
+    end, and they change the weights."""
+    spec = _spec(steps=9, eval_every=2, policy=_HALVING)
+    assert train_zo(spec, stop_at=5).policy_state["lr_halvings"] == 1
+    reference = train_zo(spec)
+    assert reference.policy_state["lr_halvings"] == 3
+    unhalved = PolicySpec(name="qscheduler", config={**_HALVING.config, "lr_halvings": 0})
+    plain = train_zo(spec.model_copy(update={"policy": unhalved}))
+    assert reference.state.checksum() != plain.state.checksum()

@@ -256,3 +256,54 @@ def test_qscheduler_lr_full_q_is_checked() -> None:
     for bad in (-1, 1025):
         with pytest.raises(PolicyError, match="lr_full_q"):
             make(lr_full_q=bad)
+
+
+def test_qscheduler_halves_the_rate_at_the_top_after_stalls() -> None:
+    """lr_halvings H: at qmax a stall halves lr_scale instead of raising q, H times at
+    most, with the cooldown after each halving as after a raise; below the top q climbs
+    as before and the rate keeps its factor."""
+    policy = make(qmax=4, patience=1, cooldown=1, lr_halvings=2, lr_full_q=4)
+    qs, scales = [], []
+    for value in [0.5] * 9:
+        qs.append(evals(policy, [value])[0])
+        scales.append(policy.lr_scale(policy.q))
+    assert qs == [1, 2, 2, 4, 4, 4, 4, 4, 4]
+    assert scales == [0.25, 0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    assert policy.state_dict()["lr_halvings"] == 2
+
+
+def test_qscheduler_improvement_at_the_top_keeps_the_rate() -> None:
+    """At the top an improving metric never halves; without lr_halvings a stall does not."""
+    improving = make(qmax=2, patience=1, cooldown=0, lr_halvings=3)
+    evals(improving, [0.5, 0.5, 0.6, 0.7, 0.8, 0.9])
+    assert improving.q == 2 and improving.lr_scale(2) == 1.0
+    plain = make(qmax=2, patience=1, cooldown=0)
+    evals(plain, [0.5] * 6)
+    assert plain.lr_scale(2) == 1.0 and plain.state_dict()["lr_halvings"] == 0
+
+
+def test_qscheduler_halvings_survive_a_save_and_load() -> None:
+    """A resumed policy keeps its halvings (the factor of the next step) and stops at H."""
+    policy = make(qmax=2, patience=1, cooldown=0, lr_halvings=2)
+    evals(policy, [0.5, 0.5, 0.5])
+    assert policy.lr_scale(2) == 0.5
+    resumed = make(qmax=2, patience=1, cooldown=0, lr_halvings=2)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.lr_scale(2) == 0.5
+    evals(resumed, [0.5, 0.5, 0.5])
+    assert resumed.lr_scale(2) == 0.25
+
+
+def test_qscheduler_halvings_are_checked() -> None:
+    """A bad lr_halvings config, or a saved count outside 0..30, is a PolicyError."""
+    for bad in (-1, 31):
+        with pytest.raises(PolicyError, match="lr_halvings"):
+            make(lr_halvings=bad)
+    policy = make(lr_halvings=2)
+    for bad_count in (-1, 31):
+        with pytest.raises(PolicyError, match="lr_halvings"):
+            policy.load_state_dict({**policy.state_dict(), "lr_halvings": bad_count})
+    old = policy.state_dict()
+    del old["lr_halvings"]  # a state saved before the field existed
+    policy.load_state_dict(old)
+    assert policy.lr_scale(1) == 1.0

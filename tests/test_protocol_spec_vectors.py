@@ -423,12 +423,13 @@ def test_acc8_vectors_from_library_and_spec() -> None:
 
 
 def _spec_coefficients(fields: Fields, eps: float) -> list[float]:
-    """SPEC 4.1 in binary64: lr_t = lr * (q / N) below N = lr_full_q, times the linear
-    decay's 1 - (1 - lr_end) * ((p - s) / (1 - s)) once p = t / steps passes s =
-    lr_decay_start, then c = (-lr_t * d) / (den * q), one rounding to float32."""
+    """SPEC 4.1 in binary64: lr_t = lr * g, g = (q / N) below N = lr_full_q (else 1)
+    times 2^-h for h halvings, times the linear decay's 1 - (1 - lr_end) * ((p - s) /
+    (1 - s)) once p = t / steps passes s = lr_decay_start, then c = (-lr_t * d) / (den *
+    q), one rounding to float32."""
     lr, q, full = _f64(fields["lr"]), int(fields["q"]), int(fields["lr_full_q"])
-    if q < full:
-        lr = lr * (float(q) / float(full))
+    factor = float(q) / float(full) if q < full else 1.0
+    lr = lr * (factor * 2.0 ** -int(fields["lr_halvings"]))
     progress = float(int(fields["step"])) / float(int(fields["steps"]))
     start = _f64(fields["lr_decay_start"])
     if fields["lr_decay"] == "linear" and progress > start:
@@ -460,10 +461,13 @@ def test_coefficient_vectors_from_library_and_spec() -> None:
             losses = LossPairs(plus=plus, minus={}, base=float(_f32(fields["loss_zero"])))
         est = "two_sided" if fields["estimator"] == "two_sided" else "one_sided"
         q = int(fields["q"])
+        halvings = int(fields["lr_halvings"])
+        config = {"lr_full_q": int(fields["lr_full_q"]), "lr_halvings": halvings}
         policy = create_policy(
-            PolicySpec(name="qscheduler", config={"lr_full_q": int(fields["lr_full_q"])}),
+            PolicySpec(name="qscheduler", config=config),
             PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_every=1),
         )
+        policy.load_state_dict({**policy.state_dict(), "lr_halvings": halvings})
         spec = JobSpec(
             numerics="fp32" if fields["numerics"] == "fp32" else "int8",
             estimator=est,
