@@ -17,7 +17,8 @@ The rule, judged at every validation:
    allowed value (never above ``qmax``, never down) and the count restarts.
 5. At the top of the ladder a stall cannot raise q; with ``lr_halvings`` = H it
    halves the step's learning rate instead, at most H times (then the count restarts
-   and the cooldown applies, as after a raise).
+   and the cooldown applies, as after a raise; a payoff rule that holds q holds the
+   rate too).
 6. Optionally, ``payoff`` asks each raise to pay for itself: a rung above q0 that has
    not improved on the best reached before it by the time it stalls is not raised
    from: q is held while the rung may still pay off, and ``stop`` ends the climb for
