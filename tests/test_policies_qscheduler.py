@@ -307,3 +307,13 @@ def test_qscheduler_halvings_are_checked() -> None:
     del old["lr_halvings"]  # a state saved before the field existed
     policy.load_state_dict(old)
     assert policy.lr_scale(1) == 1.0
+
+
+def test_qscheduler_payoff_hold_holds_the_rate_at_the_top() -> None:
+    """With payoff hold, a top rung that never beat the previous best neither halves nor
+    climbs; once it improves, its next stall halves."""
+    policy = make(qmax=2, patience=1, cooldown=0, payoff="hold", lr_halvings=2)
+    evals(policy, [0.5, 0.5, 0.5, 0.5])  # raised to 2, which never pays
+    assert policy.q == 2 and policy.lr_scale(2) == 1.0
+    evals(policy, [0.6, 0.6])  # paid, then a stall
+    assert policy.lr_scale(2) == 0.5
