@@ -24,7 +24,7 @@ import sys
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -785,6 +785,47 @@ _VECTOR_CONTEXT: Final = PolicyContext(total_steps=1, steps_per_epoch=1.0, eval_
 # and the job's steps.
 _Decay = tuple[str, float, float, int, int]
 _NO_DECAY: Final[_Decay] = ("none", 0.0, 0.0, 0, 1)
+# From step 0: to 0.1 at step 37 of 100, and to 0 at the last step of 24,000.
+_FROM_START_10: Final[_Decay] = ("linear", 0.0, 0.1, 37, 100)
+_FROM_START_LAST: Final[_Decay] = ("linear", 0.0, 0.0, 23999, 24000)
+
+
+def _late_decay(step: int) -> _Decay:
+    """The decay over the last quarter of 24,000 steps, to 0, at ``step``."""
+    return ("linear", 0.75, 0.0, step, 24000)
+
+
+class _CoefCase(NamedTuple):
+    """One coefficient vector: the job's numbers, and the policy's factor on its rate."""
+
+    name: str
+    numerics: str
+    estimator: Estimator
+    lr: float
+    eps: float
+    q: int
+    lr_full_q: int = 0
+    halvings: int = 0
+    decay: _Decay = _NO_DECAY
+
+
+# Appended cases only: each draws its losses from one generator, in this order.
+_COEF_CASES: Final = (
+    _CoefCase("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4),
+    _CoefCase("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3),
+    _CoefCase("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8),
+    _CoefCase("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6),
+    _CoefCase("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, lr_full_q=8),
+    _CoefCase("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, decay=_FROM_START_10),
+    _CoefCase("int8_lr_decay", "int8", "two_sided", 0.05, 1.0, 3, decay=_FROM_START_LAST),
+    _CoefCase("fp32_late_decay", "fp32", "two_sided", 0.02, 0.001, 5, decay=_late_decay(19337)),
+    _CoefCase("fp32_before_decay", "fp32", "two_sided", 0.02, 0.001, 5, decay=_late_decay(18000)),
+    _CoefCase("fp32_lr_halved", "fp32", "two_sided", 0.02, 0.001, 32, 32, halvings=3),
+    _CoefCase(
+        "fp32_lr_halved_late_decay", "fp32", "two_sided", 0.03, 0.001, 6, 8, 2, _late_decay(21001)
+    ),
+    _CoefCase("int8_lr_halved", "int8", "two_sided", 0.05, 1.0, 4, halvings=5),
+)
 
 
 def _coefficient_vectors(out: Vectors) -> None:
@@ -792,61 +833,7 @@ def _coefficient_vectors(out: Vectors) -> None:
     with the learning rate following q (qscheduler's ``lr_full_q``, 0 when off), halved
     at the top of its ladder (``lr_halvings`` so far) and with the job's linear decay."""
     rng = np.random.Generator(np.random.Philox(59))
-    cases: list[tuple[str, str, Estimator, float, float, int, int, int, _Decay]] = [
-        ("int8_two_sided", "int8", "two_sided", 3000.0, 1.0, 4, 0, 0, _NO_DECAY),
-        ("int8_one_sided", "int8", "one_sided", 3000.0, 2.0, 3, 0, 0, _NO_DECAY),
-        ("fp32_two_sided", "fp32", "two_sided", 0.02, 0.001, 8, 0, 0, _NO_DECAY),
-        ("fp32_one_sided", "fp32", "one_sided", 0.05, 0.003, 6, 0, 0, _NO_DECAY),
-        ("fp32_lr_follows_q", "fp32", "two_sided", 0.01, 0.001, 5, 8, 0, _NO_DECAY),
-        ("fp32_lr_decay", "fp32", "two_sided", 0.02, 0.001, 4, 8, 0, ("linear", 0.0, 0.1, 37, 100)),
-        (
-            "int8_lr_decay",
-            "int8",
-            "two_sided",
-            0.05,
-            1.0,
-            3,
-            0,
-            0,
-            ("linear", 0.0, 0.0, 23999, 24000),
-        ),
-        (
-            "fp32_late_decay",
-            "fp32",
-            "two_sided",
-            0.02,
-            0.001,
-            5,
-            0,
-            0,
-            ("linear", 0.75, 0.0, 19337, 24000),
-        ),
-        (
-            "fp32_before_decay",
-            "fp32",
-            "two_sided",
-            0.02,
-            0.001,
-            5,
-            0,
-            0,
-            ("linear", 0.75, 0.0, 18000, 24000),
-        ),
-        ("fp32_lr_halved", "fp32", "two_sided", 0.02, 0.001, 32, 32, 3, _NO_DECAY),
-        (
-            "fp32_lr_halved_late_decay",
-            "fp32",
-            "two_sided",
-            0.03,
-            0.001,
-            6,
-            8,
-            2,
-            ("linear", 0.75, 0.0, 21001, 24000),
-        ),
-        ("int8_lr_halved", "int8", "two_sided", 0.05, 1.0, 4, 0, 5, _NO_DECAY),
-    ]
-    for name, numerics, estimator, lr, eps, q, lr_full_q, halvings, decay in cases:
+    for name, numerics, estimator, lr, eps, q, lr_full_q, halvings, decay in _COEF_CASES:
         key = f"coef.{name}"
         if numerics == "int8":
             # Q16 losses, as INT8 boards report them.
