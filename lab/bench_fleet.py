@@ -46,8 +46,9 @@ from typing import Any, Final, Self
 
 import structlog
 
-from qsched.lab.demo import board_processes, sigterm_as_interrupt, stop_processes, wait_for_boards
+from qsched.lab.demo import board_processes, stop_processes, wait_for_boards
 from qsched.lab.host_speed import board_message_us
+from qsched.lab.procs import sigterm_as_interrupt
 from qsched.protocol.links.base import BoardAppeared, LinkEvent
 
 __all__ = [

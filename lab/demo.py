@@ -37,7 +37,7 @@ from typing import IO, Any, Final, Self, TextIO
 import structlog
 
 from qsched.lab.errors import DemoError
-from qsched.lab.procs import qsched_argv
+from qsched.lab.procs import qsched_argv, sigterm_as_interrupt
 from qsched.lab.progress import ProgressLine, format_duration
 from qsched.protocol.links.base import (
     EVENT_QUEUE_SIZE,
@@ -62,7 +62,6 @@ __all__ = [
     "open_ptys",
     "q_trajectory",
     "run_demo",
-    "sigterm_as_interrupt",
     "stop_processes",
     "wait_for_boards",
 ]
@@ -291,21 +290,6 @@ def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
             _log.warning("board process did not stop; killing it", pid=proc.pid)
             proc.kill()
             proc.wait(BOARD_STOP_TIMEOUT_S)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt meanwhile, so cleanup runs (board processes are
-    stopped) as after Ctrl-C instead of being orphaned."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 async def wait_for_boards(fleet: Any, count: int, timeout: float = BOARD_START_TIMEOUT_S) -> None:

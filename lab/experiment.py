@@ -26,10 +26,13 @@ import csv
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +43,7 @@ import numpy as np
 
 from qsched.daemon.specfile import parse_value
 from qsched.lab.errors import ExperimentError
+from qsched.lab.procs import sigterm_as_interrupt
 from qsched.lab.progress import ProgressLine
 from qsched.lab.results import SCHEMA, write_results_json
 from qsched.policies import create_policy
@@ -653,6 +657,9 @@ def _run_pool(
                 os.environ[key] = value
 
 
+EXIT_INTERRUPTED: Final = 130  # as a shell reports Ctrl-C
+EXIT_PARENT_GONE: Final = 70  # a pool worker whose parent ended (EX_SOFTWARE)
+
 _THREAD_VARS: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -660,7 +667,30 @@ def _init_pool_worker(setting: Setting, prepared: Any, queue: Any) -> None:
     def report(steps: int, runs: int) -> None:
         queue.put((steps, runs))
 
+    _follow_parent()
     _init_worker(setting, prepared, report)
+
+
+def _follow_parent() -> None:
+    """Leave Ctrl-C to the parent and end with it.
+
+    The parent stops the pool on Ctrl-C or SIGTERM; a worker that took the interrupt
+    itself would print a traceback of its own. And a worker whose parent is gone however
+    it ended (SIGKILL included) exits at once, where it would otherwise compute its run,
+    for nobody, for as long as a run takes.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        watch = threading.Thread(
+            target=_exit_when_gone, args=(parent.sentinel,), name="parent-watch", daemon=True
+        )
+        watch.start()
+
+
+def _exit_when_gone(parent_sentinel: int) -> None:
+    multiprocessing.connection.wait([parent_sentinel])  # readable once the parent is gone
+    os._exit(EXIT_PARENT_GONE)
 
 
 def _drain(queue: Any, bar: _GridProgress, timeout: float) -> None:
@@ -1131,7 +1161,7 @@ def main(argv: list[str], *, stream: Any = None) -> int:
         stream: where the progress bar and the summary go (default: stderr).
 
     Returns:
-        0, or 2 for an invalid grid or setting.
+        0, 2 for an invalid grid or setting, or 130 when stopped by Ctrl-C or SIGTERM.
     """
     args = _parser().parse_args(argv)
     out = stream or sys.stderr
@@ -1139,20 +1169,24 @@ def main(argv: list[str], *, stream: Any = None) -> int:
         common, per = _overrides(args)
         entries = build_grid(args.grid, args.policies, args.numerics)
         setting = Setting(common, per, _transfer(args), args.baseline_lr, max(0, args.fleet))
-        result = run_experiment(
-            entries,
-            args.seeds,
-            setting,
-            workers=args.workers,
-            baseline=not args.no_baseline,
-            progress=not args.quiet,
-            stream=out,
-            command=_command(argv),
-        )
+        with sigterm_as_interrupt():  # SIGTERM stops the worker pool, as Ctrl-C does
+            result = run_experiment(
+                entries,
+                args.seeds,
+                setting,
+                workers=args.workers,
+                baseline=not args.no_baseline,
+                progress=not args.quiet,
+                stream=out,
+                command=_command(argv),
+            )
     except (ExperimentError, OSError, ValueError) as exc:
         # ValueError: the zo errors (a model, data set or backbone that does not resolve).
         print(f"qsched experiment: {exc}", file=out)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; the workers are stopped by now
+        print(f"\nqsched experiment: stopped; nothing written to {args.out}", file=out)
+        return EXIT_INTERRUPTED
     files = write_results(result, args.out, plots=not args.no_plots)
     print(results_markdown(result.to_json()), file=out)
     print("wrote " + ", ".join(str(f) for f in files), file=out)

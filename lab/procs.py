@@ -3,6 +3,8 @@
 Every child runs in a process group of its own (``start_new_session``), so a kill takes
 whatever the child started too, and its output goes to ``<folder>/<name>.log``. The
 fault campaign (``qsched chaos``) and the resume tests share this one helper.
+``sigterm_as_interrupt`` is the other side: a command whose own children must not
+outlive it when it is terminated.
 
     with Processes(folder) as procs:
         daemon = procs.qsched("daemon", "daemon", "--state-dir", str(state), ...)
@@ -17,12 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["Processes", "qsched_argv", "wait_for"]
+__all__ = ["Processes", "qsched_argv", "sigterm_as_interrupt", "wait_for"]
 
 Child = subprocess.Popen[bytes]
 
@@ -30,6 +32,21 @@ Child = subprocess.Popen[bytes]
 def qsched_argv(*args: str, log_level: str = "info") -> list[str]:
     """The command line of ``qsched ARGS...`` run by this interpreter."""
     return [sys.executable, "-m", "qsched.daemon.cli", "--log-level", log_level, *args]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so cleanup runs as after Ctrl-C (board
+    processes are stopped, worker pools terminated) instead of leaving them orphaned."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> float:
