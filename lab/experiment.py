@@ -46,6 +46,7 @@ from qsched.lab.errors import ExperimentError
 from qsched.lab.procs import sigterm_as_interrupt
 from qsched.lab.progress import ProgressLine
 from qsched.lab.results import SCHEMA, write_results_json
+from qsched.lab.run_store import RUNS_FOLDER, RunStore, fingerprint
 from qsched.policies import create_policy
 from qsched.protocol.jobspec import JobSpec, PolicySpec
 from qsched.zo.recalibrate import doubling_counts
@@ -618,14 +619,20 @@ def _run_tasks(
     prepared: _Prepared | None,
     workers: int,
     bar: _GridProgress,
-) -> list[RunRecord]:
+    finished: Callable[[RunRecord], None],
+) -> None:
+    """Run ``tasks``, handing each run's record to ``finished`` as soon as it ends."""
+    if not tasks:
+        return
     if workers <= 1:
         _init_worker(setting, prepared, lambda steps, runs: bar.advance(steps, runs))
         try:
-            return [_run(task) for task in tasks]
+            for task in tasks:
+                finished(_run(task))
         finally:
             _WORKER.clear()
-    return _run_pool(tasks, setting, prepared, workers, bar)
+        return
+    _run_pool(tasks, setting, prepared, workers, bar, finished)
 
 
 def _run_pool(
@@ -634,7 +641,8 @@ def _run_pool(
     prepared: _Prepared | None,
     workers: int,
     bar: _GridProgress,
-) -> list[RunRecord]:
+    finished: Callable[[RunRecord], None],
+) -> None:
     # spawn: fresh interpreters (no fork of a threaded parent); one BLAS thread per worker
     # so that `workers` processes use `workers` cores.
     ctx = multiprocessing.get_context("spawn")
@@ -643,12 +651,10 @@ def _run_pool(
     try:
         queue = ctx.Queue()
         with ctx.Pool(workers, _init_pool_worker, (setting, prepared, queue)) as pool:
-            pending = pool.map_async(_run, tasks, chunksize=1)
-            while not pending.ready():
-                _drain(queue, bar, timeout=0.5)
-            records: list[RunRecord] = pending.get()
+            records = pool.imap_unordered(_run, tasks, chunksize=1)
+            for _ in tasks:
+                finished(_next_record(records, queue, bar))
             _drain(queue, bar, timeout=0.0)
-        return records
     finally:
         for key, value in saved.items():
             if value is None:
@@ -659,6 +665,18 @@ def _run_pool(
 
 EXIT_INTERRUPTED: Final = 130  # as a shell reports Ctrl-C
 EXIT_PARENT_GONE: Final = 70  # a pool worker whose parent ended (EX_SOFTWARE)
+
+
+def _next_record(records: Any, queue: Any, bar: _GridProgress) -> RunRecord:
+    """The next run to finish (a worker's exception is raised here), the bar kept moving."""
+    while True:
+        try:
+            record: RunRecord = records.next(timeout=0.5)
+        except multiprocessing.TimeoutError:
+            _drain(queue, bar, timeout=0.0)
+            continue
+        return record
+
 
 _THREAD_VARS: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -719,6 +737,7 @@ def run_experiment(
     progress: bool = True,
     stream: Any = None,
     command: str = "",
+    store: RunStore | None = None,
 ) -> ExperimentResult:
     """Run every (entry, seed) and aggregate per entry.
 
@@ -732,6 +751,8 @@ def run_experiment(
         progress: draw a progress bar on ``stream``.
         stream: where the bar goes (default: stderr).
         command: the command line, recorded in the results.
+        store: where each run's record is kept as it finishes; the runs it already holds
+            for the same spec are taken from it instead of run again (a resumed grid).
 
     Returns:
         The aggregated result.
@@ -749,22 +770,87 @@ def run_experiment(
     base = _validate(entries, seeds, setting)
     prepared = _prepare_transfer(setting, base) if setting.transfer is not None else None
     tasks = sorted(((e, s) for e in entries for s in seeds), key=lambda t: -_cost(t[0], base.steps))
+    kept = _Kept(store, setting, tasks)
+    if kept.records:
+        print(f"resuming: {len(kept.records)} of {len(tasks)} runs kept", file=stream or sys.stderr)
     bar = _GridProgress(len(tasks) * base.steps, len(tasks), stream or sys.stderr, progress)
+    bar.advance(sum(r.steps for r in kept.records.values()), len(kept.records))
     started = time.perf_counter()
     try:
-        records = _run_tasks(tasks, setting, prepared, workers, bar)
+        _run_tasks(kept.missing(), setting, prepared, workers, bar, kept.add)
     finally:
         bar.close()
     grid_wall = time.perf_counter() - started
+    records = [kept.records[(e.key, s)] for e, s in tasks]  # the grid's order, however run
     configs = [ConfigSummary(e, [r for r in records if r.key == e.key]).to_json() for e in entries]
     first_order = _baseline(setting, base, seeds, prepared) if baseline else None
+    environment = _environment(workers, grid_wall, setting.fleet_boards)
+    if kept.resumed:
+        environment["resumed_runs"] = kept.resumed
     return ExperimentResult(
         setting=_setting_json(setting, base, seeds, prepared),
         configs=configs,
         baseline=first_order,
-        environment=_environment(workers, grid_wall, setting.fleet_boards),
+        environment=environment,
         command=command,
     )
+
+
+class _Kept:
+    """The grid's finished runs: those a store held at the start, then each as it ends."""
+
+    def __init__(
+        self, store: RunStore | None, setting: Setting, tasks: list[tuple[GridEntry, int]]
+    ) -> None:
+        self.store, self.tasks = store, tasks
+        self.fingerprints = {(e.key, s): _run_fingerprint(setting, e, s) for e, s in tasks}
+        self.records: dict[tuple[str, int], RunRecord] = {}
+        for (key, seed), spec_fingerprint in self.fingerprints.items():
+            doc = store.load(key, seed, spec_fingerprint) if store is not None else None
+            if doc is not None:
+                self.records[(key, seed)] = _record_from_json(doc)
+        self.resumed = len(self.records)
+
+    def missing(self) -> list[tuple[GridEntry, int]]:
+        return [(e, s) for e, s in self.tasks if (e.key, s) not in self.records]
+
+    def add(self, record: RunRecord) -> None:
+        key = (record.key, record.seed)
+        self.records[key] = record
+        if self.store is not None:
+            self.store.save(record.key, record.seed, self.fingerprints[key], asdict(record))
+
+
+def _run_fingerprint(setting: Setting, entry: GridEntry, seed: int) -> str:
+    """What a run's outcome depends on: its spec, the backbone file's bytes, the transfer
+    setting, the trainer (a fleet gives the same bits, not the same wall time), the code."""
+    from importlib.metadata import version
+
+    spec = setting.spec(entry, seed)
+    backbone = Path(spec.backbone) if spec.backbone else None
+    return fingerprint(
+        {
+            "spec": spec.model_dump(mode="json"),
+            "backbone_sha256": _file_digest(backbone) if backbone is not None else None,
+            "transfer": asdict(setting.transfer) if setting.transfer is not None else None,
+            "fleet_boards": setting.fleet_boards,
+            "qsched": version("qsched"),
+        }
+    )
+
+
+def _file_digest(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None  # the run reports the missing file
+
+
+def _record_from_json(doc: dict[str, Any]) -> RunRecord:
+    fields = {**doc, "q_changes": [(int(step), int(q)) for step, q in doc["q_changes"]]}
+    return RunRecord(**fields)
 
 
 def _validate(entries: Sequence[GridEntry], seeds: Sequence[int], setting: Setting) -> JobSpec:
@@ -1041,10 +1127,17 @@ def _environment_lines(
             f"on {env['cpus']} CPUs (load average at the end {env['load_average_at_end']})."
         ]
     if not merged:
+        resumed = env.get("resumed_runs", 0)
+        note = (
+            f" It resumed an interrupted grid: {resumed} run(s) came from the earlier "
+            "invocation, whose time the grid's wall time does not count."
+            if resumed
+            else ""
+        )
         return [
             f"Grid wall time {env['grid_wall_s']} s with {env['workers']} worker(s) "
             f"on {env['cpus']} CPUs "
-            f"(load average at the end {env['load_average_at_end']})."
+            f"(load average at the end {env['load_average_at_end']}).{note}"
         ]
     lines = [
         f"Merged from {len(env['merged_from'])} result folders "
@@ -1065,7 +1158,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="qsched experiment",
         description="Compare q policies on a grid of "
-        "policies x numerics x seeds and write results, tables and plots.",
+        "policies x numerics x seeds and write results, tables and plots. Finished runs "
+        "are kept in OUT/.runs until the results are written: after an interruption the "
+        "same command resumes the grid.",
     )
     p.add_argument(
         "--grid",
@@ -1165,6 +1260,7 @@ def main(argv: list[str], *, stream: Any = None) -> int:
     """
     args = _parser().parse_args(argv)
     out = stream or sys.stderr
+    store = RunStore(args.out / RUNS_FOLDER)
     try:
         common, per = _overrides(args)
         entries = build_grid(args.grid, args.policies, args.numerics)
@@ -1179,18 +1275,27 @@ def main(argv: list[str], *, stream: Any = None) -> int:
                 progress=not args.quiet,
                 stream=out,
                 command=_command(argv),
+                store=store,
             )
     except (ExperimentError, OSError, ValueError) as exc:
         # ValueError: the zo errors (a model, data set or backbone that does not resolve).
         print(f"qsched experiment: {exc}", file=out)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; the workers are stopped by now
-        print(f"\nqsched experiment: stopped; nothing written to {args.out}", file=out)
+        print(f"\nqsched experiment: stopped; {_kept_note(store)}", file=out)
         return EXIT_INTERRUPTED
     files = write_results(result, args.out, plots=not args.no_plots)
+    store.clear()  # results.json holds every run now
     print(results_markdown(result.to_json()), file=out)
     print("wrote " + ", ".join(str(f) for f in files), file=out)
     return 0
+
+
+def _kept_note(store: RunStore) -> str:
+    kept = store.count()
+    if not kept:
+        return "no run had finished"
+    return f"{kept} finished run(s) kept in {store.folder}: the same command resumes the grid"
 
 
 def _command(argv: Sequence[str]) -> str:

@@ -6,6 +6,7 @@ taking a core for as long as a run takes (tens of minutes on the real backbones)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from qsched.lab.procs import Child, Processes, wait_for
+from qsched.lab.run_store import RUNS_FOLDER, RunStore
 
 pytestmark = pytest.mark.skipif(
     not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
@@ -74,9 +76,11 @@ def _threads(pid: int) -> int:
         return 0
 
 
-def _start(procs: Processes, out: Path) -> tuple[Child, list[int]]:
-    """Start the long grid; return the parent and its two workers once both are at work."""
-    parent = procs.qsched("experiment", *LONG_GRID, "--out", str(out))
+def _start(
+    procs: Processes, out: Path, grid: tuple[str, ...] = LONG_GRID
+) -> tuple[Child, list[int]]:
+    """Start a grid; return the parent and its two workers once both are at work."""
+    parent = procs.qsched("experiment", *grid, "--out", str(out))
     workers: list[int] = []
 
     def both_at_work() -> bool:
@@ -117,5 +121,40 @@ def test_a_stopped_grid_stops_its_workers_quietly(
     _wait_ended(workers)
     log = procs.log("experiment").decode(errors="replace")
     assert "Traceback" not in log, log
-    assert "qsched experiment: stopped; nothing written" in log, log
+    assert "qsched experiment: stopped; no run had finished" in log, log
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_stopped_grid_keeps_its_finished_runs(procs: Processes, tmp_path: Path) -> None:
+    """A short run and a long one on two workers: stopped after the short one ended, the
+    grid keeps its record for the same command to resume from."""
+    short_and_long = (
+        "experiment",
+        "--grid",
+        "custom",
+        "--policies",
+        "fixed:1",
+        "fixed:256",
+        "--numerics",
+        "fp32",
+        "--seeds",
+        "0",
+        "--steps",
+        "3000",
+        "--no-baseline",
+        "--no-plots",
+        "--quiet",
+        "--workers",
+        "2",
+    )
+    out = tmp_path / "out"
+    parent, workers = _start(procs, out, short_and_long)
+    store = RunStore(out / RUNS_FOLDER)
+    wait_for(lambda: store.count() == 1, 120, "the short run's record")
+    os.kill(parent.pid, signal.SIGTERM)
+    assert parent.wait(60) == 130
+    _wait_ended(workers)
+    log = procs.log("experiment").decode(errors="replace")
+    assert "1 finished run(s) kept" in log and "Traceback" not in log, log
+    (record,) = (out / RUNS_FOLDER).glob("*.json")
+    assert json.loads(record.read_text())["key"] == "fixed q=1@fp32"
