@@ -824,8 +824,12 @@ class _Kept:
 def _run_fingerprint(setting: Setting, entry: GridEntry, seed: int) -> str:
     """What a run's outcome depends on: its spec, the backbone file's bytes, the transfer
     setting, the trainer (a fleet gives the same bits, not the same wall time), the code."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        code = version("qsched")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        code = "unknown"
     spec = setting.spec(entry, seed)
     backbone = Path(spec.backbone) if spec.backbone else None
     return fingerprint(
@@ -834,7 +838,7 @@ def _run_fingerprint(setting: Setting, entry: GridEntry, seed: int) -> str:
             "backbone_sha256": _file_digest(backbone) if backbone is not None else None,
             "transfer": asdict(setting.transfer) if setting.transfer is not None else None,
             "fleet_boards": setting.fleet_boards,
-            "qsched": version("qsched"),
+            "qsched": code,
         }
     )
 
