@@ -807,8 +807,9 @@ class _Kept:
         self.records: dict[tuple[str, int], RunRecord] = {}
         for (key, seed), spec_fingerprint in self.fingerprints.items():
             doc = store.load(key, seed, spec_fingerprint) if store is not None else None
-            if doc is not None:
-                self.records[(key, seed)] = _record_from_json(doc)
+            record = _record_from_json(doc) if doc is not None else None
+            if record is not None:
+                self.records[(key, seed)] = record
         self.resumed = len(self.records)
 
     def missing(self) -> list[tuple[GridEntry, int]]:
@@ -852,9 +853,14 @@ def _file_digest(path: Path) -> str | None:
         return None  # the run reports the missing file
 
 
-def _record_from_json(doc: dict[str, Any]) -> RunRecord:
-    fields = {**doc, "q_changes": [(int(step), int(q)) for step, q in doc["q_changes"]]}
-    return RunRecord(**fields)
+def _record_from_json(doc: dict[str, Any]) -> RunRecord | None:
+    """A kept record back as a ``RunRecord``; None when its fields do not fit (run again)."""
+    try:
+        fields = {**doc, "q_changes": [(int(step), int(q)) for step, q in doc["q_changes"]]}
+        record = RunRecord(**fields)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return record if record.val_accuracy else None
 
 
 def _validate(entries: Sequence[GridEntry], seeds: Sequence[int], setting: Setting) -> JobSpec:

@@ -138,6 +138,21 @@ def test_a_damaged_record_is_run_again(tmp_path: Path, monkeypatch: pytest.Monke
     assert "resuming: 1 of 8 runs kept" in log and len(counting.calls) == RUNS - 1
 
 
+def test_a_record_with_wrong_fields_is_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(experiment, "_run", _Counting(stop_after=1))
+    assert _main(tmp_path)[0] == experiment.EXIT_INTERRUPTED
+    (path,) = (tmp_path / RUNS_FOLDER).glob("*.json")
+    doc = json.loads(path.read_text())
+    del doc["record"]["q_changes"]
+    path.write_text(json.dumps(doc))
+    counting = _Counting()
+    monkeypatch.setattr(experiment, "_run", counting)
+    status, log = _main(tmp_path)
+    assert status == 0 and "resuming" not in log and len(counting.calls) == RUNS
+
+
 def test_store_refuses_another_runs_record(tmp_path: Path) -> None:
     store = RunStore(tmp_path)
     store.save("fixed q=2@fp32", 0, "f" * 32, {"x": 1})
