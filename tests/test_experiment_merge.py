@@ -8,23 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from experiment_grids import tiny_grid
 
 from qsched.lab import experiment, experiment_merge
 
+# Each test names the seeds (a later --seeds, --policies or --steps replaces the earlier).
 TINY = [
-    "--grid",
-    "custom",
-    "--policies",
-    "fixed:2",
-    "qscheduler",
-    "--numerics",
-    "fp32",
-    "--steps",
-    "12",
-    "--set",
-    "eval_every=4",
-    "--set",
-    "batch_size=16",
+    *tiny_grid("fixed:2", "qscheduler", numerics=["fp32"]),
     "--workers",
     "1",
     "--quiet",

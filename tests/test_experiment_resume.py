@@ -9,28 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from experiment_grids import tiny_grid
 
 from qsched.lab import experiment
 from qsched.lab.run_store import RUNS_FOLDER, RunStore
 
 GRID = [
-    "--grid",
-    "custom",
-    "--policies",
-    "fixed:2",
-    "qscheduler",
-    "--numerics",
-    "fp32",
-    "int8",
-    "--seeds",
-    "0",
-    "1",
-    "--steps",
-    "12",
-    "--set",
-    "eval_every=4",
-    "--set",
-    "batch_size=16",
+    *tiny_grid("fixed:2", "qscheduler"),
     "--no-plots",
     "--no-baseline",
     "--quiet",

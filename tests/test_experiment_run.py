@@ -9,27 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from experiment_grids import tiny_grid
 
 from qsched.daemon.cli import main as cli_main
 from qsched.lab import experiment
 from qsched.lab.plots import PLOT_FILES
 
-TINY = [
-    "--grid",
-    "custom",
-    "--policies",
-    "fixed:2",
-    "qscheduler",
-    "--seeds",
-    "0",
-    "1",
-    "--steps",
-    "12",
-    "--set",
-    "eval_every=4",
-    "--set",
-    "batch_size=16",
-]
+TINY = tiny_grid("fixed:2", "qscheduler")
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
