@@ -79,8 +79,18 @@ def _threads(pid: int) -> int:
 def _start(
     procs: Processes, out: Path, grid: tuple[str, ...] = LONG_GRID
 ) -> tuple[Child, list[int]]:
-    """Start a grid; return the parent and its two workers once both are at work."""
-    parent = procs.qsched("experiment", *grid, "--out", str(out))
+    """Start a grid; return the parent and its two workers once both are at work.
+
+    The child gets Ctrl-C as in a terminal: a shell without job control starts its
+    background commands with SIGINT ignored, and a child inherits an ignored signal (a
+    handler is reset to the default on exec), so a test run that way would pass that on.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        parent = procs.qsched("experiment", *grid, "--out", str(out))
+    finally:
+        if previous is not None:  # None: a handler set outside Python, left as it was
+            signal.signal(signal.SIGINT, previous)
     workers: list[int] = []
 
     def both_at_work() -> bool:
