@@ -803,7 +803,7 @@ class _Kept:
         self, store: RunStore | None, setting: Setting, tasks: list[tuple[GridEntry, int]]
     ) -> None:
         self.store, self.tasks = store, tasks
-        self.fingerprints = {(e.key, s): _run_fingerprint(setting, e, s) for e, s in tasks}
+        self.fingerprints = _run_fingerprints(setting, tasks)
         self.records: dict[tuple[str, int], RunRecord] = {}
         for (key, seed), spec_fingerprint in self.fingerprints.items():
             doc = store.load(key, seed, spec_fingerprint) if store is not None else None
@@ -822,26 +822,33 @@ class _Kept:
             self.store.save(record.key, record.seed, self.fingerprints[key], asdict(record))
 
 
-def _run_fingerprint(setting: Setting, entry: GridEntry, seed: int) -> str:
-    """What a run's outcome depends on: its spec, the backbone file's bytes, the transfer
-    setting, the trainer (a fleet gives the same bits, not the same wall time), the code."""
+def _run_fingerprints(
+    setting: Setting, tasks: list[tuple[GridEntry, int]]
+) -> dict[tuple[str, int], str]:
+    """What each run's outcome depends on: its spec, the backbone file's bytes, the transfer
+    setting, the trainer (a fleet gives the same bits, not the same wall time), the code.
+    The parts every run shares are read once for the grid, each backbone file hashed once."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         code = version("qsched")
     except PackageNotFoundError:  # run from a source tree that was never installed
         code = "unknown"
-    spec = setting.spec(entry, seed)
-    backbone = Path(spec.backbone) if spec.backbone else None
-    return fingerprint(
-        {
-            "spec": spec.model_dump(mode="json"),
-            "backbone_sha256": _file_digest(backbone) if backbone is not None else None,
-            "transfer": asdict(setting.transfer) if setting.transfer is not None else None,
-            "fleet_boards": setting.fleet_boards,
-            "qsched": code,
-        }
-    )
+    shared = {
+        "transfer": asdict(setting.transfer) if setting.transfer is not None else None,
+        "fleet_boards": setting.fleet_boards,
+        "qsched": code,
+    }
+    digests: dict[str, str | None] = {}
+    out: dict[tuple[str, int], str] = {}
+    for entry, seed in tasks:
+        spec = setting.spec(entry, seed)
+        if spec.backbone and spec.backbone not in digests:
+            digests[spec.backbone] = _file_digest(Path(spec.backbone))
+        backbone = digests[spec.backbone] if spec.backbone else None
+        document = {**shared, "spec": spec.model_dump(mode="json"), "backbone_sha256": backbone}
+        out[(entry.key, seed)] = fingerprint(document)
+    return out
 
 
 def _file_digest(path: Path) -> str | None:
