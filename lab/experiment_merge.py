@@ -15,7 +15,8 @@ Only configurations present in every seed set are kept: a comparison whose fixed
 run on other seeds than the policy would pair nothing and mix seed luck into the
 means. The dropped ones are listed in ``results.json`` and ``results.md``. Seed sets
 that all hold the first-order baseline pool it too, and parts of ``--grid baseline``
-(the baseline alone) merge into the baseline over all their seeds.
+(the baseline alone) merge into the baseline over all their seeds. A folder written
+before a JobSpec field existed counts as holding that field's default.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from qsched.lab.experiment import ExperimentError, ExperimentResult, _stats, write_results
 from qsched.lab.results import ResultsDocument, ResultsError, read_results
+from qsched.protocol.jobspec import JobSpec
 
 __all__ = ["main", "merge_documents"]
 
@@ -47,7 +49,20 @@ def _comparable_setting(setting: dict[str, Any]) -> dict[str, Any]:
         for name in path[:-1]:
             node = node.get(name) or {}
         node.pop(path[-1], None)
+    if isinstance(out.get("spec"), dict):
+        out["spec"] = _spec_with_defaults(out["spec"])
     return out
+
+
+def _spec_with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with each JobSpec field it lacks at the field's default.
+
+    A folder written before a field existed ran as that field's default, so it must
+    compare equal to a newer folder that records the default, and unequal to one that
+    records another value.
+    """
+    defaults = JobSpec().model_dump(mode="json")
+    return {**defaults, **spec}
 
 
 def _check_parts(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> None:

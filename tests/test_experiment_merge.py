@@ -104,6 +104,29 @@ def test_merge_refuses_other_settings(parts: dict[str, Path], tmp_path: Path) ->
     assert status == 2 and "setting differs" in log
 
 
+def test_merge_takes_a_folder_written_before_a_spec_field_existed(
+    parts: dict[str, Path], tmp_path: Path
+) -> None:
+    """A folder whose spec lacks a field that came later (it ran as the field's default)
+    merges with one that records the default, and still not with one that records another
+    value."""
+    doc = json.loads((parts["seed1"] / "results.json").read_text())
+    spec = doc["setting"]["spec"]
+    assert spec["lr_decay"] == "none"
+    for field in ("lr_decay", "lr_decay_start", "lr_end"):
+        del spec[field]
+    (tmp_path / "older").mkdir()
+    (tmp_path / "older" / "results.json").write_text(json.dumps(doc))
+    status, log = _merge(tmp_path / "out", parts["seed0"], tmp_path / "older")
+    assert status == 0, log
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    joint = json.loads((parts["joint"] / "results.json").read_text())
+    assert merged["comparisons"] == joint["comparisons"]
+    _grid(tmp_path / "decayed", "--seeds", "2", "--set", 'lr_decay="linear"')
+    status, log = _merge(tmp_path / "refused", tmp_path / "older", tmp_path / "decayed")
+    assert status == 2 and "setting differs" in log
+
+
 def test_merge_refuses_one_folder_and_missing_results(
     parts: dict[str, Path], tmp_path: Path
 ) -> None:
