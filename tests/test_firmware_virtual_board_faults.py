@@ -9,6 +9,7 @@ import time
 import pytest
 from test_firmware_virtual_board import eval_request, load_messages, loaded_agent
 
+from qsched.firmware.virtual import board as board_module
 from qsched.firmware.virtual.board import BoardAgent, BoardCrash, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import (
     BAD_CHECKSUM_MASK,
@@ -232,6 +233,32 @@ async def test_latency_eval_sleeps_the_modelled_model(int8_workload: Workload) -
     (result,) = await agent.handle(eval_request(int8_workload, 0, (0,)))
     assert time.perf_counter() - start >= modelled
     assert isinstance(result, EvalResult) and result.compute_us >= int(modelled * 1e6)
+
+
+async def test_latency_answer_is_encoded_while_the_board_waits(
+    int8_workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eval answer is built and encoded once, well before its modelled time is up, and
+    those bytes are what the link sends; the answer still comes no earlier than due."""
+    encoded_at: list[tuple[type, float]] = []
+    real_encode = board_module._encode
+
+    def recording_encode(msg: object) -> bytes:
+        encoded_at.append((type(msg), time.perf_counter()))
+        return real_encode(msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(board_module, "_encode", recording_encode)
+    agent = await loaded_agent(int8_workload)
+    agent.latency = LatencyProfile(macs_per_forward=MOBILENETV2_035_128_MACS, speed=8.0)
+    modelled = NpuLatencyModel().forward_seconds(MOBILENETV2_035_128_MACS, 2 * 32) / 8.0
+    start = time.perf_counter()
+    (result,) = await agent.handle(eval_request(int8_workload, 0, (0,)))
+    answered = time.perf_counter()
+    assert answered - start >= modelled
+    [encoded] = [at for kind, at in encoded_at if kind is EvalResult]
+    assert answered - encoded >= modelled / 2
+    assert agent.encoded(result) == encode(result)
+    assert [kind for kind, _ in encoded_at].count(EvalResult) == 1  # not encoded again
 
 
 async def test_latency_speed_and_validation(int8_workload: Workload) -> None:

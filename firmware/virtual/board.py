@@ -550,6 +550,7 @@ class BoardAgent:
         self._model_rx: _Transfer | None = None
         self._weights_rx: _Transfer | None = None
         self._last_update: tuple[ApplyUpdate, UpdateAck] | None = None
+        self._ahead: tuple[DataMessage, bytes] | None = None  # (answer, its bytes) held until due
         self._busy = False
         if dataset:
             self._dataset: Dataset | None = None
@@ -739,11 +740,32 @@ class BoardAgent:
         finally:
             self._busy = False
 
-    async def _spend(self, modelled: float, computed: float) -> int:
-        """Sleep what the modelled time has left over compute; returns the board's µs."""
-        if modelled > computed:
-            await asyncio.sleep(modelled - computed)
-        return min(_U32_MAX, int(max(modelled, computed) * 1e6))
+    @staticmethod
+    def _due(modelled: float, computed: float) -> tuple[float, int]:
+        """For a request computed for ``computed`` seconds until now and modelled to take
+        ``modelled``: when its answer is due (a ``perf_counter`` time) and the compute
+        time the board reports, in µs."""
+        reported = min(_U32_MAX, int(max(modelled, computed) * 1e6))
+        return time.perf_counter() + modelled - computed, reported
+
+    async def _answer_when_due(self, reply: DataMessage, due: float) -> list[DataMessage]:
+        """Encode ``reply`` now and hold it until ``due``. The modelled board sends its
+        answer when its NPU time is up; building and encoding it here first, while the
+        board waits anyway, keeps the host's core from doing that for every board of the
+        process one after another at the end of the step (on a real fleet each board does
+        it on its own CPU). The answer's bytes and its time are the modelled board's."""
+        self._ahead = (reply, _encode(reply))
+        left = due - time.perf_counter()
+        if left > 0:
+            await asyncio.sleep(left)
+        return [reply]
+
+    def encoded(self, msg: DataMessage) -> bytes:
+        """``msg``'s bytes: those made ahead when it is the answer held until due."""
+        ahead = self._ahead
+        if ahead is not None and ahead[0] is msg:
+            return ahead[1]
+        return _encode(msg)
 
     # ------------------------------------------------------------------ loading
 
@@ -923,7 +945,7 @@ class BoardAgent:
     async def _on_eval(self, msg: EvalRequest) -> list[DataMessage]:
         _, state = self._eval_ready(msg)
         losses, computed = await self._coalesced(self._evals.losses(state, msg.step, msg.ks))
-        compute_us = await self._spend_eval(msg, msg.batch_size, computed)
+        due, compute_us = self._due(self._eval_seconds(msg, msg.batch_size), computed)
         values = [
             *losses.plus.values(),
             *losses.minus.values(),
@@ -945,7 +967,7 @@ class BoardAgent:
                 "loss_zero": None if two_sided else losses.base,
             },
         )
-        return [self.faults.lie(result)]
+        return await self._answer_when_due(self.faults.lie(result), due)
 
     async def _on_eval_slice(self, msg: EvalSliceRequest) -> list[DataMessage]:
         workload, state = self._eval_ready(msg)
@@ -956,7 +978,7 @@ class BoardAgent:
         sums, computed = await self._coalesced(
             self._evals.loss_sums(state, msg.step, msg.ks, msg.slice_start, msg.slice_count)
         )
-        compute_us = await self._spend_eval(msg, msg.slice_count, computed)
+        due, compute_us = self._due(self._eval_seconds(msg, msg.slice_count), computed)
         two_sided = msg.estimator == "two_sided"
         result = validated(
             EvalSliceResult,
@@ -973,7 +995,7 @@ class BoardAgent:
                 "sum_zero": None if two_sided else sums.base,
             },
         )
-        return [self.faults.lie(result)]
+        return await self._answer_when_due(self.faults.lie(result), due)
 
     def _eval_ready(self, msg: EvalRequest | EvalSliceRequest) -> tuple[Workload, TrainState]:
         """The workload and state an evaluation runs on, after the request's checks."""
@@ -990,14 +1012,11 @@ class BoardAgent:
             )
         return workload, state
 
-    async def _spend_eval(
-        self, msg: EvalRequest | EvalSliceRequest, samples: int, computed: float
-    ) -> int:
-        """Sleep out the modelled NPU time of the request's forward passes of ``samples``
-        samples each; returns the compute time to report, in microseconds."""
+    def _eval_seconds(self, msg: EvalRequest | EvalSliceRequest, samples: int) -> float:
+        """The modelled NPU time of the request's forward passes of ``samples`` samples each."""
         two_sided = msg.estimator == "two_sided"
         sets = len(msg.ks) * (2 if two_sided else 1) + (0 if two_sided else 1)
-        return await self._spend(self.latency.forward_seconds(self._macs, sets * samples), computed)
+        return self.latency.forward_seconds(self._macs, sets * samples)
 
     async def _on_apply_update(self, msg: ApplyUpdate) -> list[DataMessage]:
         _, state = self._ready(msg.job_id)
@@ -1061,18 +1080,17 @@ class BoardAgent:
         (loss_sum, correct, count), computed = await self._compute(
             workload.validate, state, msg.start, msg.count
         )
-        compute_us = await self._spend(self.latency.forward_seconds(self._macs, count), computed)
-        return [
-            ValidateResult(
-                job_id=msg.job_id,
-                step=msg.step,
-                start=msg.start,
-                count=count,
-                loss_sum=loss_sum,
-                correct=correct,
-                compute_us=compute_us,
-            )
-        ]
+        due, compute_us = self._due(self.latency.forward_seconds(self._macs, count), computed)
+        result = ValidateResult(
+            job_id=msg.job_id,
+            step=msg.step,
+            start=msg.start,
+            count=count,
+            loss_sum=loss_sum,
+            correct=correct,
+            compute_us=compute_us,
+        )
+        return await self._answer_when_due(result, due)
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -1161,7 +1179,7 @@ async def serve_link(
     """
 
     async def send(msg: DataMessage) -> None:
-        payload = _encode(msg)
+        payload = agent.encoded(msg)
         await link.send(agent.faults.corrupt(payload) if corrupt_payloads else payload)
 
     async with asyncio.TaskGroup() as tasks:
@@ -1200,7 +1218,7 @@ async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool)
                 await link.close()
             return "crashed"
         if replies and agent.latency.wire_seconds(len(data)) > 0:  # a modelled serial line
-            encoded = sum(len(encode(r)) for r in replies)
+            encoded = sum(len(agent.encoded(r)) for r in replies)
             await asyncio.sleep(
                 agent.latency.wire_seconds(len(data)) + agent.latency.wire_seconds(encoded)
             )
