@@ -632,8 +632,12 @@ class HostAggregator:
 def _decode_order(data: bytes) -> DataMessage:
     """A message from the daemon, decoded once per distinct bytes when it is an
     ApplyUpdate: the host's in-process members, which decode an update the same way
-    (``decode_shared``), then find it decoded when the host sends them these bytes."""
-    return decode_shared(data, TYPE_CODES[ApplyUpdate])
+    (``decode_shared``), then find it decoded when the host sends them these bytes. An
+    eval request that this process's MQTT endpoint made from a step order is taken as
+    made (the order itself was decoded)."""
+    return decode_shared(
+        data, TYPE_CODES[ApplyUpdate], TYPE_CODES[EvalRequest], TYPE_CODES[EvalSliceRequest]
+    )
 
 
 def _decode_answer(data: bytes) -> DataMessage:

@@ -3,7 +3,7 @@
 The keys go to the members by their measured throughput (``qsched.daemon.planner``); in
 INT8, an ``EvalRequest``'s batch is cut into slices (SPEC 6.10) when that is faster,
 and an ``EvalSliceRequest`` is shared by keys. Each member's share is a request of its
-own, encoded once.
+own, encoded once (``encode_shared``: an in-process member finds it decoded).
 
 Shares can be prepared a step ahead: ``PreparedShares`` keeps them with what they were
 planned for, and ``fits`` says whether they are what planning the request that came
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qsched.daemon.planner import StepSplit, choose_split, plan_units
-from qsched.protocol.codec import encode
+from qsched.protocol.codec import encode_shared
 from qsched.protocol.messages import DataMessage, EvalRequest, EvalSliceRequest
 
 if TYPE_CHECKING:
@@ -67,7 +67,10 @@ def plan_shares(msg: Request, members: Sequence[Member], int8: bool) -> tuple[Sh
     for address, units in plan.items():
         request = _part_request(slices, split, units)
         member = members[int(address)]
-        shares.append(Share(member, request, encode(request), split.parts, split.cost(units)))
+        # An in-process member then takes the request without decoding it (a member's
+        # decoding is a board's own work, done on its own CPU on a real fleet).
+        data = encode_shared(request)
+        shares.append(Share(member, request, data, split.parts, split.cost(units)))
     return tuple(shares)
 
 

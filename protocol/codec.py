@@ -680,21 +680,23 @@ def decode(data: bytes) -> DataMessage:
 
 # What decode_shared and encode_shared keep: the latest distinct bytes and their message,
 # oldest first; changed under the lock (a process may decode on more than one thread).
+# Enough for a step's requests to a host's members (one each) beside its update and acks.
 _SHARED: Final[dict[bytes, DataMessage]] = {}
-_SHARED_KEPT: Final = 16
+_SHARED_KEPT: Final = 512
 _SHARED_LOCK: Final = threading.Lock()
 
 
-def decode_shared(data: bytes, code: int) -> DataMessage:
-    """``decode``, once per process for equal bytes of type ``code``; other messages are
-    decoded as usual. For what many receivers in one process get as the same bytes (an
-    update fanned out to the boards of a process, their equal acks to an aggregator):
-    messages are frozen, so they may share one decoded object. Errors are not kept.
+def decode_shared(data: bytes, *codes: int) -> DataMessage:
+    """``decode``, once per process for equal bytes of the types ``codes``; other
+    messages are decoded as usual. For what many receivers in one process get as the
+    same bytes (an update fanned out to the boards of a process, their equal acks to an
+    aggregator), and for what was made in the process (``encode_shared``): messages are
+    frozen, so they may share one decoded object. Errors are not kept.
 
     Raises:
         ProtocolError: as ``decode``.
     """
-    if len(data) > HEADER_SIZE and data[3] == code:
+    if len(data) > HEADER_SIZE and data[3] in codes:
         key = bytes(data)
         msg = _SHARED.get(key)
         if msg is None:
@@ -707,7 +709,8 @@ def decode_shared(data: bytes, code: int) -> DataMessage:
 def encode_shared(msg: DataMessage) -> bytes:
     """``encode``, and ``msg`` is what ``decode_shared`` gives for these bytes from now on
     (a model equals its own decode): for a message made in this process and read again
-    in it, such as the update a fleet topic's ``StepOrder`` carries.
+    in it, such as the update a fleet topic's ``StepOrder`` carries, the eval request a
+    board of the process takes from it, or a host's share for an in-process member.
 
     Raises:
         ProtocolError: as ``encode``.

@@ -24,6 +24,8 @@ from qsched.daemon.aggregate import (
 )
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet, request_key
+from qsched.daemon.shares import plan_shares
+from qsched.firmware.virtual import board as board_module
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
 from qsched.protocol.codec import decode, decode_shared, encode
@@ -34,7 +36,9 @@ from qsched.protocol.messages import (
     TYPE_CODES,
     ApplyUpdate,
     Error,
+    EvalRequest,
     EvalResult,
+    EvalSliceRequest,
     Heartbeat,
     Hello,
     Ping,
@@ -277,6 +281,29 @@ async def test_an_update_goes_to_the_members_as_the_bytes_that_came() -> None:
         assert received == as_list
         assert decode_shared(received, TYPE_CODES[ApplyUpdate]) is msg
         await board_end.close()
+
+
+@pytest.mark.parametrize(("members", "keys"), [(3, 6), (8, 4)])
+async def test_a_members_share_is_taken_without_a_decode(members: int, keys: int) -> None:
+    """A share's bytes decode to its request, and a board of the host's process takes
+    that very request for them without decoding it (a board's own work, which a real
+    board does on its own CPU); with members beyond the keys the shares are slices."""
+    request = EvalRequest(
+        job_id=1, step=3, batch_size=4, eps=0.5, estimator="two_sided", ks=tuple(range(keys))
+    )
+    async with InProcTransport() as transport:
+        hosted = []
+        for i in range(members):
+            transport.attach(f"m{i}")
+            event = await anext(transport.events())
+            hosted.append(Member(event.link, _hello(f"m{i}")))  # type: ignore[union-attr]
+        shares = plan_shares(request, hosted, int8=True)
+    assert {type(s.request) for s in shares} == (
+        {EvalRequest} if members <= keys else {EvalSliceRequest}
+    )
+    for share in shares:
+        assert decode(share.data) == share.request
+        assert board_module._decode(share.data) is share.request
 
 
 async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None:

@@ -16,6 +16,7 @@ from test_daemon_bridge import pty_board, wait_until
 from qsched.daemon.bridge import run_bridge
 from qsched.daemon.engine import EngineConfig, StepEngine
 from qsched.daemon.fleet import Fleet
+from qsched.firmware.virtual import board as board_module
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.lab.broker import MosquittoBroker
 from qsched.protocol import codec
@@ -82,6 +83,19 @@ def test_a_step_orders_update_is_read_again_without_a_decode(
     monkeypatch.setattr(codec, "decode", lambda data: decodes.append(data) or decode(data))
     shared = codec.decode_shared(update_bytes, TYPE_CODES[ApplyUpdate])
     assert shared == order.update() and decodes == []
+
+
+def test_a_boards_request_from_a_step_order_is_taken_without_a_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The eval request a board takes from a step order was made in its process too: the
+    board finds it (equal to what its bytes decode to) without decoding them."""
+    order = ORDER.model_copy(update={"step": 12})  # bytes no other test made
+    _, request_bytes = messages_of(encode(order), "a")
+    expected = decode(request_bytes)
+    decodes: list[bytes] = []
+    monkeypatch.setattr(codec, "decode", lambda data: decodes.append(data) or decode(data))
+    assert board_module._decode(request_bytes) == expected and decodes == []
 
 
 def test_step_order_gives_a_slice_shard_its_slice_request() -> None:

@@ -36,6 +36,7 @@ from qsched.protocol import (
     UpdateAck,
     ValidateRequest,
     ValidateResult,
+    codec,
     decode,
     encode,
     job_config,
@@ -572,15 +573,33 @@ def test_a_message_encoded_shared_is_what_its_bytes_decode_to_shared() -> None:
     data = encode_shared(update)
     assert data == encode(update)
     assert decode_shared(bytes(bytearray(data)), code) is update
-    for step in range(11, 11 + 64):  # more than are kept: the first is decoded afresh
+    for step in range(11, 12 + codec._SHARED_KEPT):  # more than are kept: decoded afresh
         encode_shared(update.model_copy(update={"step": step}))
     again = decode_shared(data, code)
     assert again == update and again is not update
 
 
+def test_decode_shared_takes_any_of_the_named_types() -> None:
+    """With several types named, each is kept; a type not named is decoded afresh."""
+    request = EvalSliceRequest(
+        job_id=4,
+        step=3,
+        batch_size=8,
+        eps=0.5,
+        estimator="two_sided",
+        ks=(2, 7),
+        slice_start=4,
+        slice_count=4,
+    )
+    data = encode_shared(request)
+    codes = (TYPE_CODES[ApplyUpdate], TYPE_CODES[EvalSliceRequest])
+    assert decode_shared(data, *codes) is request
+    assert decode_shared(data, TYPE_CODES[ApplyUpdate]) == request
+    assert decode_shared(data, TYPE_CODES[ApplyUpdate]) is not request
+
+
 def _walk(cls: Any, raw: bytes, layout: tuple[Any, ...]) -> tuple[str, Any]:
     """The fields ``layout`` reads from ``raw``, or the error it stops at."""
-    from qsched.protocol import codec
 
     reader = codec._Reader(raw, TYPE_CODES[cls])
     fields: dict[str, Any] = {}
@@ -600,7 +619,6 @@ def test_codec_packed_runs_read_and_write_as_field_by_field(msg: Any) -> None:
     anywhere or with any byte set to a small value (enum codes just past the last), the
     same fields or the same error, with the same words (which fault a bad message is
     refused for is part of the spec)."""
-    from qsched.protocol import codec
 
     cls = type(msg)
     out = bytearray()
@@ -630,7 +648,6 @@ def test_codec_reads_a_range_of_keys_up_to_its_limit(cls: Any, most: int) -> Non
 
 def test_codec_packs_the_runs_of_fixed_width_fields() -> None:
     """The eval request's fixed fields are one run (so the test above exercises runs)."""
-    from qsched.protocol import codec
 
     kinds = [type(item).__name__ for item in codec._WIRE[EvalSliceRequest]]
     assert kinds == ["_Packed", "_KSet"]

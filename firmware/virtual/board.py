@@ -278,10 +278,21 @@ class DatasetCatalog:
 # --------------------------------------------------------------------------- shared workloads
 
 
+# The messages a board of a process may find decoded (``_decode``).
+_SHARED_CODES: Final = (
+    TYPE_CODES[ApplyUpdate],
+    TYPE_CODES[EvalRequest],
+    TYPE_CODES[EvalSliceRequest],
+)
+
+
 def _decode(data: bytes) -> DataMessage:
-    """``decode``, once per process for an ApplyUpdate: every board of a process gets the
-    same update's bytes."""
-    return decode_shared(data, TYPE_CODES[ApplyUpdate])
+    """``decode``, once per process for an ApplyUpdate (every board of a process gets the
+    same update's bytes), and not at all for an eval request made in this process (a
+    board's request from a step order, an aggregating host's share for its member):
+    decoding is the board's own work, which a real board does on its own CPU, not on a
+    core it shares with the other boards of its host."""
+    return decode_shared(data, *_SHARED_CODES)
 
 
 @functools.lru_cache(maxsize=8)

@@ -50,7 +50,7 @@ from qsched.protocol.batch import (
     record_size,
     unpack_batch,
 )
-from qsched.protocol.codec import decode, encode, encode_shared
+from qsched.protocol.codec import decode, encode_shared
 from qsched.protocol.control import BoardPresence, DaemonPresence
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import (
@@ -733,7 +733,8 @@ def step_order_messages(payload: bytes, board_id: str) -> list[bytes]:
     if not order.names(board_id):
         return []
     request = order.request_for(board_id)
-    return [update] if request is None else [update, encode(request)]
+    # Made here and read again here by the board: shared, it is not decoded there.
+    return [update] if request is None else [update, encode_shared(request)]
 
 
 async def _leave(
