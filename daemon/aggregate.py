@@ -43,7 +43,7 @@ import structlog
 from qsched.daemon.fleet import error_matches, reply_key, request_key
 from qsched.daemon.planner import ThroughputEstimate, estimate_for, observe_split
 from qsched.daemon.shares import PreparedShares, plan_shares
-from qsched.protocol.codec import decode, decode_shared, encode
+from qsched.protocol.codec import STEP_SHARED_CODES, decode, decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
 from qsched.protocol.messages import (
@@ -635,9 +635,7 @@ def _decode_order(data: bytes) -> DataMessage:
     (``decode_shared``), then find it decoded when the host sends them these bytes. An
     eval request that this process's MQTT endpoint made from a step order is taken as
     made (the order itself was decoded)."""
-    return decode_shared(
-        data, TYPE_CODES[ApplyUpdate], TYPE_CODES[EvalRequest], TYPE_CODES[EvalSliceRequest]
-    )
+    return decode_shared(data, *STEP_SHARED_CODES)
 
 
 def _decode_answer(data: bytes) -> DataMessage:

@@ -66,6 +66,7 @@ from qsched.protocol.messages import (
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
+    "STEP_SHARED_CODES",
     "decode",
     "decode_shared",
     "encode",
@@ -684,6 +685,15 @@ def decode(data: bytes) -> DataMessage:
 _SHARED: Final[dict[bytes, DataMessage]] = {}
 _SHARED_KEPT: Final = 512
 _SHARED_LOCK: Final = threading.Lock()
+
+# The step's messages a receiver may find decoded with ``decode_shared``: an update that
+# every board of a process gets as the same bytes, and an eval request made in the
+# process (a board's from a step order, a host's share for an in-process member).
+STEP_SHARED_CODES: Final = (
+    TYPE_CODES[ApplyUpdate],
+    TYPE_CODES[EvalRequest],
+    TYPE_CODES[EvalSliceRequest],
+)
 
 
 def decode_shared(data: bytes, *codes: int) -> DataMessage:

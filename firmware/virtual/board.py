@@ -56,7 +56,7 @@ from qsched.firmware.virtual.latency import (
     NpuLatencyModel,
     serial_seconds,
 )
-from qsched.protocol.codec import decode_shared, encode
+from qsched.protocol.codec import STEP_SHARED_CODES, decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.identity import dataset_hash64, model_hash64
 from qsched.protocol.jobspec import JobSpec
@@ -278,21 +278,13 @@ class DatasetCatalog:
 # --------------------------------------------------------------------------- shared workloads
 
 
-# The messages a board of a process may find decoded (``_decode``).
-_SHARED_CODES: Final = (
-    TYPE_CODES[ApplyUpdate],
-    TYPE_CODES[EvalRequest],
-    TYPE_CODES[EvalSliceRequest],
-)
-
-
 def _decode(data: bytes) -> DataMessage:
     """``decode``, once per process for an ApplyUpdate (every board of a process gets the
     same update's bytes), and not at all for an eval request made in this process (a
     board's request from a step order, an aggregating host's share for its member):
     decoding is the board's own work, which a real board does on its own CPU, not on a
     core it shares with the other boards of its host."""
-    return decode_shared(data, *_SHARED_CODES)
+    return decode_shared(data, *STEP_SHARED_CODES)
 
 
 @functools.lru_cache(maxsize=8)
