@@ -261,6 +261,39 @@ async def test_latency_answer_is_encoded_while_the_board_waits(
     assert [kind for kind, _ in encoded_at].count(EvalResult) == 1  # not encoded again
 
 
+async def test_latency_starts_when_the_request_arrived(int8_workload: Workload) -> None:
+    """The modelled time runs from the request's arrival at the board's link, not from
+    when the process got round to it; a request that arrived while the board was still
+    busy starts when its previous answer was due."""
+    agent = await loaded_agent(int8_workload)
+    agent.latency = LatencyProfile(macs_per_forward=MOBILENETV2_035_128_MACS, speed=2.0)
+    modelled = NpuLatencyModel().forward_seconds(MOBILENETV2_035_128_MACS, 2 * 32) / 2.0
+    waited = 0.6 * modelled  # the request sat this long before the board was handed it
+    arrived = time.perf_counter() - waited
+    (result,) = await agent.handle_bytes(encode(eval_request(int8_workload, 0, (0,))), arrived)
+    answered = time.perf_counter()
+    assert isinstance(result, EvalResult)
+    assert arrived + modelled <= answered < arrived + modelled + 0.5 * waited
+    # A second request stamped as arriving before the first answer was due queues behind it.
+    (second,) = await agent.handle_bytes(encode(eval_request(int8_workload, 0, (1,))), arrived)
+    assert isinstance(second, EvalResult)
+    assert time.perf_counter() >= arrived + 2 * modelled
+
+
+async def test_inproc_link_stamps_arrivals() -> None:
+    """An in-process link end reports when the message its incoming yields was sent."""
+    async with InProcTransport() as transport:
+        link = transport.attach("vb-0")
+        daemon_end = (await anext(transport.events())).link  # type: ignore[union-attr]
+        before = time.perf_counter()
+        await daemon_end.send(b"first")
+        sent = time.perf_counter()
+        await asyncio.sleep(0.02)
+        inbox = link.incoming()
+        assert await anext(inbox) == b"first"
+        assert link.last_arrival is not None and before <= link.last_arrival <= sent
+
+
 async def test_latency_speed_and_validation(int8_workload: Workload) -> None:
     """A board twice as fast sleeps at least half the time; validation is timed per sample."""
     agent = await loaded_agent(int8_workload)

@@ -527,6 +527,9 @@ class BoardAgent:
         self.faults = faults if faults is not None else FaultPlan().for_board(board_id)
         self._clock = clock
         self._booted = clock()
+        # perf_counter moments: the message being handled arrived; the modelled NPU is free
+        self._arrived = 0.0
+        self._free_at = 0.0
         self._handlers: dict[type, Callable[[Any], Awaitable[list[DataMessage]]]] = {
             LoadModel: self._on_load_model,
             SetWeights: self._on_set_weights,
@@ -606,11 +609,14 @@ class BoardAgent:
 
     # ------------------------------------------------------------------ entry points
 
-    async def handle_bytes(self, data: bytes) -> list[DataMessage]:
+    async def handle_bytes(self, data: bytes, arrived: float | None = None) -> list[DataMessage]:
         """Decode one message and handle it; undecodable input gets a typed Error.
 
         Args:
             data: one encoded data-plane message.
+            arrived: the ``perf_counter`` moment ``data`` reached the board's link
+                (``last_arrival``); default now. The modelled board starts on it then,
+                whenever this process gets round to it.
 
         Returns:
             The answers (possibly none).
@@ -618,6 +624,8 @@ class BoardAgent:
         Raises:
             BoardCrash: a crash fault fired.
         """
+        if arrived is None:
+            arrived = time.perf_counter()  # before the decode, which is the board's own work
         try:
             msg = _decode(data)
         except ProtocolError as exc:
@@ -629,13 +637,14 @@ class BoardAgent:
                     detail=_detail(f"{exc.kind}: {exc.detail}"),
                 )
             ]
-        return await self.handle(msg)
+        return await self.handle(msg, arrived)
 
-    async def handle(self, msg: DataMessage) -> list[DataMessage]:
+    async def handle(self, msg: DataMessage, arrived: float | None = None) -> list[DataMessage]:
         """Handle one daemon-to-board message.
 
         Args:
             msg: the message.
+            arrived: when it reached the board (``handle_bytes``); default now.
 
         Returns:
             The answers: usually one; none for an incoming Error, intermediate chunks,
@@ -644,6 +653,7 @@ class BoardAgent:
         Raises:
             BoardCrash: a crash fault fired (the caller stops serving, or exits).
         """
+        self._arrived = time.perf_counter() if arrived is None else arrived
         step = getattr(msg, "step", None)
         if isinstance(
             msg, EvalRequest | EvalSliceRequest | ApplyUpdate | ValidateRequest
@@ -743,13 +753,20 @@ class BoardAgent:
         finally:
             self._busy = False
 
-    @staticmethod
-    def _due(modelled: float, computed: float) -> tuple[float, int]:
-        """For a request computed for ``computed`` seconds until now and modelled to take
-        ``modelled``: when its answer is due (a ``perf_counter`` time) and the compute
-        time the board reports, in µs."""
+    def _due(self, modelled: float, computed: float) -> tuple[float, int]:
+        """For a request modelled to take ``modelled`` seconds and computed here for
+        ``computed``: when its answer is due (a ``perf_counter`` time) and the compute
+        time the board reports, in µs.
+
+        The modelled board starts when the request reached its link, or when it finished
+        its previous answer if that was later: the time this process took to get round
+        to the request (the other boards of the process handling theirs, one after
+        another on its core) is absorbed, as the boards of a real fleet each handle
+        their own messages on their own CPU. A request whose computation here outlasts
+        its modelled time is answered when the computation ends."""
         reported = min(_U32_MAX, int(max(modelled, computed) * 1e6))
-        return time.perf_counter() + modelled - computed, reported
+        started = max(self._arrived, self._free_at)
+        return started + modelled, reported
 
     async def _answer_when_due(self, reply: DataMessage, due: float) -> list[DataMessage]:
         """Encode ``reply`` now and hold it until ``due``. The modelled board sends its
@@ -758,6 +775,7 @@ class BoardAgent:
         process one after another at the end of the step (on a real fleet each board does
         it on its own CPU). The answer's bytes and its time are the modelled board's."""
         self._ahead = (reply, _encode(reply))
+        self._free_at = due
         left = due - time.perf_counter()
         if left > 0:
             await asyncio.sleep(left)
@@ -1212,7 +1230,7 @@ async def serve_link(
 async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool) -> str:
     async for data in link.incoming():
         try:
-            replies = await agent.handle_bytes(data)
+            replies = await agent.handle_bytes(data, getattr(link, "last_arrival", None))
         except BoardCrash as crash:
             _log.warning("fault: board crashes", board=agent.board_id, step=crash.step)
             if exit_on_crash:

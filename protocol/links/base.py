@@ -11,6 +11,11 @@ the fleet code cannot tell them apart:
 - ``Transport``: an ``async with`` object that discovers boards and reports them as a
   stream of ``BoardAppeared`` / ``BoardGone`` events.
 
+A link end stamps every message it receives with the ``time.perf_counter`` moment it
+arrived (``stamped``) and, while ``incoming`` yields it, exposes that moment as
+``last_arrival`` (``stamped_messages``): a virtual board starts its modelled time there
+rather than when its process gets round to the message (``BoardAgent.handle_bytes``).
+
 ``Link.board_id`` is the address under which the transport knows the board: the board
 id from the MQTT topic or the in-process registration, or ``serial:<device>`` for a
 serial port (a serial board names itself only in its Hello, which the fleet reads).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -41,6 +47,8 @@ __all__ = [
     "cancel_until_done",
     "close_queue",
     "iterate_queue",
+    "stamped",
+    "stamped_messages",
 ]
 
 # How long cancel_until_done keeps cancelling, and how often.
@@ -190,6 +198,19 @@ async def iterate_queue(
         if item is _END or (is_end is not None and is_end(item)):
             return
         yield item
+
+
+def stamped(payload: bytes) -> tuple[bytes, float]:
+    """``payload`` with the ``perf_counter`` moment it reached this end, for its queue."""
+    return payload, time.perf_counter()
+
+
+async def stamped_messages(queue: asyncio.Queue[Any], end: Any) -> AsyncIterator[bytes]:
+    """Yield the payloads of ``queue``'s ``stamped`` items until its end marker; while
+    one is yielded, ``end.last_arrival`` is the moment it arrived."""
+    async for payload, arrived in iterate_queue(queue):
+        end.last_arrival = arrived
+        yield payload
 
 
 def close_queue(queue: asyncio.Queue[Any]) -> None:

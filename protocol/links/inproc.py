@@ -29,6 +29,8 @@ from qsched.protocol.links.base import (
     LinkEvent,
     close_queue,
     iterate_queue,
+    stamped,
+    stamped_messages,
 )
 
 __all__ = ["InProcLink", "InProcTransport"]
@@ -72,6 +74,7 @@ class InProcLink:
         self._inbox = inbox
         self._outbox = outbox
         self.peer: InProcLink | None = None  # the other end, once both exist
+        self.last_arrival: float | None = None  # when the message incoming yields arrived
         self._receiver: Callable[[bytes], None] | None = None
 
     @property
@@ -91,7 +94,7 @@ class InProcLink:
         if self._pair.closed:
             raise LinkClosedError(self.board_id, "closed", self._pair.reason)
         if not self._handed_over(payload):
-            await self._outbox.put(bytes(payload))
+            await self._outbox.put(stamped(bytes(payload)))
 
     def send_nowait(self, payload: bytes) -> bool:
         """Queue one message for the other end if its queue has room, without waiting.
@@ -107,7 +110,7 @@ class InProcLink:
         if self._handed_over(payload):
             return True
         try:
-            self._outbox.put_nowait(bytes(payload))
+            self._outbox.put_nowait(stamped(bytes(payload)))
         except asyncio.QueueFull:
             return False
         return True
@@ -127,17 +130,17 @@ class InProcLink:
         ``receiver`` must not raise: an exception would reach the sender."""
         if self._pair.closed:
             return  # nothing more comes; incoming ends
-        while not self._inbox.empty():  # open: the queue holds messages only
+        while not self._inbox.empty():  # open: the queue holds stamped messages only
             item = self._inbox.get_nowait()
-            assert isinstance(item, bytes)
-            receiver(item)
+            assert isinstance(item, tuple)
+            receiver(item[0])
         self._receiver = receiver
 
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the other end until the link closes (with ``receive_with``:
         none, only the end)."""
-        async for item in iterate_queue(self._inbox):
-            yield item
+        async for payload in stamped_messages(self._inbox, self):
+            yield payload
 
     async def close(self, reason: str = "closed") -> None:
         """Close both ends; the transport reports ``BoardGone(reason)``."""

@@ -32,6 +32,7 @@ import functools
 import random
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -65,6 +66,8 @@ from qsched.protocol.links.base import (
     cancel_until_done,
     close_queue,
     iterate_queue,
+    stamped,
+    stamped_messages,
 )
 from qsched.protocol.links.config import MqttConfig
 from qsched.protocol.messages import MAX_PAYLOAD, StepOrder
@@ -433,6 +436,7 @@ class MqttBoardLink:
         self._transport = transport
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._closed = False
+        self.last_arrival: float | None = None  # when the message incoming yields arrived
 
     @property
     def closed(self) -> bool:
@@ -463,7 +467,7 @@ class MqttBoardLink:
 
     def _deliver(self, payload: bytes) -> None:
         try:
-            self._inbox.put_nowait(payload)
+            self._inbox.put_nowait(stamped(payload))
         except asyncio.QueueFull:
             # One message loop serves every board: a board that floods its queue loses
             # messages rather than stalling the others (the step engine re-asks).
@@ -472,8 +476,8 @@ class MqttBoardLink:
 
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the board's out topic until the board is gone."""
-        async for item in iterate_queue(self._inbox):
-            yield item
+        async for payload in stamped_messages(self._inbox, self):
+            yield payload
 
     def _mark_closed(self, reason: str) -> bool:
         if self._closed:
@@ -782,6 +786,7 @@ class MqttEndpoint:
         self._protocol_version = protocol_version
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
         self._closed = False
+        self.last_arrival: float | None = None  # when the message incoming yields arrived
         rule = topics.rule("board_presence")
         will = aiomqtt.Will(
             topics.board_presence(board_id), self._presence(False), rule.qos, rule.retain
@@ -824,16 +829,17 @@ class MqttEndpoint:
 
     async def _on_in(self, message: aiomqtt.Message) -> None:
         if isinstance(message.payload, bytes | bytearray):
-            self._put(bytes(message.payload))
+            self._put(stamped(bytes(message.payload)))
 
     async def _on_fleet(self, message: aiomqtt.Message) -> None:
         if isinstance(message.payload, bytes | bytearray):
+            arrived = time.perf_counter()  # reading the order is this board's own work
             for payload in step_order_messages(message.payload, self.board_id):
-                self._put(payload)
+                self._put((payload, arrived))
 
-    def _put(self, payload: bytes) -> None:
+    def _put(self, item: tuple[bytes, float]) -> None:
         try:
-            self._inbox.put_nowait(payload)
+            self._inbox.put_nowait(item)
         except asyncio.QueueFull:
             self.dropped += 1
             _log.warning("board inbox full; message dropped", board=self.board_id)
@@ -881,8 +887,8 @@ class MqttEndpoint:
 
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the daemon until the endpoint is closed."""
-        async for item in iterate_queue(self._inbox):
-            yield item
+        async for payload in stamped_messages(self._inbox, self):
+            yield payload
 
     async def close(self) -> None:
         """Say offline (retained), disconnect, end ``incoming`` (idempotent)."""

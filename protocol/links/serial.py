@@ -63,6 +63,8 @@ from qsched.protocol.links.base import (
     SendTimeoutError,
     close_queue,
     iterate_queue,
+    stamped,
+    stamped_messages,
 )
 from qsched.protocol.messages import MAX_PAYLOAD
 
@@ -271,6 +273,7 @@ class SerialLink:
         self._ack_timeout = ack_timeout
         self._max_retries = max_retries
         self._inbox: asyncio.Queue[object] = asyncio.Queue(queue_size)
+        self.last_arrival: float | None = None  # when the message incoming yields arrived
         self._encoder = FrameEncoder()
         self._filter = ReceiveFilter()
         self._reassembler = Reassembler()
@@ -372,8 +375,8 @@ class SerialLink:
 
     async def incoming(self) -> AsyncIterator[bytes]:
         """Messages from the peer, in order; ends when the link is gone."""
-        async for item in iterate_queue(self._inbox):
-            yield item
+        async for payload in stamped_messages(self._inbox, self):
+            yield payload
 
     async def _read_loop(self) -> None:
         reader = FrameReader()
@@ -415,7 +418,7 @@ class SerialLink:
         if message is None:
             return  # more segments follow; the inbox had room, so it has room for one
         self.stats.received += 1
-        self._inbox.put_nowait(message)
+        self._inbox.put_nowait(stamped(message))
 
     def _mark_closed(self, reason: str) -> None:
         if self._closed.is_set():
