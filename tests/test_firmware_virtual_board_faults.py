@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import pytest
 from test_firmware_virtual_board import eval_request, load_messages, loaded_agent
@@ -278,6 +279,44 @@ async def test_latency_starts_when_the_request_arrived(int8_workload: Workload) 
     (second,) = await agent.handle_bytes(encode(eval_request(int8_workload, 0, (1,))), arrived)
     assert isinstance(second, EvalResult)
     assert time.perf_counter() >= arrived + 2 * modelled
+
+
+async def test_serve_link_hands_the_answer_over_from_a_timer(
+    int8_workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an in-process link the board's handling of a request ends at once and its
+    answer is handed to the link by a timer when due: not earlier, and as encoded."""
+    agent = await loaded_agent(int8_workload)
+    agent.latency = LatencyProfile(macs_per_forward=MOBILENETV2_035_128_MACS, speed=8.0)
+    modelled = NpuLatencyModel().forward_seconds(MOBILENETV2_035_128_MACS, 2 * 32) / 8.0
+    returned: list[float] = []
+    real_handle = agent.handle_bytes
+
+    async def recording(*args: Any, **kwargs: Any) -> list[Any]:
+        replies = await real_handle(*args, **kwargs)
+        returned.append(time.perf_counter())
+        return replies
+
+    monkeypatch.setattr(agent, "handle_bytes", recording)
+    async with InProcTransport() as transport:
+        link = transport.attach("vb-0")
+        daemon_end = (await anext(transport.events())).link  # type: ignore[union-attr]
+        task = asyncio.create_task(serve_link(agent, link))
+        inbox = daemon_end.incoming()
+        assert isinstance(decode(await anext(inbox)), Hello)
+        request = eval_request(int8_workload, 0, (0,))
+        sent = time.perf_counter()
+        await daemon_end.send(encode(request))
+        answer = await anext(inbox)
+        answered = time.perf_counter()
+        assert isinstance(decode(answer), EvalResult)
+        assert answered - sent >= modelled
+        assert returned and answered - returned[0] >= modelled / 2  # handled long before
+        await daemon_end.send(encode(Ping(nonce=5)))  # the board goes on as before
+        pong = decode(await anext(inbox))
+        assert isinstance(pong, Heartbeat) and pong.nonce == 5
+        await daemon_end.close()
+        assert await task == "closed"
 
 
 async def test_inproc_link_stamps_arrivals() -> None:

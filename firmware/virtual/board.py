@@ -530,6 +530,8 @@ class BoardAgent:
         # perf_counter moments: the message being handled arrived; the modelled NPU is free
         self._arrived = 0.0
         self._free_at = 0.0
+        self._hold = True  # handle() waits until its answer is due (else: answers_due)
+        self.answers_due = 0.0  # when the answers of the last handle() may leave; 0: now
         self._handlers: dict[type, Callable[[Any], Awaitable[list[DataMessage]]]] = {
             LoadModel: self._on_load_model,
             SetWeights: self._on_set_weights,
@@ -609,7 +611,9 @@ class BoardAgent:
 
     # ------------------------------------------------------------------ entry points
 
-    async def handle_bytes(self, data: bytes, arrived: float | None = None) -> list[DataMessage]:
+    async def handle_bytes(
+        self, data: bytes, arrived: float | None = None, *, hold: bool = True
+    ) -> list[DataMessage]:
         """Decode one message and handle it; undecodable input gets a typed Error.
 
         Args:
@@ -617,6 +621,8 @@ class BoardAgent:
             arrived: the ``perf_counter`` moment ``data`` reached the board's link
                 (``last_arrival``); default now. The modelled board starts on it then,
                 whenever this process gets round to it.
+            hold: wait until the answers are due before returning them; False returns
+                them at once with ``answers_due`` set, for a caller that sends them then.
 
         Returns:
             The answers (possibly none).
@@ -637,14 +643,17 @@ class BoardAgent:
                     detail=_detail(f"{exc.kind}: {exc.detail}"),
                 )
             ]
-        return await self.handle(msg, arrived)
+        return await self.handle(msg, arrived, hold=hold)
 
-    async def handle(self, msg: DataMessage, arrived: float | None = None) -> list[DataMessage]:
+    async def handle(
+        self, msg: DataMessage, arrived: float | None = None, *, hold: bool = True
+    ) -> list[DataMessage]:
         """Handle one daemon-to-board message.
 
         Args:
             msg: the message.
             arrived: when it reached the board (``handle_bytes``); default now.
+            hold: as in ``handle_bytes``; a fault plan holds the answers regardless.
 
         Returns:
             The answers: usually one; none for an incoming Error, intermediate chunks,
@@ -654,6 +663,8 @@ class BoardAgent:
             BoardCrash: a crash fault fired (the caller stops serving, or exits).
         """
         self._arrived = time.perf_counter() if arrived is None else arrived
+        self._hold = hold or self.faults.active  # a delay or a drop acts on the due answer
+        self.answers_due = 0.0
         step = getattr(msg, "step", None)
         if isinstance(
             msg, EvalRequest | EvalSliceRequest | ApplyUpdate | ValidateRequest
@@ -776,6 +787,9 @@ class BoardAgent:
         it on its own CPU). The answer's bytes and its time are the modelled board's."""
         self._ahead = (reply, _encode(reply))
         self._free_at = due
+        if not self._hold:
+            self.answers_due = due
+            return [reply]
         left = due - time.perf_counter()
         if left > 0:
             await asyncio.sleep(left)
@@ -1228,9 +1242,21 @@ async def serve_link(
 
 
 async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool) -> str:
+    # A link that takes a message without waiting (in-process) gets an answer from a
+    # timer at its due moment; the board's handling of the request ends at once, while
+    # its modelled NPU time runs, instead of resuming at that moment.
+    hand_over = getattr(link, "send_nowait", None)
+    pending: asyncio.Future[list[bytes]] | None = None
     async for data in link.incoming():
+        if pending is not None:  # the previous answer leaves before this one is handled
+            for payload in await pending:
+                await link.send(payload)
+            pending = None
+        quick = hand_over is not None and agent.latency.wire_seconds(len(data)) == 0
         try:
-            replies = await agent.handle_bytes(data, getattr(link, "last_arrival", None))
+            replies = await agent.handle_bytes(
+                data, getattr(link, "last_arrival", None), hold=not quick
+            )
         except BoardCrash as crash:
             _log.warning("fault: board crashes", board=agent.board_id, step=crash.step)
             if exit_on_crash:
@@ -1238,6 +1264,12 @@ async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool)
             with contextlib.suppress(Exception):
                 await link.close()
             return "crashed"
+        if replies and agent.answers_due > 0:
+            assert hand_over is not None
+            pending = _hand_over_at(
+                hand_over, [agent.encoded(r) for r in replies], agent.answers_due
+            )
+            continue
         if replies and agent.latency.wire_seconds(len(data)) > 0:  # a modelled serial line
             encoded = sum(len(agent.encoded(r)) for r in replies)
             await asyncio.sleep(
@@ -1245,4 +1277,32 @@ async def _serve(agent: BoardAgent, link: Any, send: _Send, exit_on_crash: bool)
             )
         for reply in replies:
             await _send_or_skip(agent, send, reply)
+    if pending is not None and not pending.cancel():  # the link ended: nowhere to go
+        pending.exception()  # retrieved: a closed link is how a board's session ends
     return "closed"
+
+
+def _hand_over_at(
+    hand_over: Callable[[bytes], bool], payloads: list[bytes], due: float
+) -> asyncio.Future[list[bytes]]:
+    """Give ``payloads`` to a link's ``send_nowait`` at the ``perf_counter`` moment
+    ``due``, from a timer. The future ends with the payloads the link had no room for
+    (to send with waiting), or the link's ``LinkClosedError``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[list[bytes]] = loop.create_future()
+
+    def fire() -> None:
+        if done.cancelled():
+            return
+        try:
+            for i, payload in enumerate(payloads):
+                if not hand_over(payload):
+                    done.set_result(payloads[i:])
+                    return
+        except LinkClosedError as exc:
+            done.set_exception(exc)
+            return
+        done.set_result([])
+
+    loop.call_at(loop.time() + max(0.0, due - time.perf_counter()), fire)
+    return done
