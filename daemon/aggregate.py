@@ -243,6 +243,10 @@ class HostAggregator:
         self._last_shared: EvalRequest | EvalSliceRequest | None = None
         self._prepared: PreparedShares | None = None
         self.prepared_used = 0  # eval requests sent from shares prepared a step ahead
+        # An update's copies not yet posted, by member: held for the rest of the loop
+        # turn, so that the eval request of the same step order goes out interleaved
+        # with them (``_post_held``).
+        self._held: dict[int, tuple[Member, bytes]] = {}
 
     def alive(self) -> list[Member]:
         """The members still linked."""
@@ -322,13 +326,15 @@ class HostAggregator:
         """Send ``msg`` on to the members now (so every member sees the daemon's order),
         and fold their answers in the background; ``data``: its bytes as received, which
         a message the members all get is sent on as (not encoded again)."""
+        if not isinstance(msg, EvalRequest | EvalSliceRequest):
+            self._post_held()  # what the members had first goes first
         if isinstance(msg, JobConfig):
             self._int8 = msg.numerics == "int8"
         if isinstance(msg, _RESTARTS):
             self._prepared = None  # no step to plan ahead
             self._last_shared = None
         if isinstance(msg, ApplyUpdate):
-            futures = self._to(self.alive(), msg, data)
+            futures = self._to(self.alive(), msg, data, hold=True)
             self._fold(self._fold_same(msg, futures), then=self._prepare_next(msg))
         elif isinstance(msg, _FANNED_OUT):
             futures = self._to(self.alive(), msg, data)
@@ -359,10 +365,14 @@ class HostAggregator:
         msg: DataMessage,
         data: bytes | None = None,
         key: Hashable | None = None,
+        *,
+        hold: bool = False,
     ) -> list[tuple[Member, asyncio.Future[DataMessage]]]:
         """Send ``msg`` to ``members``, each answer's waiter (under ``key``, by default
         the request's) registered first; encoded once, unless its bytes are given: a
-        fan-out to many members is the same bytes."""
+        fan-out to many members is the same bytes. ``hold``: post the copies at the end
+        of this loop turn, or with the members' shares of an eval request dispatched
+        before then (``_post_held``)."""
         if key is None:
             key = request_key(msg)
         if data is None:
@@ -370,8 +380,29 @@ class HostAggregator:
         out = []
         for member in members:
             out.append((member, member.expect(key)))
-            member.post(data)
+            if hold:
+                self._held[id(member)] = (member, data)
+            else:
+                member.post(data)
+        if hold and members:
+            asyncio.get_running_loop().call_soon(self._post_held)
         return out
+
+    def _post_held(self, member: Member | None = None) -> None:
+        """Post the held update to ``member``, or to every member it is held for.
+
+        A step order carries an update and an eval request, which reach the host one
+        right behind the other. Posted as two fan-outs, every member's share would wait
+        behind all the members' updates; interleaved, the first member has both at once
+        and starts a whole fan-out earlier. Each member still gets the update first."""
+        if member is not None:
+            held = self._held.pop(id(member), None)
+            if held is not None:
+                member.post(held[1])
+            return
+        held_now, self._held = self._held, {}
+        for target, data in held_now.values():
+            target.post(data)
 
     async def _sender(self, member: Member) -> None:
         """Send a member's outbox in order until its link ends."""
@@ -406,20 +437,25 @@ class HostAggregator:
         self._last_shared = msg
         prepared, self._prepared = self._prepared, None
         if not members:
+            self._post_held()
             return []
-        if prepared is not None and prepared.fits(msg, members, self._int8):
-            shares = prepared.shares
-            self.prepared_used += 1
-        else:
-            shares = plan_shares(msg, members, self._int8)
-        self.sliced += bool(shares) and shares[0].parts > 1
-        out = []
-        now = asyncio.get_running_loop().time()
-        for share in shares:
-            future = share.member.expect(request_key(share.request))
-            share.member.post(share.data)
-            out.append(_Part(share.member, share.request, future, share.parts, share.cost, now))
-        return out
+        try:
+            if prepared is not None and prepared.fits(msg, members, self._int8):
+                shares = prepared.shares
+                self.prepared_used += 1
+            else:
+                shares = plan_shares(msg, members, self._int8)
+            self.sliced += bool(shares) and shares[0].parts > 1
+            out = []
+            now = asyncio.get_running_loop().time()
+            for share in shares:
+                future = share.member.expect(request_key(share.request))
+                self._post_held(share.member)
+                share.member.post(share.data)
+                out.append(_Part(share.member, share.request, future, share.parts, share.cost, now))
+            return out
+        finally:
+            self._post_held()  # the members without a share
 
     def _prepare_next(self, update: ApplyUpdate) -> Callable[[DataMessage], None]:
         """What to do once the members' acks of ``update`` went up: while they compute,

@@ -306,6 +306,45 @@ async def test_a_members_share_is_taken_without_a_decode(members: int, keys: int
         assert board_module._decode(share.data) is share.request
 
 
+class _RecordingLink:
+    """A member's in-process link that notes, in one list for all members, what it took."""
+
+    def __init__(self, board_id: str, taken: list[tuple[str, str]]) -> None:
+        self.board_id = board_id
+        self._taken = taken
+
+    def send_nowait(self, payload: bytes) -> bool:
+        self._taken.append((self.board_id, decode(payload).type))
+        return True
+
+
+async def test_a_step_orders_update_and_shares_reach_the_members_interleaved() -> None:
+    """The update and the eval request of one step order go out member by member, each
+    member's update before its share; an update alone goes out by the end of the loop
+    turn, and before anything dispatched after it."""
+    taken: list[tuple[str, str]] = []
+    members = [Member(_RecordingLink(f"m{i}", taken), _hello(f"m{i}")) for i in range(3)]
+    aggregator = HostAggregator("host", members, reply_timeout_s=0.3)
+    update = ApplyUpdate(job_id=1, step=3, ks=(4, 5), coefficients=(0.5, -0.25))
+    request = EvalRequest(
+        job_id=1, step=4, batch_size=4, eps=0.5, estimator="two_sided", ks=(0, 1, 2)
+    )
+    await aggregator._dispatch(update, encode(update))
+    await aggregator._dispatch(request)
+    assert taken == [(f"m{i}", kind) for i in range(3) for kind in ("apply_update", "eval_request")]
+    taken.clear()
+    await aggregator._dispatch(update, encode(update))
+    assert taken == []
+    await asyncio.sleep(0)
+    assert taken == [(f"m{i}", "apply_update") for i in range(3)]
+    taken.clear()
+    await aggregator._dispatch(update, encode(update))
+    await aggregator._dispatch(Ping(nonce=1))
+    assert taken[:3] == [(f"m{i}", "apply_update") for i in range(3)]
+    assert taken[3:] == [("m0", "ping")]
+    await asyncio.gather(*aggregator._tasks, return_exceptions=True)  # refused in time
+
+
 async def test_messages_to_a_waiting_link_go_through_the_members_queue() -> None:
     """A link that may make the sender wait (serial, MQTT) always gets its messages
     from the member's sender task."""
