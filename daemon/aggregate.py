@@ -19,6 +19,9 @@ their answers into one, so the daemon's work grows with hosts, not boards.
   refusal, loss or silence refuses the whole request (the daemon gives it elsewhere).
 - ``ValidateRequest`` goes to the fastest member; ``Ping`` to the first, whose heartbeat
   answers for the host (its unsolicited heartbeats go up as the host's).
+- A step order's update and eval request reach the host one right behind the other;
+  they go to the members interleaved, each member's update right before its share, so
+  the first member does not wait for every member's update before its share.
 - Shares are prepared a step ahead. Once every member acknowledged an update, the
   host waits for their results with nothing to do, and the daemon's next order will
   most likely carry the eval request the host just shared, one step on. The host plans

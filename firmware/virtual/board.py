@@ -5,8 +5,10 @@ daemon-to-board message and returns the board's answers. ``serve_link`` runs an 
 any ``Link`` (in-process, serial, MQTT): it sends the Hello, heartbeats from a separate
 task, decodes what arrives and encodes what goes back. Its losses and checksums are the
 bits the daemon computes with ``Workload`` — it builds one from the model blob it was
-sent, the data set it holds and the job config — and it sleeps for the time an STM32N6
-would take (``LatencyProfile``), so a fleet of virtual boards has a real fleet's timing.
+sent, the data set it holds and the job config — and it answers after the time an
+STM32N6 would take (``LatencyProfile``), counted from when the request reached its link,
+so a fleet of virtual boards has a real fleet's timing even where many boards share one
+process and its core.
 
 Session, as the board sees it (SPEC section 9 has the daemon's side):
 
