@@ -113,7 +113,7 @@ async def test_engine_lying_board_faulty_and_resynced() -> None:
 class _NumericBoard(BoardAgent):
     """A board whose losses are not finite: it refuses every evaluation with ``numeric``."""
 
-    async def handle(self, msg):  # type: ignore[no-untyped-def]
+    async def handle(self, msg, arrived=None, *, hold=True):  # type: ignore[no-untyped-def]
         if isinstance(msg, EvalRequest):
             return [
                 Error(

@@ -41,8 +41,8 @@ class _ReassignLiar(BoardAgent):
         self.seen: dict[int, int] = {}
         self.lies = 0
 
-    async def handle(self, msg):  # type: ignore[no-untyped-def]
-        replies = await super().handle(msg)
+    async def handle(self, msg, arrived=None, *, hold=True):  # type: ignore[no-untyped-def]
+        replies = await super().handle(msg, arrived, hold=hold)
         if isinstance(msg, EvalRequest):
             self.seen[msg.step] = self.seen.get(msg.step, 0) + 1
             if self.seen[msg.step] > 1:
@@ -163,8 +163,8 @@ class _LosesWeightsReply(BoardAgent):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.swallowed = 0
 
-    async def handle(self, msg):  # type: ignore[no-untyped-def]
-        replies = await super().handle(msg)
+    async def handle(self, msg, arrived=None, *, hold=True):  # type: ignore[no-untyped-def]
+        replies = await super().handle(msg, arrived, hold=hold)
         if (
             isinstance(msg, SetWeights)
             and self.swallowed == 0
@@ -204,14 +204,16 @@ class _HangsAt(BoardAgent):
         self.release = asyncio.Event()
         self.hung = False
 
-    async def handle_bytes(self, data: bytes) -> list[DataMessage]:
+    async def handle_bytes(
+        self, data: bytes, arrived: float | None = None, *, hold: bool = True
+    ) -> list[DataMessage]:
         msg = decode(data)
         if not isinstance(msg, Ping) and getattr(msg, "step", 0) >= self.at:
             self.hung = True
         if self.hung:
             await self.release.wait()
             return []
-        return await super().handle_bytes(data)
+        return await super().handle_bytes(data, arrived, hold=hold)
 
 
 async def test_engine_hung_board_costs_a_step_deadline() -> None:

@@ -632,6 +632,7 @@ class BoardAgent:
         Raises:
             BoardCrash: a crash fault fired.
         """
+        self.answers_due = 0.0  # also for an override of handle() that answers itself
         if arrived is None:
             arrived = time.perf_counter()  # before the decode, which is the board's own work
         try:
