@@ -439,10 +439,9 @@ class HostAggregator:
         members = self.alive()
         self._last_shared = msg
         prepared, self._prepared = self._prepared, None
-        if not members:
-            self._post_held()
-            return []
         try:
+            if not members:
+                return []
             if prepared is not None and prepared.fits(msg, members, self._int8):
                 shares = prepared.shares
                 self.prepared_used += 1
