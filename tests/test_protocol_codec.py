@@ -72,8 +72,8 @@ def key_sets(draw: st.DrawFn, max_size: int = 64) -> tuple[int, ...]:
 
 
 @st.composite
-def eval_results(draw: st.DrawFn) -> EvalResult:
-    ks = draw(key_sets())
+def eval_results(draw: st.DrawFn, max_keys: int = 64) -> EvalResult:
+    ks = draw(key_sets(max_size=max_keys))
     estimator = draw(estimators)
     n = len(ks)
     plus = draw(st.lists(f32, min_size=n, max_size=n))
@@ -109,8 +109,8 @@ def slice_requests(draw: st.DrawFn) -> EvalSliceRequest:
 
 
 @st.composite
-def slice_results(draw: st.DrawFn) -> EvalSliceResult:
-    ks = draw(key_sets(max_size=MAX_SLICE_KS))
+def slice_results(draw: st.DrawFn, max_keys: int = MAX_SLICE_KS) -> EvalSliceResult:
+    ks = draw(key_sets(max_size=max_keys))
     estimator = draw(estimators)
     n = len(ks)
     two = estimator == "two_sided"
@@ -651,3 +651,65 @@ def test_codec_packs_the_runs_of_fixed_width_fields() -> None:
 
     kinds = [type(item).__name__ for item in codec._WIRE[EvalSliceRequest]]
     assert kinds == ["_Packed", "_KSet"]
+
+
+def _decoded_or_error(data: bytes) -> tuple[str, Any]:
+    try:
+        msg = decode(data)
+    except ProtocolError as exc:
+        return "error", (exc.kind, str(exc))
+    return "message", (repr(msg), msg.model_fields_set, msg.model_dump())  # repr: NaN != NaN
+
+
+@settings(SETTINGS, max_examples=60)
+@given(st.one_of(eval_results(max_keys=6), slice_results(max_keys=6)))
+def test_an_eval_answer_decodes_the_short_way_as_the_generic_way(msg: Any) -> None:
+    """The eval answers a host decodes by the dozen every step take a short way when
+    their keys are a range (``codec._RangeAnswer``): for the message and for it cut,
+    extended, or with any byte set to a value at a bound (an estimator code past the
+    last, a zero slice count, a key past the limit, a NaN), ``decode`` gives the same
+    message, set fields and all, or the same error, as the generic walk alone."""
+
+    raw = encode(msg)
+    variants = [raw[:end] for end in range(4, len(raw) + 1)] + [raw + b"\x00"]
+    for at in range(4, len(raw)):
+        variants += [raw[:at] + bytes([v]) + raw[at + 1 :] for v in (0, 1, 2, 3, 0x7F, 0xC0, 255)]
+    short = [_decoded_or_error(bad) for bad in variants]
+    taken = codec._RANGE_ANSWERS[TYPE_CODES[type(msg)]].decode(raw) is not None
+    answers, codec._RANGE_ANSWERS = codec._RANGE_ANSWERS, {}  # type: ignore[misc]
+    try:
+        assert [_decoded_or_error(bad) for bad in variants] == short
+    finally:
+        codec._RANGE_ANSWERS = answers  # type: ignore[misc]
+    assert taken == (msg.ks == tuple(range(msg.ks[0], msg.ks[0] + len(msg.ks))))
+
+
+def test_a_slice_answer_at_the_bounds_of_its_model_takes_the_right_way() -> None:
+    """The short way keeps the model's rules narrower than the wire: an answer with a
+    zero slice count, a key past the limit or one key too many is left to the generic
+    walk, which refuses it; one with the most keys goes the short way."""
+
+    fields = {"job_id": 1, "step": 2, "compute_us": 3, "estimator": "two_sided"}
+    answer = EvalSliceResult(
+        **fields, slice_start=0, slice_count=2, ks=(9,), sum_plus=(4,), sum_minus=(5,)
+    )
+    raw = bytearray(encode(answer))
+    zero_count = raw[:19] + b"\x00\x00" + raw[21:]  # slice_count follows slice_start
+    with pytest.raises(ProtocolError, match="slice_count"):
+        decode(bytes(zero_count))
+    past = encode(answer.model_copy(update={"ks": (0xFFFF,)}))
+    two_keys = bytearray(past)
+    two_keys[22:24] = struct.pack("<H", 2)  # a range of 2 from 0xFFFF, values made to fit
+    two_keys += struct.pack("<2Q", 6, 7)
+    with pytest.raises(ProtocolError, match="ks"):
+        decode(bytes(two_keys))
+    for count in (MAX_SLICE_KS, MAX_SLICE_KS + 1):
+        many = bytes(raw[:22]) + struct.pack("<H", count) + bytes(raw[24:26])
+        many += struct.pack(f"<{2 * count}Q", *range(2 * count))
+        short = codec._RANGE_ANSWERS[TYPE_CODES[EvalSliceResult]].decode(many)
+        if count == MAX_SLICE_KS:
+            assert short is not None and short == decode(many) and len(short.ks) == count
+        else:
+            assert short is None
+            with pytest.raises(ProtocolError, match=f"k count {count} outside"):
+                decode(many)
