@@ -606,7 +606,7 @@ _WIRE_RANGES: Final = {"B": (0, 0xFF), "H": (0, 0xFFFF), "I": (0, 0xFFFFFFFF), "
 @dataclass(frozen=True)
 class _RangeAnswer:
     """An eval answer (``EvalResult``, ``EvalSliceResult``) in the form boards send it,
-    its keys a range, decoded in two struct calls and checked here against every rule
+    its keys a range, decoded in three struct calls and checked here against every rule
     of its model, instead of the generic walk and the model's validation: a host decodes
     one per member board and step, and those two were most of its work per answer, on
     the way from its first member's answer to its last. Any other form (a list of keys,
