@@ -626,7 +626,6 @@ class _RangeAnswer:
     plus: _Seq
     minus: _Seq
     zero: _Optional
-    values: dict[int, struct.Struct] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, model: type[WireModel]) -> _RangeAnswer:
@@ -679,11 +678,9 @@ class _RangeAnswer:
             if values[position] >= len(choices):
                 return None
             fields[name] = choices[values[position]]
-        two_sided = fields["estimator"] == "two_sided"
+        two_sided = _two_sided(fields)
         total = 2 * count if two_sided else count + 1
-        layout = self.values.get(total)
-        if layout is None:
-            layout = self.values[total] = struct.Struct(f"<{total}{self.plus.code}")
+        layout = _little_endian(f"{total}{self.plus.code}")
         if len(data) != start + layout.size:
             return None
         numbers = layout.unpack_from(data, start)
