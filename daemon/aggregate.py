@@ -70,7 +70,7 @@ from qsched.protocol.messages import (
     UpdateAck,
     ValidateRequest,
 )
-from qsched.zo.intloss import sliced_batch_losses
+from qsched.zo.intloss import batch_losses_of_totals
 
 __all__ = ["MEMBER_REPLY_TIMEOUT_S", "HostAggregator", "Member", "await_members"]
 
@@ -785,16 +785,19 @@ def _merged(msg: EvalRequest | EvalSliceRequest, answers: list[Any]) -> DataMess
 
 
 def _folded_slices(msg: EvalRequest, answers: list[EvalSliceResult]) -> EvalResult:
-    """Whole-batch losses from slice sums: floor(sum / B) per key (SPEC 6.10)."""
+    """Whole-batch losses from slice sums: floor(sum / B) per key (SPEC 6.10). The sums
+    are added as they come (exact integers), not listed first: a host folds one answer
+    per member on its way up, at the end of every step."""
     two_sided = msg.estimator == "two_sided"
-    plus: dict[int, list[int]] = {}
-    minus: dict[int, list[int]] = {}
+    plus: dict[int, int] = {}
+    minus: dict[int, int] = {}
     zero: dict[tuple[int, int], int] = {}
     for a in answers:
-        for i, k in enumerate(a.ks):
-            plus.setdefault(k, []).append(a.sum_plus[i])
-            if two_sided:
-                minus.setdefault(k, []).append(a.sum_minus[i])
+        for k, value in zip(a.ks, a.sum_plus, strict=True):
+            plus[k] = plus.get(k, 0) + value
+        if two_sided:
+            for k, value in zip(a.ks, a.sum_minus, strict=True):
+                minus[k] = minus.get(k, 0) + value
         if a.sum_zero is not None:
             zero[(a.slice_start, a.slice_count)] = a.sum_zero
 
@@ -805,11 +808,11 @@ def _folded_slices(msg: EvalRequest, answers: list[EvalSliceResult]) -> EvalResu
         compute_us=max(a.compute_us for a in answers),
         estimator=msg.estimator,
         ks=msg.ks,
-        loss_plus=tuple(sliced_batch_losses([plus[k] for k in msg.ks], batch)),
-        loss_minus=tuple(sliced_batch_losses([minus[k] for k in msg.ks], batch))
+        loss_plus=tuple(batch_losses_of_totals([plus[k] for k in msg.ks], batch)),
+        loss_minus=tuple(batch_losses_of_totals([minus[k] for k in msg.ks], batch))
         if two_sided
         else (),
-        loss_zero=None if two_sided else sliced_batch_losses([list(zero.values())], batch)[0],
+        loss_zero=None if two_sided else batch_losses_of_totals([sum(zero.values())], batch)[0],
     )
 
 

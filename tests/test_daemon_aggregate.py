@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import struct
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from qsched.daemon.aggregate import (
     HostAggregator,
     Member,
     _decode_order,
+    _merged,
     _observe,
     _Part,
     _Refused,
@@ -39,11 +41,13 @@ from qsched.protocol.messages import (
     EvalRequest,
     EvalResult,
     EvalSliceRequest,
+    EvalSliceResult,
     Heartbeat,
     Hello,
     Ping,
     UpdateAck,
 )
+from qsched.zo.intloss import sliced_batch_losses
 from qsched.zo.trainer import train_zo
 
 # Modelled NPU time well above the host's compute: the members measure even rates.
@@ -519,3 +523,40 @@ async def test_a_fold_ends_at_the_first_refusal_without_waiting_for_the_rest() -
     with pytest.raises(_Refused) as silent:
         await aggregator._answers(Ping(nonce=1), waits)
     assert silent.value.error.code == "busy" and "m1 did not answer" in silent.value.error.detail
+
+
+@pytest.mark.parametrize("estimator", ["two_sided", "one_sided"])
+def test_slice_answers_fold_into_the_whole_batch_losses(estimator: str) -> None:
+    """Each key's loss is floor(sum of its slices' sums / B) as float32, whichever member
+    answered which slice and however many keys an answer carries (SPEC 6.10)."""
+    rng = random.Random(7)
+    batch, ks = 6, tuple(range(5))
+    bounds = [(0, 2), (2, 3), (5, 1)]
+    request = EvalRequest(job_id=3, step=9, batch_size=batch, eps=1e-3, estimator=estimator, ks=ks)
+    sums: dict[tuple[int, int], int] = {}
+    zero: dict[int, int] = {}
+    answers = []
+    for start, count in bounds:
+        zero[start] = rng.randrange(1 << 30)  # a slice's base loss: the same from each member
+        for group in ((0, 1), (2,), (3, 4)):
+            plus = tuple(rng.randrange(1 << 30) for _ in group)
+            minus = tuple(rng.randrange(1 << 30) for _ in group)
+            for k, p, m in zip(group, plus, minus, strict=True):
+                sums[(k, 0)], sums[(k, 1)] = sums.get((k, 0), 0) + p, sums.get((k, 1), 0) + m
+            answers.append(
+                EvalSliceResult(
+                    job_id=3, step=9, compute_us=100 + start, estimator=estimator,
+                    slice_start=start, slice_count=count, ks=group, sum_plus=plus,
+                    sum_minus=minus if estimator == "two_sided" else (),
+                    sum_zero=None if estimator == "two_sided" else zero[start],
+                )
+            )  # fmt: skip
+    rng.shuffle(answers)
+    folded = _merged(request, answers)
+    assert isinstance(folded, EvalResult)
+    assert folded.compute_us == 105
+    assert folded.loss_plus == tuple(sliced_batch_losses([[sums[(k, 0)]] for k in ks], batch))
+    if estimator == "two_sided":
+        assert folded.loss_minus == tuple(sliced_batch_losses([[sums[(k, 1)]] for k in ks], batch))
+    else:
+        assert folded.loss_zero == sliced_batch_losses([list(zero.values())], batch)[0]

@@ -39,6 +39,7 @@ __all__ = [
     "TABLE_SIZE",
     "IntLossError",
     "batch_loss_q16",
+    "batch_losses_of_totals",
     "exp_table",
     "float_cross_entropy",
     "ilog2_q24",
@@ -246,11 +247,15 @@ def sliced_batch_losses(slice_sums: Iterable[Sequence[int]], batch_size: int) ->
     """``sliced_batch_loss`` of several keys (one sequence of slice sums each), as Python
     floats: the float32 rounding of all of them in one ``array`` conversion, the same
     round-to-nearest-even as numpy's (a host folds 64 keys per step on its way up)."""
+    return batch_losses_of_totals([sum(map(int, sums)) for sums in slice_sums], batch_size)
+
+
+def batch_losses_of_totals(totals: Sequence[int], batch_size: int) -> list[float]:
+    """``sliced_batch_losses`` of keys whose slice sums are added up already: each total
+    the Q16 loss sum of the whole batch."""
     if batch_size < 1:
         raise IntLossError("empty batch")
-    return array(
-        "f", [(sum(map(int, sums)) // batch_size) / 65536.0 for sums in slice_sums]
-    ).tolist()
+    return array("f", [(total // batch_size) / 65536.0 for total in totals]).tolist()
 
 
 def q16_to_float(value: int | np.integer) -> np.float32:
