@@ -245,14 +245,15 @@ def sliced_batch_loss(slice_sums: Sequence[int], batch_size: int) -> np.float32:
 
 def sliced_batch_losses(slice_sums: Iterable[Sequence[int]], batch_size: int) -> list[float]:
     """``sliced_batch_loss`` of several keys (one sequence of slice sums each), as Python
-    floats: the float32 rounding of all of them in one ``array`` conversion, the same
-    round-to-nearest-even as numpy's (a host folds 64 keys per step on its way up)."""
+    floats."""
     return batch_losses_of_totals([sum(map(int, sums)) for sums in slice_sums], batch_size)
 
 
 def batch_losses_of_totals(totals: Sequence[int], batch_size: int) -> list[float]:
-    """``sliced_batch_losses`` of keys whose slice sums are added up already: each total
-    the Q16 loss sum of the whole batch."""
+    """``sliced_batch_losses`` of keys whose slice sums are added up already (each total
+    the Q16 loss sum of the whole batch): the float32 rounding of all of them in one
+    ``array`` conversion, the same round-to-nearest-even as numpy's (a host folds 64 keys
+    per step on its way up)."""
     if batch_size < 1:
         raise IntLossError("empty batch")
     return array("f", [(total // batch_size) / 65536.0 for total in totals]).tolist()
