@@ -599,8 +599,9 @@ _HEADERS: Final = {
     cls: MAGIC + struct.pack("<BB", PROTOCOL_VERSION, code) for cls, code in TYPE_CODES.items()
 }
 
-# The values each integer struct code can carry: a model's bound inside them is checked.
-_WIRE_RANGES: Final = {"B": (0, 0xFF), "H": (0, 0xFFFF), "I": (0, 0xFFFFFFFF), "Q": (0, 2**64 - 1)}
+# The values each unsigned integer struct code can carry: a model's bound inside them is
+# checked.
+_WIRE_RANGES: Final = {c: (0, 2 ** (8 * struct.calcsize("<" + c)) - 1) for c in "BHIQ"}
 
 
 @dataclass(frozen=True)
