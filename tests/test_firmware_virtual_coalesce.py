@@ -13,6 +13,7 @@ import pytest
 
 from qsched.firmware.virtual.coalesce import EvalCoalescer
 from qsched.protocol.jobspec import JobSpec, PolicySpec
+from qsched.zo.intloss import batch_losses_of_totals
 from qsched.zo.workload import TrainState, Workload
 
 STEP = 3
@@ -24,16 +25,18 @@ class _CountingWorkload:
     def __init__(self, workload: Workload) -> None:
         self.inner = workload
         self.calls: list[list[int]] = []
+        self.slices: list[list[tuple[int, int]]] = []
 
     def perturbed_losses(self, state: TrainState, step: int, ks: Sequence[int]) -> Any:
         self.calls.append(list(ks))
         return self.inner.perturbed_losses(state, step, ks)
 
-    def perturbed_loss_sums(
-        self, state: TrainState, step: int, ks: Sequence[int], start: int, count: int
+    def perturbed_slice_sums(
+        self, state: TrainState, step: int, ks: Sequence[int], slices: Sequence[tuple[int, int]]
     ) -> Any:
         self.calls.append(list(ks))
-        return self.inner.perturbed_loss_sums(state, step, ks, start, count)
+        self.slices.append(list(slices))
+        return self.inner.perturbed_slice_sums(state, step, ks, slices)
 
 
 def _workload(numerics: str, estimator: str = "two_sided") -> Workload:
@@ -80,11 +83,12 @@ def test_concurrent_boards_get_their_own_keys_bit_for_bit_in_one_call(
         assert got.plus == alone.plus and got.minus == alone.minus and got.base == alone.base
 
 
-def test_slices_are_grouped_by_slice_and_sum_to_the_single_board_sums() -> None:
+def test_slices_share_one_call_and_sum_to_the_single_board_sums() -> None:
     workload = _workload("int8")
     state = workload.initial_state().frozen()
     coalescer, counting = _coalescer(workload)
-    requests = [(ks, start, 2) for ks in SHARDS for start in (0, 2)]
+    # Slices that split the batch, one that overlaps them, and a one-sample slice.
+    requests = [(ks, start, 2) for ks in SHARDS for start in (0, 2)] + [([2, 6], 1, 3), ([6], 3, 1)]
 
     async def boards() -> list[Any]:
         return await asyncio.gather(
@@ -92,10 +96,30 @@ def test_slices_are_grouped_by_slice_and_sum_to_the_single_board_sums() -> None:
         )
 
     results = asyncio.run(boards())
-    assert len(counting.calls) == 2  # one engine call per slice
+    assert len(counting.calls) == 1  # every slice's keys perturbed once, in one call
+    assert counting.slices == [[(0, 2), (2, 2), (1, 3), (3, 1)]]
     for (ks, start, count), got in zip(requests, results, strict=True):
         alone = workload.perturbed_loss_sums(state, STEP, ks, start, count)
+        assert list(got.plus) == ks
         assert got.plus == alone.plus and got.minus == alone.minus
+
+
+def test_a_workload_computes_several_slices_as_each_alone() -> None:
+    workload = _workload("int8", "one_sided")
+    state = workload.initial_state().frozen()
+    slices = [(3, 1), (0, 4), (1, 2)]
+    together = workload.perturbed_slice_sums(state, STEP, [5, 1, 8], slices)
+    for (start, count), got in zip(slices, together, strict=True):
+        assert got == workload.perturbed_loss_sums(state, STEP, [5, 1, 8], start, count)
+    # The whole batch's sums give perturbed_losses' batch losses, computed without slices.
+    whole = workload.perturbed_losses(state, STEP, [5, 1, 8])
+    assert together[1].base is not None
+    assert batch_losses_of_totals([together[1].base], 4) == [whole.base]
+    assert batch_losses_of_totals(list(together[1].plus.values()), 4) == list(whole.plus.values())
+    with pytest.raises(ValueError, match="outside the batch"):
+        workload.perturbed_slice_sums(state, STEP, [5], [(0, 2), (3, 2)])
+    with pytest.raises(ValueError, match="no batch slice"):
+        workload.perturbed_slice_sums(state, STEP, [5], [])
 
 
 def test_requests_on_different_weights_or_steps_are_not_mixed() -> None:

@@ -631,21 +631,50 @@ class Workload:
         Raises:
             ValueError: FP32 mode (its float mean is not a sum), or a slice outside the batch.
         """
+        return self.perturbed_slice_sums(state, step, ks, [(start, count)])[0]
+
+    def perturbed_slice_sums(
+        self,
+        state: TrainState,
+        step: int,
+        ks: Sequence[int],
+        slices: Sequence[tuple[int, int]],
+    ) -> list[LossSums]:
+        """``perturbed_loss_sums`` of several ``(start, count)`` slices of one step, in
+        one engine call: the keys are perturbed once and each batch position is evaluated
+        once. A sample's loss does not depend on the other samples evaluated with it, so
+        every slice's sums are the bits it would get alone.
+
+        Raises:
+            ValueError: FP32 mode, no slice, or a slice outside the batch.
+        """
         if not self.int8:
             raise ValueError("batch slices need INT8 numerics")
-        if not (count >= 1 and start >= 0 and start + count <= self.spec.batch_size):
-            raise ValueError(f"slice [{start}, {start + count}) outside the batch")
+        if not slices:
+            raise ValueError("no batch slice")
+        for start, count in slices:
+            if not (count >= 1 and start >= 0 and start + count <= self.spec.batch_size):
+                raise ValueError(f"slice [{start}, {start + count}) outside the batch")
         keys, sets = self._perturbed_sets(state, step, ks)
-        idx = self.batch(step)[start : start + count]
-        sums = self._set_loss_sums(
+        positions = sorted({p for start, count in slices for p in range(start, start + count)})
+        idx = self.batch(step)[positions]
+        per_sample = self._set_sample_losses(
             sets, self._inputs("train", idx), self.dataset.y_train[idx], state.scale_exps
         )
-        pairs = self._pairs(keys, sums)
-        return LossSums(
-            plus={k: int(v) for k, v in pairs.plus.items()},
-            minus={k: int(v) for k, v in pairs.minus.items()},
-            base=None if pairs.base is None else int(pairs.base),
-        )
+        column = {p: i for i, p in enumerate(positions)}
+        out = []
+        for start, count in slices:
+            first = column[start]  # a slice's positions are consecutive columns
+            sums = per_sample[:, first : first + count].sum(axis=1)
+            pairs = self._pairs(keys, sums.tolist())
+            out.append(
+                LossSums(
+                    plus={k: int(v) for k, v in pairs.plus.items()},
+                    minus={k: int(v) for k, v in pairs.minus.items()},
+                    base=None if pairs.base is None else int(pairs.base),
+                )
+            )
+        return out
 
     def _perturbed_sets(
         self, state: TrainState, step: int, ks: Sequence[int]
@@ -791,14 +820,12 @@ class Workload:
                 out.extend(float(v) for v in per_sample.mean(axis=-1, dtype=np.float32))
         return out
 
-    def _set_loss_sums(
+    def _set_sample_losses(
         self, sets: Flat, x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
-    ) -> list[float]:
-        """INT8: the sum of each set's per-sample Q16 losses (exact as float64 below 2^53)."""
-        out: list[float] = []
-        for per_sample in self._chunked_losses(sets, x, y, exps):
-            out.extend(float(v) for v in per_sample.astype(np.int64).sum(axis=-1))
-        return out
+    ) -> npt.NDArray[np.int64]:
+        """INT8: each set's per-sample Q16 losses (sets x samples)."""
+        chunks = [c.astype(np.int64) for c in self._chunked_losses(sets, x, y, exps)]
+        return np.concatenate(chunks, axis=0)
 
     def _chunked_losses(
         self, sets: Flat, x: Inputs, y: npt.NDArray[np.int64], exps: Flat | None
