@@ -45,7 +45,7 @@ import structlog
 
 from qsched.daemon.fleet import error_matches, reply_key, request_key
 from qsched.daemon.planner import ThroughputEstimate, estimate_for, observe_split
-from qsched.daemon.shares import PreparedShares, plan_shares
+from qsched.daemon.shares import PreparedShares, carried, planned
 from qsched.protocol.codec import STEP_SHARED_CODES, decode, decode_shared, encode
 from qsched.protocol.errors import ProtocolError
 from qsched.protocol.links.base import LinkClosedError, LinkError
@@ -243,9 +243,11 @@ class HostAggregator:
         self._send: Send | None = None
         self.sliced = 0  # eval requests answered from batch slices of the members
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_shared: EvalRequest | EvalSliceRequest | None = None
+        # The shares the last eval request went out with, and those of the next one.
+        self._last_shares: PreparedShares | None = None
         self._prepared: PreparedShares | None = None
         self.prepared_used = 0  # eval requests sent from shares prepared a step ahead
+        self.plans_carried = 0  # steps whose shares are the step before's plan, carried over
         # An update's copies not yet posted, by member: held for the rest of the loop
         # turn, so that the eval request of the same step order goes out interleaved
         # with them (``_post_held``).
@@ -335,7 +337,7 @@ class HostAggregator:
             self._int8 = msg.numerics == "int8"
         if isinstance(msg, _RESTARTS):
             self._prepared = None  # no step to plan ahead
-            self._last_shared = None
+            self._last_shares = None
         if isinstance(msg, ApplyUpdate):
             futures = self._to(self.alive(), msg, data, hold=True)
             self._fold(self._fold_same(msg, futures), then=self._prepare_next(msg))
@@ -437,16 +439,17 @@ class HostAggregator:
         """Send the members their shares of the request's keys (and, INT8, slices): the
         ones prepared a step ahead if they fit, else planned now."""
         members = self.alive()
-        self._last_shared = msg
         prepared, self._prepared = self._prepared, None
+        self._last_shares = None
         try:
             if not members:
                 return []
             if prepared is not None and prepared.fits(msg, members, self._int8):
-                shares = prepared.shares
                 self.prepared_used += 1
             else:
-                shares = plan_shares(msg, members, self._int8)
+                prepared = planned(msg, members, self._int8)
+            self._last_shares = prepared
+            shares = prepared.shares
             self.sliced += bool(shares) and shares[0].parts > 1
             out = []
             now = asyncio.get_running_loop().time()
@@ -462,12 +465,14 @@ class HostAggregator:
     def _prepare_next(self, update: ApplyUpdate) -> Callable[[DataMessage], None]:
         """What to do once the members' acks of ``update`` went up: while they compute,
         prepare the shares of the request shared right behind it, one step on (the
-        daemon's next order, if nothing changes)."""
+        daemon's next order, if nothing changes): its plan carried over where the
+        members' rates allow (``carried``), else planned again."""
 
         def prepare(answer: DataMessage) -> None:
-            shared = self._last_shared
-            if not isinstance(answer, UpdateAck) or shared is None:
+            last = self._last_shares
+            if not isinstance(answer, UpdateAck) or last is None:
                 return
+            shared = last.request
             if shared.step != update.step + 1 or shared.step >= _U32_MAX:
                 return  # not a pipelined step (a validation came between, say)
             members = self.alive()
@@ -475,11 +480,15 @@ class HostAggregator:
                 return
             expected = shared.model_copy(update={"step": shared.step + 1})
             try:
-                shares = plan_shares(expected, members, self._int8)
+                prepared = carried(last, expected, members, self._int8)
+                if prepared is None:
+                    prepared = planned(expected, members, self._int8)
+                else:
+                    self.plans_carried += 1
             except (ProtocolError, ValueError) as exc:  # planned on arrival instead
                 _log.warning("next step's shares not prepared", host=self.name, error=str(exc))
                 return
-            self._prepared = PreparedShares(expected, tuple(members), self._int8, shares)
+            self._prepared = prepared
 
         return prepare
 

@@ -8,7 +8,11 @@ own, encoded once (``encode_shared``: an in-process member finds it decoded).
 Shares can be prepared a step ahead: ``PreparedShares`` keeps them with what they were
 planned for, and ``fits`` says whether they are what planning the request that came
 would send, bar the rates (a step older then). Which member computes a key changes no
-bit, so a plan on older rates only costs time if the rates moved.
+bit, so a plan on older rates only costs time if the rates moved. So a plan also carries
+over from one step to the next (``carried``) while the members' rates stay within
+``RATE_NOISE`` of those it was made on, the tolerance within which the planner itself
+prefers even shares: a host of 64 members then spends its time between steps on the
+shares' step numbers, not on choosing the split again.
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qsched.daemon.planner import StepSplit, choose_split, plan_units
+from qsched.daemon.planner import RATE_NOISE, StepSplit, choose_split, plan_units
 from qsched.protocol.codec import encode_shared
 from qsched.protocol.messages import DataMessage, EvalRequest, EvalSliceRequest
 
 if TYPE_CHECKING:
     from qsched.daemon.aggregate import Member
 
-__all__ = ["PreparedShares", "Share", "plan_shares"]
+__all__ = ["PreparedShares", "Share", "carried", "plan_shares", "planned"]
 
 Request = EvalRequest | EvalSliceRequest
 
@@ -48,6 +52,7 @@ class PreparedShares:
     members: tuple[Member, ...]
     int8: bool
     shares: tuple[Share, ...]
+    rates: tuple[float, ...]  # the members' rates the plan was made on (``_rates``)
 
     def fits(self, msg: DataMessage, members: Sequence[Member], int8: bool) -> bool:
         """Whether these shares are what planning ``msg`` for ``members`` now would send
@@ -56,6 +61,43 @@ class PreparedShares:
             a is b for a, b in zip(members, self.members, strict=True)
         )
         return same_members and int8 == self.int8 and msg == self.request
+
+
+def planned(msg: Request, members: Sequence[Member], int8: bool) -> PreparedShares:
+    """``plan_shares`` of ``msg``, kept with what it was planned for."""
+    rates = _rates(msg, members, int8)
+    return PreparedShares(msg, tuple(members), int8, plan_shares(msg, members, int8), rates)
+
+
+def carried(
+    last: PreparedShares | None, msg: Request, members: Sequence[Member], int8: bool
+) -> PreparedShares | None:
+    """The shares of ``last`` for ``msg``, which must be ``last``'s request at another
+    step, on the same members, each of whose rates is within ``RATE_NOISE`` of the one
+    ``last`` was planned on; None where it must be planned again."""
+    if last is None or not last.fits(_at_step(msg, last.request.step), members, int8):
+        return None
+    now = _rates(msg, members, int8)
+    if any(abs(r - was) > RATE_NOISE * was for r, was in zip(now, last.rates, strict=True)):
+        return None
+    shares = []
+    for share in last.shares:
+        request = _at_step(share.request, msg.step)
+        shares.append(Share(share.member, request, encode_shared(request), share.parts, share.cost))
+    return PreparedShares(msg, last.members, int8, tuple(shares), last.rates)
+
+
+def _at_step(request: Request, step: int) -> Request:
+    return request if request.step == step else request.model_copy(update={"step": step})
+
+
+def _rates(msg: Request, members: Sequence[Member], int8: bool) -> tuple[float, ...]:
+    """Every rate a plan of ``msg`` consults (``_plan``): the members' whole-batch rates
+    and, where the batch may be cut, their rates on each number of slices."""
+    parts = [1]
+    if isinstance(msg, EvalRequest) and int8:
+        parts += [p for p in range(2, msg.batch_size + 1) if msg.batch_size % p == 0]
+    return tuple(m.rate(p) for m in members for p in parts)
 
 
 def plan_shares(msg: Request, members: Sequence[Member], int8: bool) -> tuple[Share, ...]:

@@ -26,7 +26,8 @@ from qsched.daemon.aggregate import (
 )
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet, request_key
-from qsched.daemon.shares import plan_shares
+from qsched.daemon.planner import RATE_NOISE, ThroughputEstimate
+from qsched.daemon.shares import carried, plan_shares, planned
 from qsched.firmware.virtual import board as board_module
 from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
 from qsched.firmware.virtual.faults import FaultPlan
@@ -308,6 +309,55 @@ async def test_a_members_share_is_taken_without_a_decode(members: int, keys: int
     for share in shares:
         assert decode(share.data) == share.request
         assert board_module._decode(share.data) is share.request
+
+
+def _rated(rates: list[float]) -> list[Member]:
+    """Members of those measured whole-batch rates (keys per second), links unused."""
+    members = []
+    for i, rate in enumerate(rates):
+        member = Member(object(), _hello(f"m{i}"))
+        member.throughput = ThroughputEstimate(rate=rate, observations=1)
+        members.append(member)
+    return members
+
+
+def _shape(prepared: Any) -> list[tuple[Member, str, tuple[int, ...], int | None]]:
+    """Who gets which keys of which request type and slice, in order."""
+    return [
+        (s.member, s.request.type, s.request.ks, getattr(s.request, "slice_start", None))
+        for s in prepared.shares
+    ]
+
+
+@pytest.mark.parametrize(("rates", "keys"), [([10.0, 10.0, 11.0], 8), ([4.0] * 6, 3)])
+def test_a_plan_carries_over_to_the_next_step_while_the_rates_hold(
+    rates: list[float], keys: int
+) -> None:
+    """The next step's shares are the last plan's, at the new step, while every member's
+    rate stays within RATE_NOISE of the one it was planned on; past that, with other
+    members or another request, there is nothing to carry (planned again)."""
+    members = _rated(rates)
+    request = EvalRequest(
+        job_id=1, step=3, batch_size=4, eps=0.5, estimator="two_sided", ks=tuple(range(keys))
+    )
+    last = planned(request, members, int8=True)
+    nxt = request.model_copy(update={"step": 4})
+    got = carried(last, nxt, members, True)
+    assert got is not None and got.request == nxt and got.rates == last.rates
+    assert _shape(got) == _shape(last) == _shape(planned(nxt, members, int8=True))
+    for share in got.shares:
+        assert share.request.step == 4 and decode(share.data) == share.request
+    # Rates that drift within the noise keep the plan; the reference stays the planned one.
+    members[0].throughput.rate *= 1 + RATE_NOISE / 2
+    assert carried(got, nxt.model_copy(update={"step": 5}), members, True) is not None
+    members[0].throughput.rate = rates[0] * (1 + 2 * RATE_NOISE)
+    assert carried(got, nxt.model_copy(update={"step": 5}), members, True) is None
+    members[0].throughput.rate = rates[0]
+    assert carried(last, nxt, members[:-1], True) is None
+    assert (
+        carried(last, nxt.model_copy(update={"ks": tuple(range(keys + 1))}), members, True) is None
+    )
+    assert carried(None, nxt, members, True) is None
 
 
 class _RecordingLink:
