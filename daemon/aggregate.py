@@ -44,6 +44,7 @@ from typing import Any, Final
 import structlog
 
 from qsched.daemon.fleet import error_matches, reply_key, request_key
+from qsched.daemon.host_timeline import HostTimeline
 from qsched.daemon.planner import ThroughputEstimate, estimate_for, observe_split
 from qsched.daemon.shares import PreparedShares, carried, planned
 from qsched.protocol.codec import STEP_SHARED_CODES, decode, decode_shared, encode
@@ -225,6 +226,8 @@ class HostAggregator:
         name: the board id the daemon sees.
         members: the boards, their links open and their Hellos heard.
         reply_timeout_s: how long a member may take to answer.
+        timeline: notes when each step's eval request passed the host (the fleet
+            benchmark's host timeline); None: not noted.
     """
 
     def __init__(
@@ -233,12 +236,14 @@ class HostAggregator:
         members: Sequence[Member],
         *,
         reply_timeout_s: float = MEMBER_REPLY_TIMEOUT_S,
+        timeline: HostTimeline | None = None,
     ) -> None:
         if not members:
             raise ValueError("an aggregate needs at least one member board")
         self.name = name
         self.members = list(members)
         self.reply_timeout_s = reply_timeout_s
+        self.timeline = timeline
         self._int8 = False  # from the JobConfig: INT8 requests may be cut into slices
         self._send: Send | None = None
         self.sliced = 0  # eval requests answered from batch slices of the members
@@ -345,7 +350,9 @@ class HostAggregator:
             futures = self._to(self.alive(), msg, data)
             self._fold(self._fold_same(msg, futures))
         elif isinstance(msg, EvalRequest | EvalSliceRequest):
+            self._mark(msg.step, "order in")
             parts = await self._share_eval(msg)
+            self._mark(msg.step, "shares out")
             arrived: dict[int, float] = {}
             # The members' rates take the answers' times after the answer went up.
             self._fold(
@@ -504,6 +511,7 @@ class HostAggregator:
             raise _Refused(_error(msg, "not_ready", "no member board"))
         waits = [(part.member, part.future) for part in parts]
         answers = await self._answers(msg, waits, arrived)
+        self._mark(msg.step, "answers in")
         for part, answer in zip(parts, answers, strict=False):  # one Error: refused at once
             if isinstance(answer, Error):
                 raise _Refused(answer.model_copy(update={"ref_type": _code(msg)}))
@@ -536,6 +544,8 @@ class HostAggregator:
             except _Refused as exc:
                 answer = exc.error
             if answer is not None:
+                if isinstance(answer, EvalResult | EvalSliceResult):
+                    self._mark(answer.step, "result out")
                 await self._up(answer)
                 if then is not None:
                     then(answer)
@@ -617,6 +627,10 @@ class HostAggregator:
                 return [answer]  # the refusal is all a fold needs
             answers.append(answer)
         return answers  # all of them: nothing failed, so nothing was left waiting
+
+    def _mark(self, step: int, name: str) -> None:
+        if self.timeline is not None:
+            self.timeline.mark(step, name)
 
     async def _up(self, msg: DataMessage) -> None:
         if self._send is not None:

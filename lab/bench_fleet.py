@@ -33,9 +33,11 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -46,6 +48,8 @@ from typing import Any, Final, Self
 
 import structlog
 
+from qsched.daemon.host_timeline import MARKS as HOST_MARKS
+from qsched.daemon.host_timeline import read_marks
 from qsched.lab.demo import board_processes, stop_processes, wait_for_boards
 from qsched.lab.host_speed import board_message_us
 from qsched.lab.procs import sigterm_as_interrupt
@@ -159,6 +163,7 @@ class BenchRow:
     daemon_cpu_s_per_step: float = 0.0
     others_cpu_s_per_step: float = 0.0  # boards, bridges and broker (child processes)
     timeline_ms: dict[str, float] = field(default_factory=dict)  # StepTimeline medians
+    host_timeline_ms: dict[str, float] = field(default_factory=dict)  # the hosts' own marks
     messages_per_step: float = 0.0
     broker_publishes_per_s: float | None = None
     board_message_us: float | None = None  # this machine's yardstick, taken before the row
@@ -209,6 +214,22 @@ class StepTimeline:
                 strict=True,
             ):
                 marks[name].append(value - start)
+        return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
+
+    def host_medians_ms(
+        self, hosts: Sequence[dict[int, dict[str, float]]], steps: range | None = None
+    ) -> dict[str, float]:
+        """The hosts' own marks (``HostTimeline``, one dict per host), each one's median
+        in ms after the step opened, over the steps and hosts that have all of them."""
+        marks: dict[str, list[float]] = {m: [] for m in HOST_MARKS}
+        for host in hosts:
+            for step, noted in host.items():
+                start = self.opened.get(step)
+                if start is None or (steps is not None and step not in steps):
+                    continue
+                if all(m in noted for m in HOST_MARKS):
+                    for m in HOST_MARKS:
+                        marks[m].append(noted[m] - start)
         return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
 
 
@@ -431,10 +452,11 @@ def _daemon_boards(config: BenchConfig, link: str, boards: int) -> int:
 
 @contextlib.asynccontextmanager
 async def _hosted_boards(
-    config: BenchConfig, boards: int, broker: str | None, fleet: str
+    config: BenchConfig, boards: int, broker: str | None, fleet: str, timelines: Path
 ) -> AsyncIterator[list[Any]]:
     """``boards`` virtual boards in ``config.processes`` processes, each process one
-    aggregated board on MQTT (``qsched.lab.host_boards``)."""
+    aggregated board on MQTT (``qsched.lab.host_boards``) that writes its step timeline
+    into the folder ``timelines`` when it stops."""
 
     assert broker is not None
     procs = []
@@ -442,6 +464,7 @@ async def _hosted_boards(
         argv = [sys.executable, "-m", "qsched.lab.host_boards", "--mqtt", broker]
         argv += ["--fleet", fleet, "--name", f"bench-host-{i}", "--count", str(size)]
         argv += ["--model-latency", config.model_latency, "--id-prefix", f"bench{i}"]
+        argv += ["--timeline", str(timelines / f"host-{i}.json")]
         procs.append(_quiet_process(argv))
     try:
         yield []
@@ -573,10 +596,11 @@ async def bench_one(
     if config.host_uplink and link == "mqtt":
         extra.append("--host-uplink")
     meter = BrokerMeter(broker) if link != "serial" and broker is not None else None
+    timelines = Path(tempfile.mkdtemp(prefix="qsched-bench-hosts-"))
     boards_process = (
         _bridged_boards(config, boards, broker, fleet_name, extra)
         if link == "bridge"
-        else _hosted_boards(config, boards, broker, fleet_name)
+        else _hosted_boards(config, boards, broker, fleet_name, timelines)
         if link == "mqtt" and config.aggregate
         else board_processes(
             boards,
@@ -587,20 +611,26 @@ async def bench_one(
             id_prefix="bench",
         )
     )
-    async with (
-        _metering(meter),
-        boards_process as ports,
-        _daemon_transport(link, ports, broker, fleet_name) as inner,
-        CountingTransport(inner, counter) as transport,
-        Fleet(transport) as fleet,
-    ):
-        await wait_for_boards(fleet, _daemon_boards(config, link, boards))
-        knobs = EngineConfig(
-            audit_every=1 if config.audit else 0, validate_on="daemon", pipeline=config.pipeline
-        )
-        engine = StepEngine(spec, fleet, config=knobs, on_event=clock.on_event)
-        clock.engine = engine
-        result = await engine.run()
+    try:
+        async with (
+            _metering(meter),
+            boards_process as ports,
+            _daemon_transport(link, ports, broker, fleet_name) as inner,
+            CountingTransport(inner, counter) as transport,
+            Fleet(transport) as fleet,
+        ):
+            await wait_for_boards(fleet, _daemon_boards(config, link, boards))
+            knobs = EngineConfig(
+                audit_every=1 if config.audit else 0,
+                validate_on="daemon",
+                pipeline=config.pipeline,
+            )
+            engine = StepEngine(spec, fleet, config=knobs, on_event=clock.on_event)
+            clock.engine = engine
+            result = await engine.run()
+        hosts = [read_marks(path) for path in sorted(timelines.glob("host-*.json"))]
+    finally:
+        shutil.rmtree(timelines, ignore_errors=True)
     first, last = config.warmup_steps, config.warmup_steps + measured
     start, end = clock.times[first], clock.times[last]
     step_s = (end - start) / measured
@@ -618,6 +648,7 @@ async def bench_one(
         daemon_cpu_s_per_step=(clock.cpu[last] - clock.cpu[first]) / measured,
         others_cpu_s_per_step=(clock.others[last] - clock.others[first]) / measured,
         timeline_ms=counter.timeline.medians_ms(counter.steps),
+        host_timeline_ms=counter.timeline.host_medians_ms(hosts, counter.steps),
         messages_per_step=counter.messages / measured,
         broker_publishes_per_s=None if meter is None else meter.rate(start, end),
         board_message_us=yardstick,
@@ -862,6 +893,11 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         if row.timeline_ms:
             marks = ", ".join(f"{k} {v:.1f}" for k, v in row.timeline_ms.items())
             lines.append(f"timeline, {row.link} {row.boards} boards, ms after the update: {marks}")
+        if row.host_timeline_ms:
+            marks = ", ".join(f"{k} {v:.1f}" for k, v in row.host_timeline_ms.items())
+            lines.append(
+                f"hosts' timeline, {row.link} {row.boards} boards, ms after the update: {marks}"
+            )
     return lines + floor_verdicts(rows)
 
 

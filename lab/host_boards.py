@@ -18,6 +18,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main", "serve_host"]
 
@@ -25,15 +26,23 @@ HELLO_TIMEOUT_S = 30.0
 
 
 async def serve_host(
-    mqtt: str, fleet: str, name: str, count: int, model_latency: str, id_prefix: str
+    mqtt: str,
+    fleet: str,
+    name: str,
+    count: int,
+    model_latency: str,
+    id_prefix: str,
+    timeline: Path | None = None,
 ) -> str:
-    """Run ``count`` virtual boards as the aggregated board ``name`` until cancelled.
+    """Run ``count`` virtual boards as the aggregated board ``name`` until cancelled;
+    with ``timeline``, the host's step timeline is written there when it stops.
 
     Returns:
         Why the aggregate stopped (``"closed"`` or ``"members gone"``).
     """
     from qsched.daemon.aggregate import HostAggregator, await_members
     from qsched.daemon.heap import settle_heap
+    from qsched.daemon.host_timeline import HostTimeline
     from qsched.firmware.virtual.board import BoardAgent, LatencyProfile, serve_link
     from qsched.protocol.links.config import MqttConfig, parse_host_port
     from qsched.protocol.links.inproc import InProcTransport
@@ -53,7 +62,9 @@ async def serve_host(
             links.append(event.link)  # type: ignore[union-attr]  # only BoardAppeared here
             if len(links) == count:
                 break
-        aggregator = HostAggregator(name, await await_members(links, HELLO_TIMEOUT_S))
+        marks = HostTimeline() if timeline is not None else None
+        members = await await_members(links, HELLO_TIMEOUT_S)
+        aggregator = HostAggregator(name, members, timeline=marks)
         settle_heap()  # as the qsched command does: what exists now lives as long as the process
         try:
             async with MqttEndpoint(cfg, TopicMap(fleet=fleet), name) as endpoint:
@@ -62,6 +73,8 @@ async def serve_host(
         finally:
             for board in boards:
                 board.cancel()
+            if marks is not None and timeline is not None:
+                marks.write(timeline)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=1, help="virtual boards behind it")
     p.add_argument("--model-latency", default="mobilenetv2-0.35-128")
     p.add_argument("--id-prefix", default="member", help="the members' own ids (logs)")
+    p.add_argument(
+        "--timeline", type=Path, help="write the host's step timeline here when it stops"
+    )
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.count < 1:
         print("--count must be at least 1", file=sys.stderr)
@@ -85,7 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         await serve_host(
-            args.mqtt, args.fleet, args.name, args.count, args.model_latency, args.id_prefix
+            args.mqtt,
+            args.fleet,
+            args.name,
+            args.count,
+            args.model_latency,
+            args.id_prefix,
+            args.timeline,
         )
 
     from qsched.firmware.virtual.clock import run_precise

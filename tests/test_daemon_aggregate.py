@@ -26,6 +26,7 @@ from qsched.daemon.aggregate import (
 )
 from qsched.daemon.engine import EngineConfig, JobResult, StepEngine
 from qsched.daemon.fleet import Fleet, request_key
+from qsched.daemon.host_timeline import MARKS, HostTimeline
 from qsched.daemon.planner import RATE_NOISE, ThroughputEstimate
 from qsched.daemon.shares import carried, plan_shares, planned
 from qsched.firmware.virtual import board as board_module
@@ -74,6 +75,7 @@ async def _host(
     name: str,
     agents: Sequence[BoardAgent],
     reply_timeout_s: float = 60.0,
+    timeline: HostTimeline | None = None,
 ) -> AsyncIterator[HostAggregator]:
     """``agents`` behind one aggregator, attached to the daemon's transport as ``name``."""
     async with InProcTransport() as local, asyncio.TaskGroup() as tasks:
@@ -85,7 +87,9 @@ async def _host(
             if len(links) == len(agents):
                 break
         members = await await_members(links, timeout=10)
-        aggregator = HostAggregator(name, members, reply_timeout_s=reply_timeout_s)
+        aggregator = HostAggregator(
+            name, members, reply_timeout_s=reply_timeout_s, timeline=timeline
+        )
         upstream = daemon_side.attach(name)
         serving = tasks.create_task(aggregator.serve(upstream))
         try:
@@ -102,6 +106,7 @@ async def _run(
     aggregators: list[HostAggregator] | None = None,
     reply_timeout_s: float = 60.0,
     config: EngineConfig | None = None,
+    timeline: HostTimeline | None = None,
 ) -> JobResult:
     async with (
         InProcTransport() as transport,
@@ -109,7 +114,7 @@ async def _run(
         contextlib.AsyncExitStack() as stack,
     ):
         for name, agents in hosts.items():
-            context = _host(transport, name, agents, reply_timeout_s)
+            context = _host(transport, name, agents, reply_timeout_s, timeline)
             host = await stack.enter_async_context(context)
             if aggregators is not None:
                 aggregators.append(host)
@@ -224,6 +229,20 @@ async def test_a_host_prepares_the_next_steps_shares_while_its_members_compute()
     # Steps 0 and 1 come before any update the host could prepare behind (one more may
     # miss on a loaded machine, where the acks' fold can end after the next order).
     assert spec.steps - 3 <= aggregators[0].prepared_used <= spec.steps - 2
+
+
+async def test_a_host_notes_when_each_step_passed_it() -> None:
+    """With a timeline, the host notes each step's eval request arriving, its shares
+    posted, its members' answers in and its result going up, in that order."""
+    spec = _spec(steps=5, eval_every=100)
+    timeline = HostTimeline()
+    result = await _run(spec, {"host-a": _boards("a", 3)}, timeline=timeline)
+    assert result.state.checksum() == train_zo(spec).state.checksum()
+    assert sorted(timeline.steps) == list(range(spec.steps))
+    for marks in timeline.steps.values():
+        assert list(marks) == list(MARKS)
+        times = [marks[m] for m in MARKS]
+        assert times == sorted(times)
 
 
 async def test_a_host_plans_afresh_when_the_order_is_not_the_one_prepared() -> None:

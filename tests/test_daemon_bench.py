@@ -164,6 +164,11 @@ def test_bench_fleet_aggregated_mqtt_hosts(tmp_path: Path) -> None:
     assert set(row["work"]) == {"bench-host-0", "bench-host-1"}
     _every_key_evaluated(row)
     assert row["messages_per_step"] == 1 + 2 * 2  # one order, an ack and a result per host
+    # Each host wrote its own timeline, read on the daemon's clock after each update.
+    marks = row["host_timeline_ms"]
+    assert list(marks) == ["order in", "shares out", "answers in", "result out"]
+    assert 0 < marks["order in"] <= marks["shares out"] <= marks["answers in"]
+    assert marks["answers in"] <= marks["result out"] < row["timeline_ms"]["last result"]
 
 
 @pytest.mark.parametrize("aggregate", [False, True])
