@@ -35,6 +35,7 @@ __all__ = [
     "plan_units",
     "predicted_seconds",
     "reassign",
+    "slice_counts",
     "split_proportional",
 ]
 
@@ -295,6 +296,13 @@ def _slowest(split: StepSplit, plan: Mapping[str, list[int]], rates: Mapping[str
     return max(cost(units) / (1e-12 if rates[b] < 1e-12 else rates[b]) for b, units in plan.items())
 
 
+def slice_counts(batch_size: int, most: int | None = None) -> list[int]:
+    """The numbers of equal slices a batch may be cut into for a split: the divisors of
+    ``batch_size`` from 2 up to ``most`` (default: the batch size)."""
+    top = batch_size if most is None else min(batch_size, most)
+    return [parts for parts in range(2, top + 1) if batch_size % parts == 0]
+
+
 def choose_split(
     q: int,
     batch_size: int,
@@ -325,9 +333,7 @@ def choose_split(
     best_s = _slowest(best, best_plan, whole)
     # Fewer boards than slices would leave slices for a second round: never faster.
     limit = min(batch_size, len(whole), max_parts or batch_size)
-    for parts in range(2, limit + 1):
-        if batch_size % parts:
-            continue
+    for parts in slice_counts(batch_size, limit):
         split = StepSplit(q, batch_size, parts)
         sliced = rates_for(parts)
         plan = plan_units(split, split.units, sliced)

@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qsched.daemon.planner import RATE_NOISE, StepSplit, choose_split, plan_units
+from qsched.daemon.planner import (
+    RATE_NOISE,
+    StepSplit,
+    choose_split,
+    plan_units,
+    slice_counts,
+)
 from qsched.protocol.codec import encode_shared
 from qsched.protocol.messages import DataMessage, EvalRequest, EvalSliceRequest
 
@@ -96,7 +102,7 @@ def _rates(msg: Request, members: Sequence[Member], int8: bool) -> tuple[float, 
     and, where the batch may be cut, their rates on each number of slices."""
     parts = [1]
     if isinstance(msg, EvalRequest) and int8:
-        parts += [p for p in range(2, msg.batch_size + 1) if msg.batch_size % p == 0]
+        parts += slice_counts(msg.batch_size)
     return tuple(m.rate(p) for m in members for p in parts)
 
 

@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import math
-import shutil
 import statistics
 import struct
 import sys
@@ -214,7 +213,7 @@ class StepTimeline:
                 strict=True,
             ):
                 marks[name].append(value - start)
-        return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
+        return _medians_ms(marks)
 
     def host_medians_ms(
         self, hosts: Sequence[dict[int, dict[str, float]]], steps: range | None = None
@@ -230,7 +229,12 @@ class StepTimeline:
                 if all(m in noted for m in HOST_MARKS):
                     for m in HOST_MARKS:
                         marks[m].append(noted[m] - start)
-        return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
+        return _medians_ms(marks)
+
+
+def _medians_ms(marks: dict[str, list[float]]) -> dict[str, float]:
+    """Each mark's median seconds, in ms (marks without a value left out)."""
+    return {m: statistics.median(v) * 1e3 for m, v in marks.items() if v}
 
 
 class ByteCounter:
@@ -596,7 +600,8 @@ async def bench_one(
     if config.host_uplink and link == "mqtt":
         extra.append("--host-uplink")
     meter = BrokerMeter(broker) if link != "serial" and broker is not None else None
-    timelines = Path(tempfile.mkdtemp(prefix="qsched-bench-hosts-"))
+    folder = tempfile.TemporaryDirectory(prefix="qsched-bench-hosts-")
+    timelines = Path(folder.name)
     boards_process = (
         _bridged_boards(config, boards, broker, fleet_name, extra)
         if link == "bridge"
@@ -611,7 +616,7 @@ async def bench_one(
             id_prefix="bench",
         )
     )
-    try:
+    with folder:
         async with (
             _metering(meter),
             boards_process as ports,
@@ -629,8 +634,6 @@ async def bench_one(
             clock.engine = engine
             result = await engine.run()
         hosts = [read_marks(path) for path in sorted(timelines.glob("host-*.json"))]
-    finally:
-        shutil.rmtree(timelines, ignore_errors=True)
     first, last = config.warmup_steps, config.warmup_steps + measured
     start, end = clock.times[first], clock.times[last]
     step_s = (end - start) / measured

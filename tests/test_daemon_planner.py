@@ -14,6 +14,7 @@ from qsched.daemon.planner import (
     plan_units,
     predicted_seconds,
     reassign,
+    slice_counts,
     split_proportional,
 )
 from qsched.protocol.messages import MAX_SLICE_KS
@@ -206,3 +207,9 @@ def test_choose_parts_judges_a_split_on_its_measured_rate() -> None:
     assert choose_parts(64, 4, measured(1.0)) == 2
     assert choose_parts(64, 4, measured(0.9)) == 2
     assert choose_parts(64, 4, measured(0.4)) == 1
+
+
+def test_slice_counts_are_the_batchs_divisors_up_to_a_bound() -> None:
+    assert slice_counts(12) == [2, 3, 4, 6, 12]
+    assert slice_counts(12, 5) == [2, 3, 4]
+    assert slice_counts(7) == [7] and slice_counts(1) == []
