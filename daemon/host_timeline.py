@@ -41,10 +41,10 @@ class HostTimeline:
 
 
 def read_marks(path: Path) -> dict[int, dict[str, float]]:
-    """The marks ``HostTimeline.write`` wrote (empty if the file is missing: the host
-    did not get to write it)."""
+    """The marks ``HostTimeline.write`` wrote (empty if the file is missing or cut
+    short: the host did not get to write it, or was killed while it did)."""
     try:
         raw = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, json.JSONDecodeError):
         return {}
     return {int(step): {str(k): float(v) for k, v in marks.items()} for step, marks in raw.items()}

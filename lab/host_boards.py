@@ -74,7 +74,10 @@ async def serve_host(
             for board in boards:
                 board.cancel()
             if marks is not None and timeline is not None:
-                marks.write(timeline)
+                try:
+                    marks.write(timeline)
+                except OSError as exc:  # the run is over: say so, without a traceback
+                    print(f"timeline not written to {timeline}: {exc}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

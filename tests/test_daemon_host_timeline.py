@@ -20,6 +20,9 @@ def test_a_mark_keeps_its_first_passage_and_survives_a_round_trip(tmp_path: Path
     timeline.write(path)
     assert read_marks(path) == timeline.steps
     assert read_marks(tmp_path / "missing.json") == {}
+    cut = tmp_path / "cut.json"
+    cut.write_text(path.read_text()[:-3])  # a host killed while it wrote
+    assert read_marks(cut) == {}
 
 
 def test_the_benchmark_takes_medians_after_each_steps_update() -> None:
