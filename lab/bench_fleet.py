@@ -130,10 +130,12 @@ class BenchConfig:
     links: tuple[str, ...] = LINKS
     q: int = 64
     batch: int = 4
-    window_s: float = 3.0
+    # 5 s: the broker's $SYS counters came 1.3-2 s apart on a busy broker (sys_interval
+    # 1), and its rate needs two readings inside the measured steps.
+    window_s: float = 5.0
     warmup_steps: int = 2
     min_steps: int = 3
-    max_steps: int = 60
+    max_steps: int = 200
     model_latency: str = "mobilenetv2-0.35-128"
     audit: bool = False
     mqtt: str | None = None
@@ -883,7 +885,8 @@ def format_notes(rows: Sequence[BenchRow], facts: ModelFacts) -> list[str]:
         "other processes (boards, bridges, relays, broker) per step, on the same cores",
         "msgs: step messages the daemon sends and receives per step (a step order once)",
         "broker/s: PUBLISH packets the broker received and sent per second ($SYS; "
-        "a step order counts once in, once per board out)",
+        "a step order counts once in, once per board out; blank where fewer than two of "
+        "the broker's readings, 1-2 s apart, fell inside the measured steps)",
         "payload B: codec bytes of eval requests and results, updates (or step orders) and "
         "acks per step that the daemon sends and receives",
         f"grad B: shipping fp32 gradients instead, 2 x boards x {facts.modelled_params:,} "
@@ -1001,7 +1004,10 @@ def _parser() -> argparse.ArgumentParser:
         "a small minibatch, then the worst case of one sample per pass)",
     )
     p.add_argument(
-        "--seconds", type=float, default=3.0, help="measured seconds per configuration (default 3)"
+        "--seconds",
+        type=float,
+        default=BenchConfig.window_s,
+        help=f"measured seconds per configuration (default {BenchConfig.window_s:g})",
     )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")

@@ -13,6 +13,7 @@ import pytest
 from qsched.lab.bench_fleet import (
     DEFAULT_BATCHES,
     BenchRow,
+    BrokerMeter,
     ByteCounter,
     CountingTransport,
     _config,
@@ -229,9 +230,26 @@ def test_bench_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_measures_at_most_max_steps() -> None:
-    """--max-steps caps the measured steps (60 by default), within the --seconds window."""
-    assert _config(_parser().parse_args([])).max_steps == 60
+    """--max-steps caps the measured steps, within the --seconds window; by default 200
+    steps, so that a 128-board row's steps of about 30 ms fill the 5 s window the broker's
+    rate needs."""
+    config = _config(_parser().parse_args([]))
+    assert (config.window_s, config.max_steps) == (5.0, 200)
+    assert config.max_steps * 0.030 >= config.window_s
     assert _config(_parser().parse_args(["--max-steps", "300"])).max_steps == 300
+
+
+def test_broker_rate_is_the_counters_growth_between_readings_inside_the_window() -> None:
+    """The rate adds received and sent: each counter's growth between its first and last
+    reading inside the window, over their time apart; fewer than two inside give none."""
+    meter = BrokerMeter("127.0.0.1:1883")
+    meter.readings = {
+        "received": [(0.5, 10), (1.0, 100), (2.5, 400), (4.0, 700), (9.0, 5000)],
+        "sent": [(1.2, 200), (2.7, 800), (4.2, 1400)],
+    }
+    assert meter.rate(0.9, 4.5) == pytest.approx(600 / 3.0 + 1200 / 3.0)
+    assert meter.rate(0.9, 2.6) is None  # one reading of "sent" inside
+    assert meter.rate(5.0, 8.0) is None
 
 
 def test_bench_default_batches_minibatch_then_worst_case() -> None:
