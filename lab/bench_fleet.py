@@ -1009,8 +1009,18 @@ def _parser() -> argparse.ArgumentParser:
         default=BenchConfig.window_s,
         help=f"measured seconds per configuration (default {BenchConfig.window_s:g})",
     )
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
-    p.add_argument("--min-steps", type=int, default=3, help="fewest measured steps (default 3)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=BenchConfig.warmup_steps,
+        help=f"unmeasured steps first (default {BenchConfig.warmup_steps})",
+    )
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        default=BenchConfig.min_steps,
+        help=f"fewest measured steps (default {BenchConfig.min_steps})",
+    )
     p.add_argument(
         "--max-steps",
         type=int,
